@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# torch is installed (CPU build, pinned) only where the environment has none, so a user's own
+# CUDA build is kept.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test bench setup clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/memfit estimate llama-3.1-8b --seq-len 2048 --budget 24GiB
+
+test: setup
+	$(BIN)/python -m pytest tests
+
+bench: setup
+	$(BIN)/python bench/accuracy.py
+	$(BIN)/python bench/speed.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,192 @@
+"""The ledger: every tensor storage a training step allocates and frees, in order.
+
+A ``TorchDispatchMode`` sees every aten op, real or fake. Each output whose schema says it is
+fresh memory (no alias annotation) and whose storage the ledger has not seen is an allocation of
+``storage.nbytes()`` bytes; a ``weakref.finalize`` on the storage records its free. This is what
+the CPU allocator sees too, so on fake tensors the same sequence is reproduced without memory.
+
+Why not ``torch.distributed._tools.MemTracker``: it snapshots live memory per module but keeps no
+ordered allocate/free log, and the depth fast path, the timeline and (later) the allocator
+simulation all need that log. Module attribution comes from ``torch.utils.module_tracker``.
+
+What a dispatch-level trace cannot see is scratch that a kernel allocates inside itself (oneDNN
+convolution and RNN kernels, bf16 matmul reorders, mixed-dtype casts). Ops of those families are
+recorded as *probe sites*; ``scratch.py`` measures their scratch with the allocator itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.categories import PRIORITY, Category
+
+__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK"]
+
+ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
+
+
+@dataclass
+class Record:
+    """One storage: its size, the role it played, and where it was born."""
+
+    nbytes: int
+    category: Category
+    phase: str
+    step: int
+    module: str
+
+
+@dataclass
+class Site:
+    """One call of an op whose kernel may allocate scratch the dispatcher never sees."""
+
+    key: tuple
+    phase: str
+    step: int
+    module: str
+    spec: list = field(repr=False)  # how to rebuild the call with real tensors
+    arg_records: list = field(default_factory=list)  # ledger record of each tensor leaf, or None
+    out_records: list = field(default_factory=list)  # ledger record of each fresh output, or None
+
+
+def _probe_worthy(func, tensors) -> bool:
+    """Ops whose CPU kernels were seen allocating internally (see TORCH-FACTS.md)."""
+    name = func.__name__
+    if any(word in name for word in ("convolution", "mkldnn", "rnn", "lstm", "gru")):
+        return True
+    floats = {t.dtype for t in tensors if t.is_floating_point()}
+    low = floats & {torch.bfloat16, torch.float16}
+    # oneDNN reorders low-precision matmul operands; TensorIterator casts mixed-dtype inputs.
+    return bool(low) and (name.split(".")[0] in _MATMULS or len(floats) > 1)
+
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation"}
+
+
+class Ledger(TorchDispatchMode):
+    """Records allocations, frees and probe sites while a step runs under it.
+
+    Use as a context manager around the step; call :meth:`close` when done so late frees
+    (garbage collection after the step) are not recorded.
+    """
+
+    def __init__(self, *, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.records: list[Record] = []
+        self.events: list[tuple[int, int]] = []
+        self.sites: list[Site] = []
+        self.marks: list[tuple[str, int]] = []
+        self.phase, self.step = "setup", -1
+        self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._finalizers: list[weakref.finalize] = []
+        self._modules = ModuleTracker()
+        self._open = True
+
+    # -- the step runner tells the ledger where it is --------------------------------------
+    def begin(self, phase: str, step: int) -> None:
+        self.phase, self.step = phase, step
+        self.marks.append((phase, step))
+        self.events.append((MARK, len(self.marks) - 1))
+
+    def register(self, tensor: torch.Tensor, category: Category) -> None:
+        """Account a storage that exists before the step (parameters, buffers, the batch)."""
+        index = self._track(tensor.untyped_storage(), category)
+        if index is not None:
+            self.mark(tensor, category)
+
+    def mark(self, tensor: torch.Tensor, category: Category) -> None:
+        """Give ``tensor``'s storage a stronger role, if it is tracked."""
+        index = self._ids.get(tensor.untyped_storage())
+        if index is not None:
+            record = self.records[index]
+            if PRIORITY[category] > PRIORITY[record.category]:
+                record.category = category
+
+    def close(self) -> None:
+        self._open = False
+        for fin in self._finalizers:
+            fin.detach()
+        self._finalizers.clear()
+
+    # -- internals ---------------------------------------------------------------------------
+    def __enter__(self):
+        self._modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._modules.__exit__(*exc)
+
+    def _module(self) -> str:
+        parents = self._modules.parents
+        if not parents:
+            return "Global"
+        return max(parents, key=lambda name: (name.count("."), name))
+
+    def _track(self, storage, category: Category) -> int | None:
+        if storage in self._ids:
+            return None
+        nbytes = storage.nbytes()
+        index = len(self.records)
+        self.records.append(Record(nbytes, category, self.phase, self.step, self._module()))
+        self._ids[storage] = index
+        self.events.append((ALLOC, index))
+        self._finalizers.append(weakref.finalize(storage, self._free, index))
+        return index
+
+    def _free(self, index: int) -> None:
+        if self._open:
+            self.events.append((FREE, index))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        returns = func._schema.returns
+        flat_out = out if isinstance(out, (tuple, list)) else (out,)
+        out_records = []
+        for position, value in enumerate(flat_out):
+            fresh = position >= len(returns) or returns[position].alias_info is None
+            for tensor in _tensors(value):
+                storage = tensor.untyped_storage()
+                if fresh:
+                    self._track(storage, Category.TEMPORARIES)
+                out_records.append(self._ids.get(storage) if fresh else None)
+        if self.device.type == "cpu":
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if tensors and _probe_worthy(func, tensors):
+                self._add_site(func, args, kwargs, out_records)
+        return out
+
+    def _add_site(self, func, args, kwargs, out_records) -> None:
+        flat, spec = tree_flatten((args, kwargs))
+        key_parts, layout, arg_records = [], [], []
+        for leaf in flat:
+            if isinstance(leaf, torch.Tensor):
+                meta = (tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.requires_grad)
+                key_parts.append(meta)
+                layout.append(("tensor", meta))
+                arg_records.append(self._ids.get(leaf.untyped_storage()))
+            else:
+                key_parts.append(repr(leaf))
+                layout.append(("value", leaf))
+        key = (func, tuple(key_parts), torch.is_grad_enabled())  # oneDNN RNN sizes its workspace by grad mode
+        site = Site(key, self.phase, self.step, self._module(), [func, spec, layout], arg_records, out_records)
+        self.sites.append(site)
+        self.events.append((SPIKE, len(self.sites) - 1))
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item

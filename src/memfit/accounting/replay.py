@@ -1,0 +1,113 @@
+"""Turn a ledger's event log into the numbers of a report.
+
+One pass over the events keeps the live bytes, per category, and remembers the highest point of
+the whole run and of every (step, phase). A second pass stops at the global peak to say which
+modules created what was live there. Kernel scratch is a spike: live for the instant its op runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from memfit.accounting.ledger import ALLOC, FREE, MARK, SPIKE, Ledger
+from memfit.categories import Category
+
+__all__ = ["Replay", "replay"]
+
+TIMELINE_POINTS = 600
+
+
+@dataclass
+class Replay:
+    peak_bytes: int
+    peak_event: int
+    by_category: dict[str, int]
+    phase_peaks: dict[tuple[int, str], int]
+    phase_categories: dict[tuple[int, str], dict[str, int]]
+    modules: list[tuple[str, int]]
+    timeline: list[tuple[int, int, str, int]]
+    scratch_at_peak: int
+
+
+def replay(ledger: Ledger, scratch: list[int]) -> Replay:
+    records, marks = ledger.records, ledger.marks
+    live = 0
+    by_cat: Counter = Counter()
+    peak, peak_event, peak_cats, peak_scratch = -1, 0, {}, 0
+    phase_peaks: dict[tuple[int, str], int] = {}
+    phase_cats: dict[tuple[int, str], dict[str, int]] = {}
+    where = ("setup", -1)
+    series = []
+    for number, (kind, index) in enumerate(ledger.events):
+        spike = 0
+        if kind == ALLOC:
+            record = records[index]
+            live += record.nbytes
+            by_cat[record.category.value] += record.nbytes
+        elif kind == FREE:
+            record = records[index]
+            live -= record.nbytes
+            by_cat[record.category.value] -= record.nbytes
+        elif kind == SPIKE:
+            spike = scratch[index]
+        else:
+            where = marks[index]
+        now = live + spike
+        series.append((now, where))
+        key = (where[1], where[0])
+        if now > phase_peaks.get(key, -1):
+            phase_peaks[key] = now
+            phase_cats[key] = _with_spike(by_cat, spike)
+        if now > peak:
+            peak, peak_event, peak_cats, peak_scratch = now, number, phase_cats[key], spike
+    modules = _modules_at(ledger, peak_event, scratch)
+    return Replay(
+        peak_bytes=max(peak, 0),
+        peak_event=peak_event,
+        by_category=peak_cats,
+        phase_peaks=phase_peaks,
+        phase_categories=phase_cats,
+        modules=modules,
+        timeline=_downsample(series),
+        scratch_at_peak=peak_scratch,
+    )
+
+
+def _with_spike(by_cat: Counter, spike: int) -> dict[str, int]:
+    cats = {c.value: by_cat.get(c.value, 0) for c in Category}
+    cats[Category.TEMPORARIES.value] += spike
+    return cats
+
+
+def _modules_at(ledger: Ledger, stop: int, scratch) -> list[tuple[str, int]]:
+    """Bytes of activations and temporaries live at event ``stop``, by the module that made them."""
+    live: dict[int, None] = {}
+    for kind, index in ledger.events[: stop + 1]:
+        if kind == ALLOC:
+            live[index] = None
+        elif kind == FREE:
+            live.pop(index, None)
+    held: Counter = Counter()
+    for index in live:
+        record = ledger.records[index]
+        if record.category in (Category.ACTIVATIONS, Category.TEMPORARIES):
+            held[record.module] += record.nbytes
+    kind, index = ledger.events[stop]
+    if kind == SPIKE:
+        held[ledger.sites[index].module] += scratch[index]
+    return [(name, nbytes) for name, nbytes in held.most_common() if nbytes > 0]
+
+
+def _downsample(series) -> list[tuple[int, int, str, int]]:
+    """At most ``TIMELINE_POINTS`` points; each keeps the highest value of its stretch."""
+    if not series:
+        return []
+    stride = max(1, -(-len(series) // TIMELINE_POINTS))
+    points = []
+    for start in range(0, len(series), stride):
+        chunk = series[start : start + stride]
+        offset = max(range(len(chunk)), key=lambda i: chunk[i][0])
+        value, (phase, step) = chunk[offset]
+        points.append((start + offset, value, phase, step))
+    return points

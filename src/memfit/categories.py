@@ -1,0 +1,56 @@
+"""The one vocabulary of memory categories.
+
+Every byte a training step holds belongs to exactly one of these. The estimator, the measurer,
+the reports and the tests all speak this Enum and nothing else, so a number in a table can always
+be traced back to the rule that put it there.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Category", "PHASES"]
+
+#: The phases of one optimizer step, in order.
+PHASES = ("forward", "backward", "optimizer")
+
+
+class Category(str, enum.Enum):
+    """Where a live tensor storage belongs.
+
+    PARAMETERS       storages of the model's parameters (trainable or frozen).
+    BUFFERS          storages of registered buffers (BatchNorm running stats, rotary tables).
+    GRADIENTS        storages that hold a parameter's ``.grad`` at some point of the step.
+    OPTIMIZER_STATE  storages held in ``optimizer.state`` (Adam moments, momentum, step counters).
+    ACTIVATIONS      storages saved by autograd for the backward pass.
+    TEMPORARIES      everything else the step allocates: intermediate results that are not saved,
+                     gradients of activations, optimizer scratch, and kernel-internal scratch.
+    BATCH            the input batch handed to the step.
+    OTHER            storages that exist before the step and are none of the above.
+    """
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"
+    TEMPORARIES = "temporaries"
+    BATCH = "batch"
+    OTHER = "other"
+
+    def __str__(self) -> str:  # "optimizer_state" reads better than "Category.OPTIMIZER_STATE"
+        return self.value
+
+
+# When a storage is seen in two roles, the stronger role names it: a saved weight stays a
+# parameter, a gradient that autograd also saved stays a gradient.
+PRIORITY = {
+    Category.PARAMETERS: 7,
+    Category.BUFFERS: 6,
+    Category.BATCH: 5,
+    Category.GRADIENTS: 4,
+    Category.OPTIMIZER_STATE: 3,
+    Category.ACTIVATIONS: 2,
+    Category.OTHER: 1,
+    Category.TEMPORARIES: 0,
+}

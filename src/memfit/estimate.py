@@ -1,0 +1,103 @@
+"""``estimate``: the memory of training steps, computed on fake tensors.
+
+The user's step runs unchanged under ``FakeTensorMode``: every op computes shapes and dtypes
+only, so a 70B model costs no memory and no GPU. Measured on CPU, the result matches the
+allocator to the byte where nothing is hidden inside kernels; kernel scratch is replayed per op
+(``accounting/scratch.py``). For deep Hugging Face models a fast path traces two shallow copies
+and scales by depth (``depth.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+
+from memfit.errors import MemfitError
+from memfit.fake import build_fake, fake_batch, fake_copy
+from memfit.models.source import Source, resolve
+from memfit.precision import cast_model, check_precision
+from memfit.report import Report
+from memfit.trace import trace
+
+__all__ = ["estimate"]
+
+# Below this depth a full trace is cheap enough that the fast path buys nothing.
+FAST_MIN_DEPTH = 8
+
+
+def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
+             steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
+             device: str = "cpu", fast: bool | None = None) -> Report:
+    """Estimate the memory of ``steps`` training steps without allocating it.
+
+    model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
+               then made fake); a catalog name (``"llama-3.1-8b"``); a path to a Hugging Face
+               ``config.json``; or ``"package.module:function"``.
+    batch      a tensor, tuple or dict of tensors (converted to fake), or a zero-argument
+               callable returning one. ``None`` for catalog / config models: a batch of
+               ``batch_size`` x ``seq_len`` tokens (or images) is made.
+    loss_fn    ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``.
+    optimizer  ``adamw``, ``adam``, ``sgd``, ``adafactor`` or a callable ``params -> Optimizer``.
+    precision  ``fp32``, ``bf16-mixed``, ``fp16-mixed`` or ``bf16``.
+    device     whose semantics to follow; only ``cpu`` is modelled so far.
+    fast       trace two shallow copies and scale by depth (default: for configs with
+               >= 8 blocks and no explicit batch); ``False`` forces the full trace.
+    """
+    check_args(precision, steps, batch_size, seq_len)
+    if str(device) != "cpu":
+        raise MemfitError(f"device {device!r} is not modelled yet: use device='cpu'")
+    source = resolve(model)
+    if fast is None:
+        fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+    if fast:
+        from memfit.depth import estimate_by_depth
+
+        return estimate_by_depth(source, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                                 steps=steps, batch_size=batch_size, seq_len=seq_len)
+    report, _ = fake_trace(source, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                           steps=steps, batch_size=batch_size, seq_len=seq_len)
+    return report
+
+
+def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None) -> None:
+    check_precision(precision)
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise MemfitError(f"{name} must be a positive integer, got {value!r}")
+
+
+def fake_trace(source: Source, batch, *, loss_fn, optimizer, precision, steps, batch_size, seq_len):
+    """One full trace of ``source`` on fake tensors: (Report, replay)."""
+    device = torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    module = fake_copy(source.module, mode) if source.module is not None else build_fake(source.build, mode, device)
+    if batch is None:
+        with mode:
+            batch = source.make_batch(batch_size, seq_len)
+    else:
+        batch = fake_batch(batch, mode)
+    cast_model(module, precision)
+    with mode:
+        try:
+            return trace(module, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                         steps=steps, method="fake")
+        except MemfitError:
+            raise
+        except (UnsupportedOperatorException, DataDependentOutputException,
+                DynamicOutputShapeException, UnsupportedFakeTensorException) as err:
+            op = getattr(err, "func", None) or str(err).splitlines()[0]
+            raise MemfitError(f"operation {op} cannot run on fake tensors: use memfit.measure "
+                              "(or `memfit measure`) to run the step for real") from None
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as err:
+            raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,120 @@
+"""Well-known architectures as config hyperparameters, built with random weights.
+
+No hub access is needed: each entry is the handful of numbers from the model's published
+``config.json`` that decide its memory (widths, depth, heads, vocabulary, tying). Weights are
+random; memory does not depend on their values. Sources: the ``config.json`` files of the
+official Hugging Face repositories named in each comment.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+from memfit.errors import MemfitError
+
+__all__ = ["CatalogEntry", "CATALOG", "lookup"]
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    model_type: str  # transformers' model_type
+    task: str  # causal-lm | masked-lm | seq2seq | image-classification
+    config: dict = field(default_factory=dict)
+
+
+def _llama(h, inter, layers, heads, kv, vocab, *, tied=False, pos=131072, theta=500000.0, **kw):
+    return CatalogEntry("llama", "causal-lm", dict(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        tie_word_embeddings=tied, max_position_embeddings=pos, rope_theta=theta,
+        rms_norm_eps=1e-5, **kw))
+
+
+def _qwen(h, inter, layers, heads, kv, vocab, tied):
+    return CatalogEntry("qwen2", "causal-lm", dict(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+        tie_word_embeddings=tied, max_position_embeddings=32768, rms_norm_eps=1e-6))
+
+
+def _gpt2(h, layers, heads):
+    return CatalogEntry("gpt2", "causal-lm", dict(
+        n_embd=h, n_layer=layers, n_head=heads, vocab_size=50257, n_positions=1024))
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    # openai-community/gpt2, gpt2-medium, gpt2-large, gpt2-xl
+    "gpt2": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    # meta-llama/Llama-2-{7b,13b,70b}-hf
+    "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, pos=4096, theta=10000.0),
+    "llama-2-13b": _llama(5120, 13824, 40, 40, 40, 32000, pos=4096, theta=10000.0),
+    "llama-2-70b": _llama(8192, 28672, 80, 64, 8, 32000, pos=4096, theta=10000.0),
+    # meta-llama/Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, Llama-3.1-70B, Llama-3.3-70B-Instruct
+    "llama-3.2-1b": _llama(2048, 8192, 16, 32, 8, 128256, tied=True, head_dim=64),
+    "llama-3.2-3b": _llama(3072, 8192, 28, 24, 8, 128256, tied=True, head_dim=128),
+    "llama-3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256),
+    "llama-3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256),
+    "llama-3.3-70b": _llama(8192, 28672, 80, 64, 8, 128256),
+    # mistralai/Mistral-7B-v0.1
+    "mistral-7b": CatalogEntry("mistral", "causal-lm", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768,
+        sliding_window=4096, rms_norm_eps=1e-5)),
+    # Qwen/Qwen2.5-{0.5B,1.5B,3B,7B,14B,32B,72B}
+    "qwen2.5-0.5b": _qwen(896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": _qwen(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3b": _qwen(2048, 11008, 36, 16, 2, 151936, True),
+    "qwen2.5-7b": _qwen(3584, 18944, 28, 28, 4, 152064, False),
+    "qwen2.5-14b": _qwen(5120, 13824, 48, 40, 8, 152064, False),
+    "qwen2.5-32b": _qwen(5120, 27648, 64, 40, 8, 152064, False),
+    "qwen2.5-72b": _qwen(8192, 29568, 80, 64, 8, 152064, False),
+    # google/gemma-2-2b, gemma-2-9b
+    "gemma-2-2b": CatalogEntry("gemma2", "causal-lm", dict(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+        sliding_window=4096)),
+    "gemma-2-9b": CatalogEntry("gemma2", "causal-lm", dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+        sliding_window=4096)),
+    # microsoft/Phi-3-mini-4k-instruct
+    "phi-3-mini": CatalogEntry("phi3", "causal-lm", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
+        pad_token_id=32000)),
+    # google-bert/bert-base-uncased, bert-large-uncased
+    "bert-base": CatalogEntry("bert", "masked-lm", dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        vocab_size=30522)),
+    "bert-large": CatalogEntry("bert", "masked-lm", dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        vocab_size=30522)),
+    # google-t5/t5-small, t5-base
+    "t5-small": CatalogEntry("t5", "seq2seq", dict(
+        d_model=512, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, d_kv=64,
+        vocab_size=32128, decoder_start_token_id=0)),
+    "t5-base": CatalogEntry("t5", "seq2seq", dict(
+        d_model=768, d_ff=3072, num_layers=12, num_decoder_layers=12, num_heads=12, d_kv=64,
+        vocab_size=32128, decoder_start_token_id=0)),
+    # google/vit-base-patch16-224, vit-large-patch16-224
+    "vit-base": CatalogEntry("vit", "image-classification", dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        image_size=224, patch_size=16, num_labels=1000)),
+    "vit-large": CatalogEntry("vit", "image-classification", dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+        image_size=224, patch_size=16, num_labels=1000)),
+}
+
+
+def lookup(name: str) -> CatalogEntry:
+    """The entry called ``name`` (case-insensitive), or an error naming the closest ones."""
+    key = name.strip().lower()
+    if key in CATALOG:
+        return CATALOG[key]
+    close = difflib.get_close_matches(key, CATALOG, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}?" if close else "run `memfit models` for the list"
+    raise MemfitError(f"unknown model {name!r}: {hint}")

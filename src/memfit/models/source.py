@@ -1,0 +1,133 @@
+"""Where a model comes from: a module, a factory, a catalog name, a config.json, ``pkg.mod:fn``.
+
+A ``Source`` knows how to build the model (on whatever device or fake mode is current), and for
+Hugging Face configs how to make a batch of a given size and how to make the same model shallower
+(the depth fast path). Nothing here knows about techniques or memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.models.catalog import lookup
+
+__all__ = ["Source", "resolve"]
+
+# Config attributes that count repeated blocks, per architecture family.
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+
+
+@dataclass
+class Source:
+    name: str
+    build: Callable[[], torch.nn.Module]
+    config: object | None = None  # a transformers PretrainedConfig, when there is one
+    task: str | None = None
+    module: torch.nn.Module | None = None  # a ready instance passed by the user
+
+    @property
+    def depth(self) -> int | None:
+        if self.config is None:
+            return None
+        values = [getattr(self.config, k) for k in _DEPTH_KEYS if isinstance(getattr(self.config, k, None), int)]
+        return max(values) if values else None
+
+    def shallow(self, layers: int) -> "Source":
+        """The same architecture with ``layers`` blocks (every depth key set to ``layers``)."""
+        config = copy.deepcopy(self.config)
+        for key in _DEPTH_KEYS:
+            if isinstance(getattr(config, key, None), int):
+                setattr(config, key, layers)
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, list):
+            config.layer_types = types[:layers]
+        return _hf_source(f"{self.name}[{layers} layers]", config, self.task)
+
+    def default_seq_len(self) -> int | None:
+        if self.task == "image-classification":
+            return None
+        limit = next((getattr(self.config, k) for k in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(self.config, k, None), int)), 2048)
+        return min(limit, 512 if self.task in ("masked-lm", "seq2seq") else 2048)
+
+    def make_batch(self, batch_size: int, seq_len: int | None) -> dict[str, torch.Tensor]:
+        """A batch this model trains on, built in the current device / fake mode."""
+        if self.config is None:
+            raise MemfitError(f"{self.name} has no config to build a batch from: pass batch=")
+        if self.task == "image-classification":
+            size = self.config.image_size
+            return {
+                "pixel_values": torch.randn(batch_size, self.config.num_channels, size, size),
+                "labels": torch.randint(0, self.config.num_labels, (batch_size,)),
+            }
+        seq_len = seq_len or self.default_seq_len()
+        ids = torch.randint(0, self.config.vocab_size, (batch_size, seq_len))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def resolve(model) -> Source:
+    """Turn anything the API accepts as ``model`` into a ``Source``."""
+    if isinstance(model, torch.nn.Module):
+        return Source(type(model).__name__, build=lambda: model, module=model)
+    if callable(model):
+        return Source(getattr(model, "__name__", "factory"), build=model)
+    if not isinstance(model, str):
+        raise MemfitError(f"cannot use {type(model).__name__} as a model: pass an nn.Module, a factory, "
+                          "a catalog name or a config.json path")
+    if os.path.exists(model):
+        return _from_config_path(model)
+    if ":" in model:
+        return _from_factory(model)
+    entry = lookup(model)
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(entry.model_type, **entry.config)
+    return _hf_source(model.lower(), config, entry.task)
+
+
+_TASKS = {"bert": "masked-lm", "t5": "seq2seq", "vit": "image-classification"}
+
+
+def _from_config_path(path: str) -> Source:
+    from transformers import AutoConfig
+
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise MemfitError(f"no config.json at {path}: point at a Hugging Face config.json or its folder")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        raise MemfitError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    task = _TASKS.get(config.model_type, "causal-lm")
+    return _hf_source(os.path.basename(os.path.abspath(folder)), config, task)
+
+
+def _from_factory(spec: str) -> Source:
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise MemfitError(f"cannot import {spec}: {err}; write it as package.module:function") from None
+    return Source(spec, build=factory)
+
+
+def _hf_source(name: str, config, task: str) -> Source:
+    def build():
+        import transformers
+
+        auto = {
+            "causal-lm": transformers.AutoModelForCausalLM,
+            "masked-lm": transformers.AutoModelForMaskedLM,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM,
+            "image-classification": transformers.AutoModelForImageClassification,
+        }[task]
+        return auto.from_config(config)
+
+    return Source(name, build=build, config=config, task=task)

@@ -1,0 +1,92 @@
+"""``Report``: where the memory of a training step goes, estimated or measured.
+
+One frozen type for both ``estimate`` and ``measure``, so they can be compared field by field.
+Bytes are ints; ``str(report)`` and ``to_dict()`` are the only places they become text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from memfit.categories import PHASES, Category
+from memfit.units import format_size
+
+__all__ = ["Report"]
+
+
+@dataclass(frozen=True)
+class Report:
+    """The memory of ``steps`` training steps.
+
+    peak_bytes      highest live bytes over all steps (step 1 has no optimizer state yet; the
+                    steady state is step 2).
+    by_category     bytes live at that peak, by :class:`~memfit.Category` value.
+    phase_peaks     highest live bytes in each phase (forward, backward, optimizer) over all steps.
+    step_peaks      highest live bytes of each step.
+    modules         (module path, bytes) of activations and temporaries live at the peak, by the
+                    module whose forward or backward created them, largest first.
+    timeline        (event index, live bytes, phase, step), at most a few hundred points; each
+                    point is the highest of the stretch it stands for.
+    device          the device whose semantics the numbers follow ("cpu").
+    method          "fake" (traced on fake tensors), "measured" (real tensors) or "depth"
+                    (a few blocks traced, scaled by depth).
+    modelled_bytes  kernel scratch inside ``peak_bytes``: replayed per op by the allocator
+                    (see ``accounting/scratch.py``), not seen by the trace itself.
+    unprobed_ops    distinct op calls too large to replay for scratch (their scratch is missing).
+    parameters      number of parameter elements; ``trainable`` those with requires_grad.
+    settings        what was run: precision, optimizer, steps, batch shapes.
+    notes           what a reader should know about how these numbers were made.
+    """
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    phase_peaks: dict[str, int]
+    step_peaks: list[int]
+    modules: list[tuple[str, int]]
+    timeline: list[tuple[int, int, str, int]]
+    device: str
+    method: str
+    modelled_bytes: int
+    unprobed_ops: int
+    parameters: int
+    trainable: int
+    settings: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        """Peak bytes divided by the parameter count: 16 is fp32 AdamW model states alone."""
+        return self.peak_bytes / max(self.parameters, 1)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state at the peak."""
+        keys = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+        return sum(self.by_category.get(k.value, 0) for k in keys)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["modules"] = [{"module": m, "bytes": b} for m, b in self.modules]
+        data["timeline"] = [
+            {"event": e, "bytes": b, "phase": p, "step": s} for e, b, p, s in self.timeline
+        ]
+        data["bytes_per_parameter"] = round(self.bytes_per_parameter, 3)
+        return data
+
+    def __str__(self) -> str:
+        lines = [
+            f"peak {format_size(self.peak_bytes)} ({self.method}, {self.device} semantics, "
+            f"{self.bytes_per_parameter:.1f} bytes/param over {self.parameters:,} params)",
+            "at the peak:",
+        ]
+        for name, nbytes in sorted(self.by_category.items(), key=lambda kv: -kv[1]):
+            if nbytes:
+                lines.append(f"  {name:<16} {format_size(nbytes):>12}")
+        lines.append("phase peaks: " + ", ".join(
+            f"{p} {format_size(self.phase_peaks[p])}" for p in PHASES if p in self.phase_peaks))
+        if self.modules:
+            lines.append("largest holders of activations and temporaries at the peak:")
+            for name, nbytes in self.modules[:8]:
+                lines.append(f"  {format_size(nbytes):>12}  {name}")
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)

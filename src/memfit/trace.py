@@ -1,0 +1,75 @@
+"""Run training steps under a ledger and make a ``Report`` of them.
+
+The one path shared by ``estimate`` (fake tensors) and ``measure`` (real tensors): register what
+exists before the step, run the step, replay the log, add kernel scratch measured by the
+allocator, and describe the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.accounting.ledger import Ledger
+from memfit.accounting.replay import replay
+from memfit.accounting.scratch import measure_scratch
+from memfit.categories import PHASES, Category
+from memfit.report import Report
+from memfit.step import batch_tensors, run_steps
+
+__all__ = ["trace", "model_device"]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def trace(model, batch, *, loss_fn, optimizer, precision, steps, method: str):
+    """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake."""
+    device = model_device(model)
+    ledger = Ledger(device=device)
+    for param in model.parameters():
+        ledger.register(param, Category.PARAMETERS)
+    for buf in model.buffers():
+        ledger.register(buf, Category.BUFFERS)
+    for tensor in batch_tensors(batch):
+        ledger.register(tensor, Category.BATCH)
+    try:
+        with ledger:
+            run_steps(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+                      steps=steps, device_type=device.type, ledger=ledger)
+    finally:
+        ledger.close()
+    scratch, unprobed = measure_scratch(ledger)
+    result = replay(ledger, scratch)
+    params = list(model.parameters())
+    return Report(
+        peak_bytes=result.peak_bytes,
+        by_category=result.by_category,
+        phase_peaks={p: max((v for (s, ph), v in result.phase_peaks.items() if ph == p), default=0)
+                     for p in PHASES},
+        step_peaks=[max((v for (s, ph), v in result.phase_peaks.items() if s == step and ph in PHASES),
+                        default=0) for step in range(steps)],
+        modules=result.modules,
+        timeline=result.timeline,
+        device=device.type,
+        method=method,
+        modelled_bytes=result.scratch_at_peak,
+        unprobed_ops=unprobed,
+        parameters=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        settings={
+            "precision": precision,
+            "optimizer": optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom"),
+            "steps": steps,
+            "batch": {f"{i}": list(t.shape) for i, t in enumerate(batch_tensors(batch))},
+        },
+        notes=_notes(unprobed),
+    ), result
+
+
+def _notes(unprobed: int) -> list[str]:
+    if not unprobed:
+        return []
+    return [f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted"]
