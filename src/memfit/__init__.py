@@ -5,7 +5,13 @@
     print(report.peak_bytes, report.by_category)
 """
 
-from memfit.categories import Category
+import os
+
+# kineto prints two lines to stderr each time a profiler starts; memfit starts one per trace to
+# measure kernel scratch. A user who wants them sets KINETO_LOG_LEVEL themselves.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+from memfit.categories import Category  # noqa: E402
 from memfit.errors import MemfitError
 from memfit.estimate import estimate
 from memfit.measure import measure

@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import (
 )
 
 from memfit.errors import MemfitError
-from memfit.fake import build_fake, fake_batch, fake_copy
+from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.source import Source, resolve
-from memfit.precision import cast_model, check_precision
+from memfit.precision import check_precision, weight_dtype
 from memfit.report import Report
 from memfit.trace import trace
 
@@ -76,17 +76,21 @@ def fake_trace(source: Source, batch, *, loss_fn, optimizer, precision, steps, b
     """One full trace of ``source`` on fake tensors: (Report, replay)."""
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    module = fake_copy(source.module, mode) if source.module is not None else build_fake(source.build, mode, device)
+    dtype = weight_dtype(precision)
+    if source.module is not None:
+        module = fake_copy(source.module, mode, dtype)
+    else:
+        module = build_fake(source.build, mode, device, dtype)
     if batch is None:
         with mode:
             batch = source.make_batch(batch_size, seq_len)
     else:
         batch = fake_batch(batch, mode)
-    cast_model(module, precision)
-    with mode:
+    reads = ScalarReads()
+    with mode, reads:
         try:
-            return trace(module, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                         steps=steps, method="fake")
+            report, result = trace(module, batch, loss_fn=loss_fn, optimizer=optimizer,
+                                   precision=precision, steps=steps, method="fake")
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,
@@ -96,6 +100,9 @@ def fake_trace(source: Source, batch, *, loss_fn, optimizer, precision, steps, b
                               "(or `memfit measure`) to run the step for real") from None
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as err:
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
+    if reads.reads:
+        report.notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
+    return report, result
 
 
 def _first_line(err: BaseException) -> str:

@@ -13,48 +13,57 @@ import copy
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["fake_copy", "build_fake", "fake_batch"]
+__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads"]
 
 
-def _fake_param(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, cache: dict):
+def _fake_param(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, cache: dict, dtype=None):
     key = id(tensor)
     if key not in cache:
+        # Cast here, not with module.to(): swapping a fake parameter in place is refused.
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         if tensor.device.type == "meta":
-            fake = mode.fake_tensor_converter.from_meta_and_device(mode, tensor.detach(), device)
+            meta = tensor.detach().to(cast)
+            fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
         else:
             fake = mode.from_tensor(tensor.detach())
+            if cast != tensor.dtype:
+                with mode:
+                    fake = fake.to(cast)
         if isinstance(tensor, torch.nn.Parameter):
             fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
         cache[key] = fake
     return cache[key]
 
 
-def fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are fake (ties kept)."""
+def fake_copy(module: torch.nn.Module, mode: FakeTensorMode, dtype=None) -> torch.nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are fake (ties kept), floating
+    point ones cast to ``dtype`` if given."""
     cache: dict = {}
     memo: dict = {}
     for tensor in list(module.parameters()) + list(module.buffers()):
-        memo[id(tensor)] = _fake_param(mode, tensor, tensor.device, cache)
+        memo[id(tensor)] = _fake_param(mode, tensor, tensor.device, cache, dtype)
     return copy.deepcopy(module, memo)
 
 
-def build_fake(build, mode: FakeTensorMode, device: torch.device) -> torch.nn.Module:
-    """Call ``build()`` on the meta device, then make its tensors fake tensors on ``device``."""
+def build_fake(build, mode: FakeTensorMode, device: torch.device, dtype=None) -> torch.nn.Module:
+    """Call ``build()`` on the meta device, then make its tensors fake tensors on ``device``
+    (floating point ones cast to ``dtype`` if given)."""
     with torch.device("meta"):
         module = build()
     cache: dict = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None:
-                sub._parameters[name] = _fake_param(mode, param, device, cache)
+                sub._parameters[name] = _fake_param(mode, param, device, cache, dtype)
         for name, buf in list(sub._buffers.items()):
             if buf is not None:
-                sub._buffers[name] = _fake_param(mode, buf, device, cache)
+                sub._buffers[name] = _fake_param(mode, buf, device, cache, dtype)
         for name, value in list(vars(sub).items()):
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
-                setattr(sub, name, _fake_param(mode, value, device, cache))
+                setattr(sub, name, _fake_param(mode, value, device, cache, dtype))
     return module
 
 
@@ -64,3 +73,25 @@ def fake_batch(batch, mode: FakeTensorMode):
         with mode:
             return batch()
     return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
+class ScalarReads(TorchDispatchMode):
+    """Answers ``tensor.item()`` on a fake tensor that has no value with zero.
+
+    Optimizers and loops read scalars (Adafactor's ``param.norm().item()``, a GradScaler's
+    ``found_inf.item()``, a logged ``loss.item()``); on fake tensors there is no value to read.
+    Memory does not depend on these values, only on the branch a read may choose, and zero takes
+    the common branch (no inf found, nothing skipped). ``reads`` counts how often it answered.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            if getattr(tensor, "constant", None) is None:
+                self.reads += 1
+                return False if tensor.dtype == torch.bool else (0.0 if tensor.is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))

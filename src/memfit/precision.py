@@ -14,7 +14,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "cast_model"]
+__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "cast_model", "weight_dtype"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
@@ -33,30 +33,19 @@ def autocast(precision: str, device_type: str):
     return contextlib.nullcontext()
 
 
+def weight_dtype(precision: str):
+    """The dtype weights are cast to (``None``: kept as built)."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
 def cast_model(model: torch.nn.Module, precision: str) -> None:
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-
-
-class _Scaler(torch.amp.GradScaler):
-    """A GradScaler that also steps on fake tensors.
-
-    The stock scaler reads ``found_inf.item()`` to decide whether to skip the step; a fake tensor
-    has no value, so under an estimate the step is taken (the memory of a skipped step is a
-    subset of a taken one).
-    """
-
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        found = optimizer_state["found_inf_per_device"].values()
-        if any(isinstance(value, FakeTensor) for value in found):
-            return optimizer.step(*args, **kwargs)
-        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+    dtype = weight_dtype(precision)
+    if dtype is not None:
+        model.to(dtype)
 
 
 def grad_scaler(precision: str, device_type: str):
     """A dynamic loss scaler for fp16-mixed; ``None`` otherwise."""
     if precision != "fp16-mixed":
         return None
-    return _Scaler(device_type)
+    return torch.amp.GradScaler(device_type)

@@ -54,6 +54,7 @@ class Site:
     spec: list = field(repr=False)  # how to rebuild the call with real tensors
     arg_records: list = field(default_factory=list)  # ledger record of each tensor leaf, or None
     out_records: list = field(default_factory=list)  # ledger record of each fresh output, or None
+    out_metas: list = field(default_factory=list)  # (shape, stride, dtype) of each output
 
 
 def _probe_worthy(func, tensors) -> bool:
@@ -151,7 +152,7 @@ class Ledger(TorchDispatchMode):
         out = func(*args, **kwargs)
         returns = func._schema.returns
         flat_out = out if isinstance(out, (tuple, list)) else (out,)
-        out_records = []
+        out_records, out_metas = [], []
         for position, value in enumerate(flat_out):
             fresh = position >= len(returns) or returns[position].alias_info is None
             for tensor in _tensors(value):
@@ -159,13 +160,14 @@ class Ledger(TorchDispatchMode):
                 if fresh:
                     self._track(storage, Category.TEMPORARIES)
                 out_records.append(self._ids.get(storage) if fresh else None)
+                out_metas.append((tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
         if self.device.type == "cpu":
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if tensors and _probe_worthy(func, tensors):
-                self._add_site(func, args, kwargs, out_records)
+                self._add_site(func, args, kwargs, out_records, out_metas)
         return out
 
-    def _add_site(self, func, args, kwargs, out_records) -> None:
+    def _add_site(self, func, args, kwargs, out_records, out_metas) -> None:
         flat, spec = tree_flatten((args, kwargs))
         key_parts, layout, arg_records = [], [], []
         for leaf in flat:
@@ -178,7 +180,8 @@ class Ledger(TorchDispatchMode):
                 key_parts.append(repr(leaf))
                 layout.append(("value", leaf))
         key = (func, tuple(key_parts), torch.is_grad_enabled())  # oneDNN RNN sizes its workspace by grad mode
-        site = Site(key, self.phase, self.step, self._module(), [func, spec, layout], arg_records, out_records)
+        site = Site(key, self.phase, self.step, self._module(), [func, spec, layout], arg_records,
+                    out_records, out_metas)
         self.sites.append(site)
         self.events.append((SPIKE, len(self.sites) - 1))
 

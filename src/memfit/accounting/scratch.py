@@ -42,7 +42,7 @@ def measure_scratch(ledger) -> tuple[list[int], int]:
     """
     sites, records = ledger.sites, ledger.records
     scratch = [0] * len(sites)
-    real_meta: dict[int, tuple] = {}  # record index -> real (shape, stride, dtype, grad)
+    real_meta: dict[int, tuple] = {}  # record index -> (fake layout, real layout) where they differ
     results: dict[tuple, tuple | None] = {}
     order, site_keys = [], []
     with _outside_modes(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -55,9 +55,9 @@ def measure_scratch(ledger) -> tuple[list[int], int]:
                 order.append(key)
             outcome = results[key]
             if outcome is not None:
-                for record, meta in zip(site.out_records, outcome):
-                    if record is not None and meta is not None:
-                        real_meta[record] = meta[:4]
+                for record, fake, meta in zip(site.out_records, site.out_metas, outcome):
+                    if record is not None and meta is not None and meta[:3] != fake[:3]:
+                        real_meta[record] = (fake, meta[:4])
                         records[record].nbytes = meta[4]
     spans = _allocation_spans(prof)
     number = {key: i for i, key in enumerate(order)}
@@ -75,7 +75,9 @@ def _real_layout(site, real_meta) -> list:
     for kind, meta in site.spec[2]:
         if kind == "tensor":
             record = next(records)
-            meta = real_meta.get(record, meta) if record is not None else meta
+            fake, real = real_meta.get(record, (None, None))
+            if fake is not None and fake[:3] == meta[:3]:  # the very output, not a view of it
+                meta = real
         layout.append((kind, meta))
     return layout
 

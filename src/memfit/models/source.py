@@ -1,4 +1,5 @@
-"""Where a model comes from: a module, a factory, a catalog name, a config.json, ``pkg.mod:fn``.
+"""Where a model comes from: a module, a factory, a catalog name, a config (object or
+config.json), or ``pkg.mod:fn``.
 
 A ``Source`` knows how to build the model (on whatever device or fake mode is current), and for
 Hugging Face configs how to make a batch of a given size and how to make the same model shallower
@@ -76,6 +77,8 @@ def resolve(model) -> Source:
     """Turn anything the API accepts as ``model`` into a ``Source``."""
     if isinstance(model, torch.nn.Module):
         return Source(type(model).__name__, build=lambda: model, module=model)
+    if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
+        return _hf_source(model.model_type, model, _task(model))
     if callable(model):
         return Source(getattr(model, "__name__", "factory"), build=model)
     if not isinstance(model, str):
@@ -105,8 +108,17 @@ def _from_config_path(path: str) -> Source:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, OSError, KeyError) as err:
         raise MemfitError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
-    task = _TASKS.get(config.model_type, "causal-lm")
-    return _hf_source(os.path.basename(os.path.abspath(folder)), config, task)
+    return _hf_source(os.path.basename(os.path.abspath(folder)), config, _task(config))
+
+
+def _task(config) -> str:
+    for arch in getattr(config, "architectures", None) or ():
+        for suffix, task in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
+                             ("ForMaskedLM", "masked-lm"), ("ForConditionalGeneration", "seq2seq"),
+                             ("ForImageClassification", "image-classification")):
+            if arch.endswith(suffix):
+                return task
+    return _TASKS.get(config.model_type, "causal-lm")
 
 
 def _from_factory(spec: str) -> Source:

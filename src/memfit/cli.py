@@ -1,0 +1,139 @@
+"""The ``memfit`` command: thin argument parsing over the public API.
+
+Every command prints a human table by default and JSON with ``--json``. Bad input is one line on
+stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from memfit.errors import MemfitError
+from memfit.optim import OPTIMIZERS
+from memfit.precision import PRECISIONS
+from memfit.units import parse_size
+
+__all__ = ["main"]
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except MemfitError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit status 2), not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memfit", description="Make PyTorch training fit in the GPU memory you have.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    est = sub.add_parser("estimate", help="memory of one training step, on fake tensors (no GPU, no memory)")
+    est.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or package.module:function")
+    est.add_argument("--batch-size", type=_positive, default=1, help="examples per step (default 1)")
+    est.add_argument("--seq-len", type=_positive, default=None, help="tokens per example (default: the model's, at most 2048)")
+    est.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32; bf16-mixed halves most activations")
+    est.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    est.add_argument("--steps", type=_positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
+    est.add_argument("--budget", type=_size, default=None, help="bytes available, e.g. 24GiB, 24GB, 80G")
+    est.add_argument("--batch", default=None, help="package.module:function returning a batch (for factory models)")
+    est.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
+    est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth")
+    est.add_argument("--json", action="store_true", help="print the report as JSON")
+    models = sub.add_parser("models", help="list the built-in model catalog")
+    models.add_argument("--json", action="store_true", help="print the list as JSON")
+    return parser
+
+
+def _import(spec: str | None):
+    if spec is None:
+        return None
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise MemfitError(f"cannot import {spec}: {err}; write it as package.module:function") from None
+
+
+def _estimate(args) -> int:
+    from rich.console import Console
+
+    from memfit.estimate import estimate
+    from memfit.render import report_view, verdict
+
+    err = Console(stderr=True)
+    with err.status(f"tracing {args.model} on fake tensors…"):
+        report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss),
+                          optimizer=args.optimizer, precision=args.precision, steps=args.steps,
+                          batch_size=args.batch_size, seq_len=args.seq_len, fast=False if args.full else None)
+    if args.json:
+        data = report.to_dict()
+        if args.budget is not None:
+            data["budget"] = verdict(report, args.budget)
+        print(json.dumps(data, indent=2))
+    else:
+        Console().print(report_view(report, args.model, args.budget))
+    return 0
+
+
+def _models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memfit.models.catalog import CATALOG
+
+    if args.json:
+        print(json.dumps({k: {"model_type": v.model_type, "task": v.task, **v.config} for k, v in CATALOG.items()}, indent=2))
+        return 0
+    table = Table("name", "type", "task")
+    for name, entry in CATALOG.items():
+        table.add_row(name, entry.model_type, entry.task)
+    Console().print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _quiet_transformers()
+    try:
+        return {"estimate": _estimate, "models": _models}[args.command](args)
+    except MemfitError as err:
+        print(f"memfit: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `memfit ... | head`
+        sys.stderr.close()
+        return 0
+
+
+def _quiet_transformers() -> None:
+    """Config warnings from transformers (unused token ids, loss type) are noise in a table."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return
+    logging.set_verbosity_error()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Tables for people: a ``Report`` drawn with rich.
+
+The CLI prints these; ``--json`` prints ``Report.to_dict()`` instead. Nothing here computes a
+number the report does not already hold, except the budget margin.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from memfit.categories import PHASES
+from memfit.report import Report
+from memfit.units import format_size
+
+__all__ = ["report_view", "verdict"]
+
+
+def verdict(report: Report, budget: int) -> dict:
+    """Whether the peak fits ``budget`` bytes, and by how much."""
+    margin = budget - report.peak_bytes
+    return {"budget_bytes": budget, "fits": margin >= 0, "margin_bytes": margin}
+
+
+def report_view(report: Report, name: str, budget: int | None = None) -> Group:
+    s = report.settings
+    title = (f"{name}: {s.get('precision')}, {s.get('optimizer')}, "
+             f"{report.parameters / 1e9:.3f}B params ({report.method} on {report.device} semantics)")
+    parts = [Text(title, style="bold"), _categories(report), _phases(report)]
+    if report.modules:
+        parts.append(_modules(report))
+    peak = Text(f"peak {format_size(report.peak_bytes)}  ·  {report.bytes_per_parameter:.1f} bytes/param")
+    parts.append(peak)
+    if budget is not None:
+        v = verdict(report, budget)
+        word, style = ("fits", "green") if v["fits"] else ("does not fit", "bold red")
+        parts.append(Text(f"{word} in {format_size(budget)}: margin {format_size(v['margin_bytes'])}", style=style))
+    parts.extend(Text(f"note: {note}", style="dim") for note in report.notes)
+    return Group(*parts)
+
+
+def _categories(report: Report) -> Table:
+    table = Table(title="at the peak", title_justify="left")
+    table.add_column("category")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("bytes/param", justify="right")
+    for cat, nbytes in sorted(report.by_category.items(), key=lambda kv: -kv[1]):
+        if nbytes:
+            table.add_row(cat, format_size(nbytes), f"{100 * nbytes / max(report.peak_bytes, 1):.1f}%",
+                          f"{nbytes / max(report.parameters, 1):.2f}")
+    return table
+
+
+def _phases(report: Report) -> Table:
+    table = Table(title="phase peaks", title_justify="left")
+    for phase in PHASES:
+        table.add_column(phase, justify="right")
+    table.add_row(*(format_size(report.phase_peaks.get(p, 0)) for p in PHASES))
+    return table
+
+
+def _modules(report: Report, top: int = 8) -> Table:
+    table = Table(title="largest holders of activations and temporaries at the peak", title_justify="left")
+    table.add_column("module")
+    table.add_column("bytes", justify="right")
+    for module, nbytes in report.modules[:top]:
+        table.add_row(module, format_size(nbytes))
+    return table
