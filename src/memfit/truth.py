@@ -8,10 +8,14 @@ serves (kernel scratch included), and the peak is the highest running sum of tho
 
 from __future__ import annotations
 
+import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["allocator_peak"]
+from memfit.precision import cast_model
+from memfit.step import batch_tensors, run_steps
+
+__all__ = ["allocator_peak", "true_peak", "resident_bytes"]
 
 
 def allocator_peak(fn) -> int:
@@ -33,3 +37,28 @@ def allocator_peak(fn) -> int:
         running += size
         peak = max(peak, running)
     return peak
+
+
+def resident_bytes(model, batch) -> int:
+    """Bytes of the distinct storages of ``model``'s parameters and buffers and of ``batch``."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()) + batch_tensors(batch):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp32", steps=2) -> int:
+    """Peak bytes of real CPU steps as the allocator saw them, plus what existed before them.
+
+    The steps are the plain loop of ``memfit.step`` with nobody watching: no ledger, no hooks.
+    """
+    torch.manual_seed(0)
+    model = factory()
+    cast_model(model, precision)
+    base = resident_bytes(model, batch)
+    peak = allocator_peak(lambda: run_steps(model, batch, loss_fn=loss_fn, optimizer=optimizer,
+                                            precision=precision, steps=steps, device_type="cpu"))
+    return base + peak

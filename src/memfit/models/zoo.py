@@ -1,4 +1,9 @@
-"""Small models of every family the accuracy tests cover, and the allocator truth for them."""
+"""Small reference models of every family memfit is checked on, with their batches and losses.
+
+Tests, benchmarks and the GPU runs all draw their cases from here, so a figure in the README and
+an assertion in a test speak of the same model. Use one from the command line as
+``memfit estimate memfit.models.zoo:GPT --batch memfit.models.zoo:gpt_batch --loss memfit.models.zoo:lm_loss``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memfit.precision import cast_model
-from memfit.step import batch_tensors, run_steps
-from memfit.truth import allocator_peak
 
 
 class MLP(nn.Module):
@@ -99,6 +101,10 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
+def gpt_batch(batch=4, seq=64, vocab=512):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
 def hf(kind):
     """A tiny Hugging Face model factory and its batch."""
     import transformers as tf
@@ -126,29 +132,8 @@ CASES = {
     "cnn": (CNN, lambda: (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))), classify),
     "lstm": (LSTMNet, lambda: (torch.randn(8, 24, 64), torch.randint(0, 10, (8,))), classify),
     "encoder": (Encoder, lambda: (torch.randn(8, 32, 128), torch.randint(0, 10, (8,))), classify),
-    "gpt": (GPT, lambda: torch.randint(0, 512, (4, 64)), lm_loss),
+    "gpt": (GPT, lambda: gpt_batch(), lm_loss),
     "hf-llama": (hf("llama")[0], token_batch, None),
     "hf-gpt2": (hf("gpt2")[0], token_batch, None),
     "hf-bert": (hf("bert")[0], token_batch, None),
 }
-
-
-def resident_bytes(model, batch) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()) + batch_tensors(batch):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
-def true_peak(factory, batch, *, loss_fn, optimizer="adamw", precision="fp32", steps=2) -> int:
-    """Peak bytes of real steps as the CPU allocator saw them, plus what existed before."""
-    torch.manual_seed(0)
-    model = factory()
-    cast_model(model, precision)
-    base = resident_bytes(model, batch)
-    peak = allocator_peak(lambda: run_steps(model, batch, loss_fn=loss_fn, optimizer=optimizer,
-                                            precision=precision, steps=steps, device_type="cpu"))
-    return base + peak
