@@ -27,9 +27,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.categories import PRIORITY, Category
 
-__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK"]
+__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "OUTSIDE"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
+#: The module name of what no module's forward or backward created (loss, optimizer step).
+OUTSIDE = "(outside any module)"
+_BORN = {torch.ops.aten.lift_fresh.default}
 
 
 @dataclass
@@ -65,10 +68,10 @@ def _probe_worthy(func, tensors) -> bool:
     floats = {t.dtype for t in tensors if t.is_floating_point()}
     low = floats & {torch.bfloat16, torch.float16}
     # oneDNN reorders low-precision matmul operands; TensorIterator casts mixed-dtype inputs.
-    return bool(low) and (name.split(".")[0] in _MATMULS or len(floats) > 1)
+    return bool(low) and (name.split(".")[0] in MATMULS or len(floats) > 1)
 
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation"}
 
 
 class Ledger(TorchDispatchMode):
@@ -127,9 +130,9 @@ class Ledger(TorchDispatchMode):
         self._modules.__exit__(*exc)
 
     def _module(self) -> str:
-        parents = self._modules.parents
+        parents = self._modules.parents - {"Global"}
         if not parents:
-            return "Global"
+            return OUTSIDE
         return max(parents, key=lambda name: (name.count("."), name))
 
     def _track(self, storage, category: Category) -> int | None:
@@ -153,8 +156,9 @@ class Ledger(TorchDispatchMode):
         returns = func._schema.returns
         flat_out = out if isinstance(out, (tuple, list)) else (out,)
         out_records, out_metas = [], []
+        born = func in _BORN  # torch.tensor(data) enters through lift_fresh, annotated as an alias
         for position, value in enumerate(flat_out):
-            fresh = position >= len(returns) or returns[position].alias_info is None
+            fresh = born or position >= len(returns) or returns[position].alias_info is None
             for tensor in _tensors(value):
                 storage = tensor.untyped_storage()
                 if fresh:

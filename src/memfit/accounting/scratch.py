@@ -9,7 +9,8 @@ and the dtypes, and on the oneDNN build, so no table written by hand stays right
 So each distinct call is replayed once on real tensors of the same layout (random values) under
 ``torch.profiler`` with ``profile_memory=True``, and the allocator's own events inside the op give
 ``scratch = peak inside the op - bytes still held when it returns``. Calls whose operands exceed
-``PROBE_LIMIT`` bytes, or that cannot be rebuilt from their fake twin, are not replayed:
+``PROBE_LIMIT`` bytes, matmuls over ``FLOP_LIMIT``, and calls that cannot be rebuilt from their
+fake twin are not replayed:
 the report counts them as unmodelled.
 
 All probes of a trace share one profiler session (starting one costs ~60 ms).
@@ -18,16 +19,22 @@ All probes of a trace share one profiler session (starting one costs ~60 ms).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_unflatten
 
-__all__ = ["measure_scratch", "PROBE_LIMIT"]
+from memfit.accounting.ledger import MATMULS
+
+__all__ = ["measure_scratch", "PROBE_LIMIT", "FLOP_LIMIT"]
 
 #: Operands larger than this are not replayed (bytes of real memory a probe may take).
 PROBE_LIMIT = 256 * 1024**2
+#: Matmuls costlier than this are not replayed (~20 ms of 2 cores); their scratch was seen to be
+#: under 10% of their output, and an 8B model in bf16 would otherwise spend minutes probing.
+FLOP_LIMIT = 2 * 10**9
 
 _TAG = "memfit_probe_"
 
@@ -84,7 +91,7 @@ def _real_layout(site, real_meta) -> list:
 
 def _probe(number: int, site, layout):
     """Replay one call; the real outputs' (shape, stride, dtype, grad, nbytes), or None."""
-    if _operand_bytes(layout) > PROBE_LIMIT or _unsafe(layout):
+    if _operand_bytes(layout) > PROBE_LIMIT or _flops(site.key[0], layout) > FLOP_LIMIT or _unsafe(layout):
         return None
     func, tree, _ = site.spec
     leaves = [_real(meta) if kind == "tensor" else meta for kind, meta in layout]
@@ -103,6 +110,17 @@ def _unsafe(layout) -> bool:
     # An empty byte buffer stands for a workspace the fake kernel did not size; a real kernel
     # would read past its end, so such calls are never replayed as they are.
     return any(kind == "tensor" and meta[2] == torch.uint8 and 0 in meta[0] for kind, meta in layout)
+
+
+def _flops(func, layout) -> int:
+    """Multiply-adds x 2 of a matmul-family call (0 for other ops)."""
+    if func.__name__.split(".")[0] not in MATMULS:
+        return 0
+    mats = [meta[0] for kind, meta in layout if kind == "tensor" and len(meta[0]) >= 2]
+    if len(mats) < 2:
+        return 0
+    (a, b) = mats[:2]
+    return 2 * math.prod(a) * b[-1]
 
 
 def _operand_bytes(layout) -> int:

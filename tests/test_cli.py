@@ -1,0 +1,42 @@
+"""The command line: tables, JSON, budgets, and one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memfit.cli import main
+
+
+def test_estimate_json_with_budget(capsys):
+    assert main(["estimate", "gpt2", "--seq-len", "64", "--budget", "24GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["budget"]["fits"] is True
+    assert data["budget"]["margin_bytes"] == 24 * 2**30 - data["peak_bytes"]
+    assert data["method"] == "depth"
+
+
+def test_estimate_table_says_whether_it_fits(capsys):
+    assert main(["estimate", "bert-base", "--seq-len", "64", "--budget", "1GB", "--precision", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit in" in out and "optimizer_state" in out and "bytes/param" in out
+
+
+def test_models_lists_the_catalog(capsys):
+    assert main(["models", "--json"]) == 0
+    assert "llama-3.1-8b" in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["estimate", "lama-3-8b"], "did you mean"),
+    (["estimate", "gpt2", "--budget", "lots"], "24GiB"),
+    (["estimate", "gpt2", "--seq-len", "0"], "positive"),
+    (["estimate", "gpt2", "--optimizer", "lion"], "adamw"),
+])
+def test_errors_are_one_line_with_status_2(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "memfit.cli", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
