@@ -11,12 +11,16 @@ import os
 # measure kernel scratch. A user who wants them sets KINETO_LOG_LEVEL themselves.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+from memfit.apply import apply  # noqa: E402
 from memfit.categories import Category  # noqa: E402
 from memfit.errors import MemfitError
 from memfit.estimate import estimate
 from memfit.measure import measure
+from memfit.recipe import Recipe
 from memfit.report import Report
 from memfit.units import format_size, parse_size
 
-__all__ = ["Category", "MemfitError", "Report", "estimate", "measure", "parse_size", "format_size"]
+__all__ = [
+    "Category", "MemfitError", "Recipe", "Report", "apply", "estimate", "measure", "parse_size", "format_size",
+]
 __version__ = "0.1.0"

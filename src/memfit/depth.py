@@ -28,10 +28,10 @@ def _line(low: int, high: int, depth: int) -> int:
     return low + (high - low) * (depth - a) // (b - a)
 
 
-def estimate_by_depth(source: Source, *, loss_fn, optimizer, precision, steps, batch_size, seq_len) -> Report:
+def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len) -> Report:
     depth = source.depth
     (small, r_small), (big, r_big) = (
-        fake_trace(source.shallow(n), None, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+        fake_trace(source.shallow(n), None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                    steps=steps, batch_size=batch_size, seq_len=seq_len)
         for n in SHALLOW
     )

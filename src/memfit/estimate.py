@@ -22,6 +22,7 @@ from memfit.errors import MemfitError
 from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.source import Source, resolve
 from memfit.precision import check_precision, weight_dtype
+from memfit.recipe import Recipe, recipe_from
 from memfit.report import Report
 from memfit.trace import trace
 
@@ -33,7 +34,7 @@ FAST_MIN_DEPTH = 8
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
-             device: str = "cpu", fast: bool | None = None) -> Report:
+             device: str = "cpu", fast: bool | None = None, recipe: Recipe | None = None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -48,19 +49,25 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     device     whose semantics to follow; only ``cpu`` is modelled so far.
     fast       trace two shallow copies and scale by depth (default: for configs with
                >= 8 blocks and no explicit batch); ``False`` forces the full trace.
+    recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
+               shorthands for two of its fields. With accumulation, ``batch`` is what one
+               optimizer step consumes; a made batch has micro_batch_size x grad_accum_steps rows.
     """
     check_args(precision, steps, batch_size, seq_len)
+    recipe, factory = recipe_from(recipe, precision, optimizer)
     if str(device) != "cpu":
         raise MemfitError(f"device {device!r} is not modelled yet: use device='cpu'")
+    if recipe.micro_batch_size:
+        batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
     source = resolve(model)
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
     if fast:
         from memfit.depth import estimate_by_depth
 
-        return estimate_by_depth(source, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+        return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
                                  steps=steps, batch_size=batch_size, seq_len=seq_len)
-    report, _ = fake_trace(source, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+    report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
                            steps=steps, batch_size=batch_size, seq_len=seq_len)
     return report
 
@@ -72,11 +79,11 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
             raise MemfitError(f"{name} must be a positive integer, got {value!r}")
 
 
-def fake_trace(source: Source, batch, *, loss_fn, optimizer, precision, steps, batch_size, seq_len):
+def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len):
     """One full trace of ``source`` on fake tensors: (Report, replay)."""
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    dtype = weight_dtype(precision)
+    dtype = weight_dtype(recipe.precision)
     if source.module is not None:
         module = fake_copy(source.module, mode, dtype)
     else:
@@ -89,8 +96,8 @@ def fake_trace(source: Source, batch, *, loss_fn, optimizer, precision, steps, b
     reads = ScalarReads()
     with mode, reads:
         try:
-            report, result = trace(module, batch, loss_fn=loss_fn, optimizer=optimizer,
-                                   precision=precision, steps=steps, method="fake")
+            report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
+                                   steps=steps, method="fake")
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from memfit.errors import MemfitError
 from memfit.estimate import check_args
 from memfit.models.source import resolve
-from memfit.precision import cast_model
+from memfit.recipe import Recipe, recipe_from
 from memfit.report import Report
 from memfit.trace import trace
 
@@ -19,13 +19,17 @@ __all__ = ["measure"]
 
 
 def measure(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
-            steps: int = 2, batch_size: int = 1, seq_len: int | None = None) -> Report:
+            steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
+            recipe: Recipe | None = None) -> Report:
     """Run ``steps`` real training steps and account every live storage.
 
     Arguments as for :func:`memfit.estimate`; a catalog or config model is built for real
     (random weights), which takes its full memory.
     """
     check_args(precision, steps, batch_size, seq_len)
+    recipe, factory = recipe_from(recipe, precision, optimizer)
+    if recipe.micro_batch_size:
+        batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
     source = resolve(model)
     module = source.build()
     if batch is None:
@@ -34,7 +38,6 @@ def measure(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: st
         batch = source.make_batch(batch_size, seq_len)
     elif callable(batch):
         batch = batch()
-    cast_model(module, precision)
-    report, _ = trace(module, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
+    report, _ = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
                       steps=steps, method="measured")
     return report

@@ -12,7 +12,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["OPTIMIZERS", "make_optimizer"]
+__all__ = ["OPTIMIZERS", "APPROXIMATE", "make_optimizer", "offloaded"]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -26,6 +26,41 @@ OPTIMIZERS: dict[str, Callable] = {
 }
 
 
+def _bnb(name):
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise MemfitError(f"optimizer {name} needs bitsandbytes: pip install 'memfit[bnb]'") from None
+    cls = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[name]
+    return lambda params: cls(params, lr=1e-4)
+
+
+def _ao(name):
+    try:
+        from torchao.optim import AdamW4bit
+    except ImportError:
+        raise MemfitError(f"optimizer {name} needs torchao: pip install 'memfit[ao]'") from None
+    return lambda params: AdamW4bit(params, lr=1e-4)
+
+
+# Approximate optimizers: the state is quantized, so the math changes; used only when named.
+APPROXIMATE = {"adamw8bit": _bnb, "paged_adamw8bit": _bnb, "adamw4bit": _ao}
+
+
+def offloaded(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
+    """``spec``'s optimizer with state and step on the CPU (torchao's CPUOffloadOptimizer)."""
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        raise MemfitError("offload_optimizer needs torchao: pip install 'memfit[ao]'") from None
+    if callable(spec):
+        raise MemfitError("offload_optimizer needs an optimizer name, not a callable: pass optimizer='adamw'")
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(spec)
+    if cls is None:
+        raise MemfitError(f"offload_optimizer and optimizer={spec} conflict: offload supports adamw, adam, sgd")
+    return CPUOffloadOptimizer([p for p in params if p.requires_grad], cls, lr=1e-4)
+
+
 def make_optimizer(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
     """Build the optimizer named by ``spec`` over ``params`` (trainable parameters only)."""
     params = [p for p in params if p.requires_grad]
@@ -33,8 +68,9 @@ def make_optimizer(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
         raise MemfitError("the model has no trainable parameters: unfreeze some or pass a different model")
     if callable(spec):
         return spec(params)
-    factory = OPTIMIZERS.get(str(spec).lower())
+    name = str(spec).lower()
+    factory = OPTIMIZERS.get(name) or (APPROXIMATE[name](name) if name in APPROXIMATE else None)
     if factory is None:
-        names = ", ".join(OPTIMIZERS)
+        names = ", ".join([*OPTIMIZERS, *APPROXIMATE])
         raise MemfitError(f"unknown optimizer {spec!r}: choose one of {names}, or pass a callable params -> Optimizer")
     return factory(params)

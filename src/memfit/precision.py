@@ -14,7 +14,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "cast_model", "weight_dtype"]
+__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "cast_model", "weight_dtype", "check_capability"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
@@ -31,6 +31,17 @@ def autocast(precision: str, device_type: str):
     if precision == "fp16-mixed":
         return torch.autocast(device_type, dtype=torch.float16)
     return contextlib.nullcontext()
+
+
+def check_capability(precision: str, device_type: str) -> None:
+    """Refuse a precision the device cannot run, with the reason."""
+    if device_type != "cuda" or "bf16" not in precision:
+        return
+    if not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name()
+        major, minor = torch.cuda.get_device_capability()
+        raise MemfitError(f"precision={precision} needs bfloat16, which {name} (sm_{major}{minor}) lacks before "
+                          "Ampere (sm_80): use fp16-mixed")
 
 
 def weight_dtype(precision: str):

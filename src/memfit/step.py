@@ -1,27 +1,20 @@
-"""One training step, written once, run on real tensors (measure) or fake ones (estimate).
+"""The pieces of a training step that every recipe shares: the default loss, batch handling,
+micro-batch splitting and the weights that make accumulated gradients equal full-batch ones.
 
-The loop is the one users write: forward and loss (under autocast when mixed), backward (through
-a GradScaler for fp16), optimizer step, ``zero_grad(set_to_none=True)``. Whoever watches (a
-``Ledger``) is told the phase and the roles of tensors; with no ledger the loop is plain, which is
-how the independent allocator truth in tests and bench/ runs it.
+The step itself is composed in ``apply.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
-from typing import Any, Callable
 
 import torch
 
-from memfit.categories import Category
 from memfit.errors import MemfitError
-from memfit.optim import make_optimizer
-from memfit.precision import autocast, grad_scaler
 
-__all__ = ["run_steps", "default_loss", "batch_tensors"]
+__all__ = ["default_loss", "batch_tensors", "check_loss", "split_batch", "token_weights", "IGNORE_INDEX"]
 
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
 
 def default_loss(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -51,50 +44,7 @@ def batch_tensors(batch) -> list[torch.Tensor]:
     return []
 
 
-class _Quiet:
-    """Stands in for a ledger when nobody is watching."""
-
-    def begin(self, phase, step):
-        pass
-
-    def mark(self, tensor, category):
-        pass
-
-
-def run_steps(model, batch, *, loss_fn: LossFn | None, optimizer, precision: str, steps: int,
-              device_type: str, ledger=None) -> torch.optim.Optimizer:
-    """Run ``steps`` full optimizer steps of ``model`` on ``batch``; returns the optimizer."""
-    watch = ledger or _Quiet()
-    loss_fn = loss_fn or default_loss
-    opt = make_optimizer(optimizer, model.parameters())
-    scaler = grad_scaler(precision, device_type)
-    for step in range(steps):
-        watch.begin("forward", step)
-        saving = _saved_as_activations(watch) if ledger is not None else contextlib.nullcontext()
-        with saving, autocast(precision, device_type):
-            loss = loss_fn(model, batch)
-        _check_loss(loss)
-        watch.begin("backward", step)
-        (scaler.scale(loss) if scaler else loss).backward()
-        for param in model.parameters():
-            if param.grad is not None:
-                watch.mark(param.grad, Category.GRADIENTS)
-        watch.begin("optimizer", step)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        for state in opt.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    watch.mark(value, Category.OPTIMIZER_STATE)
-        opt.zero_grad(set_to_none=True)
-        del loss
-    return opt
-
-
-def _check_loss(loss) -> None:
+def check_loss(loss) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise MemfitError(f"loss_fn must return a scalar tensor, got {shape}: reduce it, e.g. .mean()")
@@ -102,9 +52,54 @@ def _check_loss(loss) -> None:
         raise MemfitError("the loss does not require grad: check that the model has trainable parameters in use")
 
 
-def _saved_as_activations(watch):
-    def pack(tensor):
-        watch.mark(tensor, Category.ACTIVATIONS)
-        return tensor
+def _rows(batch) -> int:
+    tensors = batch_tensors(batch)
+    if not tensors or tensors[0].dim() == 0:
+        raise MemfitError("cannot split a batch with no batch dimension: set grad_accum_steps=1")
+    return tensors[0].shape[0]
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+
+def _slice(batch, start: int, stop: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, Mapping):
+        return {k: _slice(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice(v, start, stop) for v in batch)
+    return batch
+
+
+def split_batch(batch, parts: int, micro_batch_size: int | None = None) -> list:
+    """``batch`` cut along dim 0 into ``parts`` micro-batches (views, no copies)."""
+    if parts == 1 and micro_batch_size is None:
+        return [batch]
+    rows = _rows(batch)
+    if micro_batch_size is not None and micro_batch_size * parts != rows:
+        raise MemfitError(f"micro_batch_size={micro_batch_size} x grad_accum_steps={parts} must equal the "
+                          f"batch's {rows} rows: change one of them or the batch")
+    if rows % parts:
+        raise MemfitError(f"grad_accum_steps={parts} does not divide the batch's {rows} rows: pick a divisor")
+    size = rows // parts
+    return [_slice(batch, i * size, (i + 1) * size) for i in range(parts)]
+
+
+def _causal(model) -> bool:
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def token_weights(model, micro: list) -> list:
+    """Per-micro-batch loss weights so the accumulated gradient is the full batch's.
+
+    Hugging Face losses are means over the tokens that have a label, so a micro-batch's loss is
+    weighted by its share of those tokens (shifted by one for causal LMs); any other loss is a
+    mean over examples and gets ``1 / parts``. Weights are tensors: no value is read, so the same
+    code runs on fake tensors.
+    """
+    labels = [m.get("labels") if isinstance(m, Mapping) else None for m in micro]
+    if any(y is None or y.dim() < 2 for y in labels):
+        return [1.0 / len(micro)] * len(micro)
+    if _causal(model):
+        labels = [y[:, 1:] for y in labels]
+    counts = [(y != IGNORE_INDEX).sum() for y in labels]
+    total = sum(counts[1:], counts[0])
+    return [count / total for count in counts]

@@ -14,7 +14,8 @@ from memfit.accounting.replay import replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
 from memfit.report import Report
-from memfit.step import batch_tensors, run_steps
+from memfit.apply import run_steps
+from memfit.step import batch_tensors
 
 __all__ = ["trace", "model_device"]
 
@@ -25,7 +26,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def trace(model, batch, *, loss_fn, optimizer, precision, steps, method: str):
+def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake."""
     device = model_device(model)
     ledger = Ledger(device=device)
@@ -37,8 +38,8 @@ def trace(model, batch, *, loss_fn, optimizer, precision, steps, method: str):
         ledger.register(tensor, Category.BATCH)
     try:
         with ledger:
-            run_steps(model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=precision,
-                      steps=steps, device_type=device.type, ledger=ledger)
+            run_steps(model, batch, recipe=recipe, steps=steps, optimizer=optimizer, loss_fn=loss_fn,
+                      watch=ledger)
     finally:
         ledger.close()
     scratch, unprobed = measure_scratch(ledger)
@@ -60,10 +61,11 @@ def trace(model, batch, *, loss_fn, optimizer, precision, steps, method: str):
         parameters=sum(p.numel() for p in params),
         trainable=sum(p.numel() for p in params if p.requires_grad),
         settings={
-            "precision": precision,
-            "optimizer": optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom"),
+            "recipe": recipe.to_dict(),
+            "precision": recipe.precision,
+            "optimizer": getattr(optimizer, "__name__", "custom") if optimizer else recipe.optimizer,
             "steps": steps,
-            "batch": {f"{i}": list(t.shape) for i, t in enumerate(batch_tensors(batch))},
+            "batch_shapes": [list(t.shape) for t in batch_tensors(batch)],
         },
         notes=_notes(unprobed),
     ), result

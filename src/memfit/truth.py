@@ -12,8 +12,9 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from memfit.precision import cast_model
-from memfit.step import batch_tensors, run_steps
+from memfit.apply import run_steps
+from memfit.recipe import recipe_from
+from memfit.step import batch_tensors
 
 __all__ = ["allocator_peak", "true_peak", "resident_bytes"]
 
@@ -50,15 +51,18 @@ def resident_bytes(model, batch) -> int:
     return total
 
 
-def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp32", steps=2) -> int:
+def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp32", steps=2, recipe=None) -> int:
     """Peak bytes of real CPU steps as the allocator saw them, plus what existed before them.
 
-    The steps are the plain loop of ``memfit.step`` with nobody watching: no ledger, no hooks.
+    The steps are the recipe's step (``memfit.apply``) with nobody watching: no ledger, no hooks.
+    Weights are cast for pure bf16 before counting what exists, as the estimate does.
     """
+    recipe, custom = recipe_from(recipe, precision, optimizer)
     torch.manual_seed(0)
     model = factory()
-    cast_model(model, precision)
+    if recipe.precision == "bf16":
+        model.to(torch.bfloat16)
     base = resident_bytes(model, batch)
-    peak = allocator_peak(lambda: run_steps(model, batch, loss_fn=loss_fn, optimizer=optimizer,
-                                            precision=precision, steps=steps, device_type="cpu"))
+    peak = allocator_peak(lambda: run_steps(model, batch, recipe=recipe, steps=steps, optimizer=custom,
+                                            loss_fn=loss_fn))
     return base + peak
