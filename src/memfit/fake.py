@@ -9,14 +9,17 @@ parameter and buffer swapped for a fake twin, so the user's model is never touch
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads"]
+__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads", "transformers_unaware"]
 
 
 def _fake_param(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, cache: dict, dtype=None):
@@ -80,18 +83,46 @@ class ScalarReads(TorchDispatchMode):
 
     Optimizers and loops read scalars (Adafactor's ``param.norm().item()``, a GradScaler's
     ``found_inf.item()``, a logged ``loss.item()``); on fake tensors there is no value to read.
-    Memory does not depend on these values, only on the branch a read may choose, and zero takes
-    the common branch (no inf found, nothing skipped). ``reads`` counts how often it answered.
+    Memory does not depend on these values, only on the branch a read may choose, so each read
+    takes the common branch of a training step: zero (no inf found, nothing skipped), False for
+    ``any`` and True for ``all`` (no padding: Hugging Face skips building a 4-D attention mask
+    only after ``(mask == 1).all()`` reads True). ``reads`` counts how often it answered.
     """
 
     def __init__(self):
         super().__init__()
         self.reads = 0
+        self._all = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             if getattr(tensor, "constant", None) is None:
                 self.reads += 1
-                return False if tensor.dtype == torch.bool else (0.0 if tensor.is_floating_point() else 0)
-        return func(*args, **(kwargs or {}))
+                if tensor.dtype == torch.bool:
+                    return tensor in self._all
+                return 0.0 if tensor.is_floating_point() else 0
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.all and isinstance(out, torch.Tensor):
+            self._all[out] = True
+        return out
+
+
+@contextlib.contextmanager
+def transformers_unaware():
+    """Hide fake tensors from Hugging Face's "am I being traced?" check.
+
+    ``transformers`` builds an explicit 4-D attention mask instead of passing ``is_causal=True``
+    when it sees a FakeTensor (it assumes an export is under way), so a fake step would run a
+    different attention path than the real one (+2% on a tiny Llama with use_cache off).
+    """
+    utils = sys.modules.get("transformers.utils.import_utils")
+    if utils is None or not hasattr(utils, "is_fake_tensor"):
+        yield
+        return
+    original = utils.is_fake_tensor
+    utils.is_fake_tensor = lambda tensor: False
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original

@@ -29,7 +29,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake."""
     device = model_device(model)
-    ledger = Ledger(device=device)
+    ledger = Ledger(device=device, model=model)
     for param in model.parameters():
         ledger.register(param, Category.PARAMETERS)
     for buf in model.buffers():

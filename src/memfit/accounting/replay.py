@@ -43,12 +43,16 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
         spike = 0
         if kind == ALLOC:
             record = records[index]
-            live += record.nbytes
+            if record.donor is not None:  # takes over the donor's memory: moves category only
+                by_cat[records[record.donor].category.value] -= record.nbytes
+            else:
+                live += record.nbytes
             by_cat[record.category.value] += record.nbytes
         elif kind == FREE:
             record = records[index]
-            live -= record.nbytes
-            by_cat[record.category.value] -= record.nbytes
+            if not record.donated:
+                live -= record.nbytes
+                by_cat[record.category.value] -= record.nbytes
         elif kind == SPIKE:
             spike = scratch[index]
         else:
@@ -86,6 +90,9 @@ def _modules_at(ledger: Ledger, stop: int, scratch) -> list[tuple[str, int]]:
     for kind, index in ledger.events[: stop + 1]:
         if kind == ALLOC:
             live[index] = None
+            donor = ledger.records[index].donor
+            if donor is not None:
+                live.pop(donor, None)
         elif kind == FREE:
             live.pop(index, None)
     held: Counter = Counter()

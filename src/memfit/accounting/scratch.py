@@ -49,6 +49,8 @@ def measure_scratch(ledger) -> tuple[list[int], int]:
     """
     sites, records = ledger.sites, ledger.records
     scratch = [0] * len(sites)
+    if not sites:
+        return scratch, 0
     real_meta: dict[int, tuple] = {}  # record index -> (fake layout, real layout) where they differ
     results: dict[tuple, tuple | None] = {}
     order, site_keys = [], []

@@ -16,6 +16,7 @@ outside checkpointed blocks moves (block inputs are held by the checkpoint itsel
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -93,4 +94,19 @@ def apply_checkpointing(model: torch.nn.Module, *, mode: str, every: object = 1)
         chosen = blocks[:: every] if mode == "blocks" else blocks
     for _, module in chosen:
         _wrap(module, selective=mode == "selective")
+    _no_kv_cache(model)
     return [name for name, _ in chosen]
+
+
+def _no_kv_cache(model: torch.nn.Module) -> None:
+    """A KV cache filled in forward is filled again by the recomputation (keys twice as long);
+    Hugging Face's own ``gradient_checkpointing_enable`` turns it off for the same reason. The
+    config is copied first: it is often shared with other models built from it."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return
+    private = copy.deepcopy(config)
+    private.use_cache = False
+    for module in model.modules():
+        if getattr(module, "config", None) is config:
+            module.config = private

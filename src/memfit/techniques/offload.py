@@ -36,13 +36,13 @@ class ActivationOffload:
         from torch._subclasses.fake_tensor import FakeTensor
 
         layout = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+        data = tensor.detach().contiguous()  # a copy for strided views, on fake tensors too
         if isinstance(tensor, FakeTensor):
             return ("fake", layout, None)  # backward runs inside the same fake mode
         if tensor.device.type == "cuda":
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             return ("host", layout, host)
-        data = tensor.detach().contiguous()
         as_bits = data.view(_BITS[data.element_size()]) if data.dtype in _NO_NUMPY else data
         return ("numpy", layout, as_bits.numpy().copy())
 
