@@ -12,8 +12,8 @@ import json
 import sys
 
 from memfit.errors import MemfitError
-from memfit.optim import OPTIMIZERS
 from memfit.precision import PRECISIONS
+from memfit.recipe import APPROXIMATE_OPTIMIZERS, ATTENTION, EXACT_OPTIMIZERS
 from memfit.units import parse_size
 
 __all__ = ["main"]
@@ -50,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or package.module:function")
     est.add_argument("--batch-size", type=_positive, default=1, help="examples per step (default 1)")
     est.add_argument("--seq-len", type=_positive, default=None, help="tokens per example (default: the model's, at most 2048)")
-    est.add_argument("--precision", choices=PRECISIONS, default="fp32", help="default fp32; bf16-mixed halves most activations")
-    est.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    est.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
+    _recipe_flags(est)
     est.add_argument("--steps", type=_positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
     est.add_argument("--budget", type=_size, default=None, help="bytes available, e.g. 24GiB, 24GB, 80G")
     est.add_argument("--batch", default=None, help="package.module:function returning a batch (for factory models)")
@@ -61,6 +61,33 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the built-in model catalog")
     models.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
+
+
+def _recipe_flags(parser) -> None:
+    """One flag per Recipe field; None means "not given", so a --recipe file's value stands."""
+    add = parser.add_argument
+    add("--precision", choices=PRECISIONS, default=None, help="default fp32; bf16-mixed halves most activations")
+    add("--checkpointing", default=None, help="off | blocks | blocks:N | selective | modules:a,b (recompute in backward)")
+    add("--offload-activations", action="store_true", default=None, help="keep saved activations in host memory")
+    add("--attention", choices=ATTENTION, default=None, help="auto (as built) | sdpa | eager")
+    add("--chunked-loss", type=int, default=None, help="run the LM head + loss in N sequence chunks (0: off)")
+    add("--optimizer", default=None,
+        help=f"one of {', '.join(EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS)} (default adamw; 8/4-bit change the math)")
+    add("--optimizer-in-backward", action="store_true", default=None, help="step each parameter as its gradient is ready")
+    add("--offload-optimizer", action="store_true", default=None, help="optimizer state and step on the CPU (CUDA only)")
+    add("--micro-batch-size", type=_positive, default=None, help="examples per forward/backward")
+    add("--grad-accum-steps", type=_positive, default=None, help="micro-batches per optimizer step")
+    add("--lora", default=None, help="off | lora[:rank] | qlora[:rank] (changes the math)")
+
+
+def _recipe(args):
+    from dataclasses import fields
+
+    from memfit.recipe import Recipe
+
+    base = Recipe.load(args.recipe) if args.recipe else Recipe()
+    changes = {f.name: getattr(args, f.name) for f in fields(Recipe) if getattr(args, f.name, None) is not None}
+    return base.replace(**changes) if changes else base
 
 
 def _import(spec: str | None):
@@ -81,9 +108,9 @@ def _estimate(args) -> int:
 
     err = Console(stderr=True)
     with err.status(f"tracing {args.model} on fake tensors…"):
-        report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss),
-                          optimizer=args.optimizer, precision=args.precision, steps=args.steps,
-                          batch_size=args.batch_size, seq_len=args.seq_len, fast=False if args.full else None)
+        report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss), recipe=_recipe(args),
+                          steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                          fast=False if args.full else None)
     if args.json:
         data = report.to_dict()
         if args.budget is not None:

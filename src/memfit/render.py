@@ -24,10 +24,15 @@ def verdict(report: Report, budget: int) -> dict:
 
 
 def report_view(report: Report, name: str, budget: int | None = None) -> Group:
-    s = report.settings
-    title = (f"{name}: {s.get('precision')}, {s.get('optimizer')}, "
-             f"{report.parameters / 1e9:.3f}B params ({report.method} on {report.device} semantics)")
-    parts = [Text(title, style="bold"), _categories(report), _phases(report)]
+    from memfit.recipe import Recipe
+
+    recipe = Recipe.from_dict(report.settings["recipe"])
+    title = (f"{name}: {recipe.describe()}, {report.parameters / 1e9:.3f}B params "
+             f"({report.method} on {report.device} semantics)")
+    parts = [Text(title, style="bold")]
+    if not recipe.is_exact:
+        parts.append(Text(f"changes the math: {', '.join(recipe.approximations)}", style="yellow"))
+    parts += [_categories(report), _phases(report)]
     if report.modules:
         parts.append(_modules(report))
     peak = Text(f"peak {format_size(report.peak_bytes)}  ·  {report.bytes_per_parameter:.1f} bytes/param")
