@@ -93,7 +93,8 @@ EXACTNESS = [Recipe(checkpointing="blocks"), Recipe(checkpointing="selective"), 
              Recipe(optimizer_in_backward=True), Recipe(grad_accum_steps=2), Recipe(chunked_loss=4),
              Recipe(attention="eager"), Recipe(precision="bf16-mixed", checkpointing="blocks"),
              Recipe(precision="bf16-mixed", checkpointing="blocks", offload_activations=True, grad_accum_steps=2),
-             Recipe(optimizer="sgd", optimizer_in_backward=True, chunked_loss=2)]
+             Recipe(optimizer="sgd", optimizer_in_backward=True, chunked_loss=2),
+             Recipe(lora="lora:8"), Recipe(lora="lora:8", precision="bf16-mixed", checkpointing="blocks")]
 
 
 @pytest.mark.parametrize("recipe", EXACTNESS, ids=lambda r: r.describe())
@@ -111,3 +112,13 @@ def test_gpt_checkpointing_finds_the_module_list_blocks():
     est = memfit.estimate(GPT, batch, loss_fn=lm_loss, recipe=Recipe(checkpointing="blocks"))
     assert abs(est.peak_bytes - true_peak(GPT, batch, loss_fn=lm_loss, recipe=Recipe(checkpointing="blocks"))) \
         / est.peak_bytes < TOLERANCE
+
+
+def test_lora_trains_only_adapters_and_drops_their_model_states():
+    batch = _tokens(rows=1, seq=16)
+    plain = memfit.estimate(_llama, batch)
+    lora = memfit.estimate(_llama, batch, recipe=Recipe(lora="lora:8"))
+    assert 0 < lora.trainable < 0.1 * lora.parameters
+    states = lora.by_category["gradients"] + lora.by_category["optimizer_state"]
+    assert states < 0.1 * (plain.by_category["gradients"] + plain.by_category["optimizer_state"])
+    assert not Recipe(lora="lora:8").is_exact

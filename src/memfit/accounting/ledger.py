@@ -129,11 +129,21 @@ class Ledger(TorchDispatchMode):
     # -- internals ---------------------------------------------------------------------------
     def __enter__(self):
         self._modules.__enter__()
+        self._rng_state = torch.get_rng_state
+        torch.get_rng_state = self._tracked_rng_state
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        torch.get_rng_state = self._rng_state
         self._modules.__exit__(*exc)
+
+    def _tracked_rng_state(self):
+        # The CPU generator's state (5,056 bytes) is allocated without passing the dispatcher;
+        # activation checkpointing keeps one per checkpointed region until its backward.
+        state = self._rng_state()
+        self._track(state.untyped_storage(), Category.TEMPORARIES)
+        return state
 
     def _module(self) -> str:
         return self._modules.current()

@@ -1,0 +1,164 @@
+"""Each technique added on top of the previous: a cumulative table in the style of torchtune's.
+
+    python bench/techniques.py                 # CPU: writes bench/results/techniques-cpu.json
+    python bench/techniques.py --device cuda   # GPU: writes bench/results/techniques-cuda.json
+
+Rows are recipes, each the previous one plus one technique (the effective batch never changes).
+Columns on CPU: the estimate at the full size (fake tensors), the estimate and the allocator's
+measured peak at a size a 2-core machine can run, and the step time relative to the first row.
+On CUDA: the CPU-semantics estimate at the full size (computed here, on the CPU), the measured
+``max_memory_allocated`` / ``max_memory_reserved`` at that size, and tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch  # noqa: E402
+
+import memfit  # noqa: E402
+from memfit import Recipe  # noqa: E402
+from memfit.apply import apply  # noqa: E402
+from memfit.models.source import resolve  # noqa: E402
+from memfit.truth import true_peak  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# model -> (source for the full size, full (batch, seq), CPU-feasible source, CPU (batch, seq))
+# ("name@N" is the model with N blocks: same widths and vocabulary, so activations dominate as
+# they do at full size, on a machine with 2 cores and 24 GiB.)
+MODELS = {
+    "gpt2-medium": ("gpt2-medium", (8, 1024), "gpt2-medium@4", (2, 256)),
+    "llama-3.2-1b": ("llama-3.2-1b", (4, 2048), "llama-3.2-1b@2", (2, 128)),
+}
+
+
+def steps_for(batch: int) -> list[tuple[str, Recipe]]:
+    """The cumulative rows; accumulation halves the micro-batch and keeps the effective batch."""
+    rows, r = [], Recipe()
+    rows.append(("fp32 AdamW", r))
+    for label, change in [("+ bf16-mixed", {"precision": "bf16-mixed"}),
+                          ("+ sdpa attention", {"attention": "sdpa"}),
+                          ("+ checkpointing (blocks)", {"checkpointing": "blocks"}),
+                          ("+ chunked loss (8)", {"chunked_loss": 8}),
+                          ("+ offload activations", {"offload_activations": True}),
+                          ("+ optimizer in backward", {"optimizer_in_backward": True})]:
+        r = r.replace(**change)
+        rows.append((label, r))
+    if batch >= 2:
+        rows.append(("- in backward, + accumulation x2", r.replace(optimizer_in_backward=False, grad_accum_steps=2)))
+    return rows
+
+
+def _source(name: str):
+    base, _, layers = name.partition("@")
+    source = resolve(base)
+    return source.shallow(int(layers)) if layers else source
+
+
+def _to(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _time_steps(source, batch, recipe, device, steps=2) -> float:
+    """Seconds of the last of ``steps`` steps (the first ones warm up)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = source.build()
+    _, _, step = apply(model, recipe)
+    for i in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        last = time.perf_counter() - start
+    del model, step
+    return last
+
+
+def run_cpu() -> dict:
+    out = {}
+    for name, (full, (fb, fs), small, (sb, ss)) in MODELS.items():
+        source = _source(small)
+        batch = source.make_batch(sb, ss)
+        rows, base_time = [], None
+        print(f"\n{name}: estimate at b{fb} x {fs}; measured at {small} b{sb} x {ss}")
+        print(f"{'recipe':34} {'est. full':>11} {'est. small':>11} {'measured':>11} {'err':>7} {'time':>6}")
+        for label, recipe in steps_for(sb):
+            est_full = memfit.estimate(full, batch_size=fb, seq_len=fs, recipe=recipe).peak_bytes
+            est_small = memfit.estimate(source.build, batch, recipe=recipe).peak_bytes
+            measured = true_peak(source.build, batch, recipe=recipe)
+            seconds = _time_steps(source, batch, recipe, "cpu")
+            base_time = base_time or seconds
+            row = {"recipe": label, "fields": recipe.to_dict(), "estimated_full": est_full,
+                   "estimated_small": est_small, "measured_small": measured,
+                   "error": (est_small - measured) / measured, "step_seconds": round(seconds, 3),
+                   "time_ratio": round(seconds / base_time, 3)}
+            rows.append(row)
+            print(f"{label:34} {memfit.format_size(est_full):>11} {memfit.format_size(est_small):>11} "
+                  f"{memfit.format_size(measured):>11} {100 * row['error']:>+6.2f}% {row['time_ratio']:>5.2f}x",
+                  flush=True)
+        out[name] = {"full": [fb, fs], "small": [small, sb, ss], "rows": rows}
+    return out
+
+
+def run_cuda(estimates: dict) -> dict:
+    out = {}
+    for name, (full, (fb, fs), _small, _) in MODELS.items():
+        source = _source(full)
+        batch = _to(source.make_batch(fb, fs), "cuda")
+        rows = []
+        print(f"\n{name}: b{fb} x {fs} on {torch.cuda.get_device_name()}")
+        for (label, recipe), est in zip(steps_for(fb), estimates[name]["rows"]):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                seconds = _time_steps(source, batch, recipe, "cuda")
+            except torch.cuda.OutOfMemoryError:
+                rows.append({"recipe": label, "oom": True})
+                print(f"{label:34} OOM", flush=True)
+                continue
+            stats = torch.cuda.memory_stats()
+            row = {"recipe": label, "fields": recipe.to_dict(), "estimated_full_cpu_semantics": est["estimated_full"],
+                   "allocated_peak": stats["allocated_bytes.all.peak"], "reserved_peak": stats["reserved_bytes.all.peak"],
+                   "step_seconds": round(seconds, 4), "tokens_per_second": round(fb * fs / seconds)}
+            rows.append(row)
+            print(f"{label:34} est {memfit.format_size(row['estimated_full_cpu_semantics']):>11} "
+                  f"alloc {memfit.format_size(row['allocated_peak']):>11} reserved {memfit.format_size(row['reserved_peak']):>11} "
+                  f"{row['tokens_per_second']:>8} tok/s", flush=True)
+        out[name] = {"full": [fb, fs], "rows": rows}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args()
+    meta = {"torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "command": f"python bench/techniques.py --device {args.device}"}
+    if args.device == "cpu":
+        results = run_cpu()
+        meta["device"] = "cpu"
+    else:
+        with open(os.path.join(HERE, "results", "techniques-cpu.json")) as f:
+            cpu = json.load(f)
+        results = run_cuda(cpu["models"])
+        meta["device"] = torch.cuda.get_device_name()
+        meta["estimates_from"] = cpu["meta"]
+    with open(os.path.join(args.out, f"techniques-{args.device}.json"), "w") as f:
+        json.dump({"meta": meta, "models": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
