@@ -35,6 +35,8 @@ def chunked_lm_loss(chunks: int):
     """A ``loss_fn(model, batch)`` computing a causal-LM loss in ``chunks`` sequence pieces."""
 
     def loss_fn(model, batch):
+        if hasattr(model, "get_base_model"):  # a peft wrapper: adapters live inside the HF model
+            model = model.get_base_model()
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         base = getattr(model, "base_model", None)
         if head is None or base is None or base is model or "labels" not in batch:
