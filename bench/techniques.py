@@ -13,6 +13,7 @@ On CUDA: the CPU-semantics estimate at the full size (computed here, on the CPU)
 from __future__ import annotations
 
 import argparse
+import gc
 import datetime
 import json
 import os
@@ -36,8 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ("name@N" is the model with N blocks: same widths and vocabulary, so activations dominate as
 # they do at full size, on a machine with 2 cores and 24 GiB.)
 MODELS = {
-    "gpt2-medium": ("gpt2-medium", (8, 1024), "gpt2-medium@4", (2, 256)),
-    "llama-3.2-1b": ("llama-3.2-1b", (4, 2048), "llama-3.2-1b@2", (2, 128)),
+    "gpt2-medium": ("gpt2-medium", (8, 1024), "gpt2-medium@2", (2, 256)),
+    "llama-3.2-1b": ("llama-3.2-1b", (4, 2048), "llama-3.2-1b@1", (2, 128)),
 }
 
 
@@ -93,49 +94,68 @@ def run_cpu() -> dict:
         batch = source.make_batch(sb, ss)
         rows, base_time = [], None
         print(f"\n{name}: estimate at b{fb} x {fs}; measured at {small} b{sb} x {ss}")
-        print(f"{'recipe':34} {'est. full':>11} {'est. small':>11} {'measured':>11} {'err':>7} {'time':>6}")
+        print(f"{'recipe':34} {'est. full':>11} {'est. small':>11} {'measured':>11} {'err':>7} {'time':>6}  peak in")
         for label, recipe in steps_for(sb):
             est_full = memfit.estimate(full, batch_size=fb, seq_len=fs, recipe=recipe).peak_bytes
-            est_small = memfit.estimate(source.build, batch, recipe=recipe).peak_bytes
+            small_report = memfit.estimate(source.build, batch, recipe=recipe)
+            est_small = small_report.peak_bytes
+            peak_phase = max(small_report.phase_peaks, key=small_report.phase_peaks.get)
             measured = true_peak(source.build, batch, recipe=recipe)
             seconds = _time_steps(source, batch, recipe, "cpu")
             base_time = base_time or seconds
             row = {"recipe": label, "fields": recipe.to_dict(), "estimated_full": est_full,
                    "estimated_small": est_small, "measured_small": measured,
-                   "error": (est_small - measured) / measured, "step_seconds": round(seconds, 3),
+                   "error": (est_small - measured) / measured, "peak_phase": peak_phase,
+                   "step_seconds": round(seconds, 3),
                    "time_ratio": round(seconds / base_time, 3)}
             rows.append(row)
             print(f"{label:34} {memfit.format_size(est_full):>11} {memfit.format_size(est_small):>11} "
-                  f"{memfit.format_size(measured):>11} {100 * row['error']:>+6.2f}% {row['time_ratio']:>5.2f}x",
+                  f"{memfit.format_size(measured):>11} {100 * row['error']:>+6.2f}% {row['time_ratio']:>5.2f}x  {peak_phase}",
                   flush=True)
         out[name] = {"full": [fb, fs], "small": [small, sb, ss], "rows": rows}
     return out
 
 
-def run_cuda(estimates: dict) -> dict:
+def _cuda_row(name: str, index: int) -> dict:
+    """One row on the GPU, in this (fresh) process; an OOM is a result, not a failure."""
+    full, (fb, fs), _small, _ = MODELS[name]
+    label, recipe = steps_for(fb)[index]
+    source = _source(full)
+    batch = _to(source.make_batch(fb, fs), "cuda")
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        seconds = _time_steps(source, batch, recipe, "cuda")
+    except torch.cuda.OutOfMemoryError as err:
+        return {"recipe": label, "fields": recipe.to_dict(), "oom": True, "message": str(err).splitlines()[0][:160]}
+    stats = torch.cuda.memory_stats()
+    return {"recipe": label, "fields": recipe.to_dict(), "allocated_peak": stats["allocated_bytes.all.peak"],
+            "reserved_peak": stats["reserved_bytes.all.peak"], "step_seconds": round(seconds, 4),
+            "tokens_per_second": round(fb * fs / seconds)}
+
+
+def run_cuda(estimates: dict, only: str | None = None) -> dict:
+    """Each row in its own process: memory an OOM leaves behind cannot spoil the next row."""
+    import subprocess
+
     out = {}
     for name, (full, (fb, fs), _small, _) in MODELS.items():
-        source = _source(full)
-        batch = _to(source.make_batch(fb, fs), "cuda")
+        if only and name != only:
+            continue
         rows = []
         print(f"\n{name}: b{fb} x {fs} on {torch.cuda.get_device_name()}")
-        for (label, recipe), est in zip(steps_for(fb), estimates[name]["rows"]):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                seconds = _time_steps(source, batch, recipe, "cuda")
-            except torch.cuda.OutOfMemoryError:
-                rows.append({"recipe": label, "oom": True})
-                print(f"{label:34} OOM", flush=True)
-                continue
-            stats = torch.cuda.memory_stats()
-            row = {"recipe": label, "fields": recipe.to_dict(), "estimated_full_cpu_semantics": est["estimated_full"],
-                   "allocated_peak": stats["allocated_bytes.all.peak"], "reserved_peak": stats["reserved_bytes.all.peak"],
-                   "step_seconds": round(seconds, 4), "tokens_per_second": round(fb * fs / seconds)}
+        for index, est in enumerate(estimates[name]["rows"]):
+            proc = subprocess.run([sys.executable, __file__, "--device", "cuda", "--row", name, str(index)],
+                                  capture_output=True, text=True)
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row["estimated_full_cpu_semantics"] = est["estimated_full"]
             rows.append(row)
-            print(f"{label:34} est {memfit.format_size(row['estimated_full_cpu_semantics']):>11} "
-                  f"alloc {memfit.format_size(row['allocated_peak']):>11} reserved {memfit.format_size(row['reserved_peak']):>11} "
-                  f"{row['tokens_per_second']:>8} tok/s", flush=True)
+            if row.get("oom"):
+                print(f"{row['recipe']:34} est {memfit.format_size(est['estimated_full']):>11}  OOM", flush=True)
+                continue
+            print(f"{row['recipe']:34} est {memfit.format_size(est['estimated_full']):>11} "
+                  f"alloc {memfit.format_size(row['allocated_peak']):>11} "
+                  f"reserved {memfit.format_size(row['reserved_peak']):>11} {row['tokens_per_second']:>8} tok/s",
+                  flush=True)
         out[name] = {"full": [fb, fs], "rows": rows}
     return out
 
@@ -144,7 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--only", default=None, help="run one model of the table")
+    parser.add_argument("--row", nargs=2, default=None, help=argparse.SUPPRESS)  # MODEL INDEX, internal
     args = parser.parse_args()
+    if args.row:
+        print(json.dumps(_cuda_row(args.row[0], int(args.row[1]))))
+        return
     meta = {"torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "command": f"python bench/techniques.py --device {args.device}"}
     if args.device == "cpu":
@@ -153,7 +178,7 @@ def main() -> None:
     else:
         with open(os.path.join(HERE, "results", "techniques-cpu.json")) as f:
             cpu = json.load(f)
-        results = run_cuda(cpu["models"])
+        results = run_cuda(cpu["models"], args.only)
         meta["device"] = torch.cuda.get_device_name()
         meta["estimates_from"] = cpu["meta"]
     with open(os.path.join(args.out, f"techniques-{args.device}.json"), "w") as f:

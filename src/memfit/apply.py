@@ -107,6 +107,7 @@ class _Step:
         self.scaler = grad_scaler(recipe.precision, device_type)
         self.offload = ActivationOffload() if recipe.offload_activations else None
         self.count = 0
+        self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
 
     def _hooks(self):
         offload, watch = self.offload, self.watch
@@ -140,11 +141,13 @@ class _Step:
                 self.watch.mark(param.grad, Category.GRADIENTS)
         self.watch.begin("optimizer", index)
         if self.scaler:
+            before = self.scaler.get_scale()
             self.scaler.step(self.opt)
             self.scaler.update()
+            self.skipped += self.scaler.get_scale() < before  # the scale backs off only on a skip
         else:
             self.opt.step()
-        for state in self.opt.state.values():
+        for state in getattr(self.opt, "state", {}).values():  # torchao's CPU offload keeps none here
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self.watch.mark(value, Category.OPTIMIZER_STATE)

@@ -81,6 +81,9 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len):
     """One full trace of ``source`` on fake tensors: (Report, replay)."""
+    if recipe.optimizer == "adamw4bit":
+        raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
+                          "use memfit.measure, or adamw8bit")
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)

@@ -16,6 +16,7 @@ from memfit.categories import PHASES, Category
 from memfit.report import Report
 from memfit.apply import run_steps
 from memfit.step import batch_tensors
+from memfit.units import format_size
 
 __all__ = ["trace", "model_device"]
 
@@ -67,11 +68,17 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
             "steps": steps,
             "batch_shapes": [list(t.shape) for t in batch_tensors(batch)],
         },
-        notes=_notes(unprobed),
+        notes=_notes(unprobed, ledger.attention_matrices),
     ), result
 
 
-def _notes(unprobed: int) -> list[str]:
-    if not unprobed:
-        return []
-    return [f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted"]
+def _notes(unprobed: int, attention: dict[str, int]) -> list[str]:
+    notes = []
+    if unprobed:
+        notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")
+    if attention:
+        module, nbytes = max(attention.items(), key=lambda kv: kv[1])
+        notes.append(f"{len(attention)} module(s) materialise the full S x S attention matrix ({format_size(nbytes)} "
+                     f"each in {module}); SDPA's memory-efficient kernels avoid it (attention=sdpa; on CPU only "
+                     "without dropout)")
+    return notes

@@ -37,6 +37,7 @@ ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
 #: The module name of what no module's forward or backward created (loss, optimizer step).
 OUTSIDE = "(outside any module)"
 _BORN = {torch.ops.aten.lift_fresh.default}
+_SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
 
 
 @dataclass
@@ -67,7 +68,10 @@ class Site:
 
 
 def _probe_worthy(func, tensors) -> bool:
-    """Ops whose CPU kernels were seen allocating internally (see TORCH-FACTS.md)."""
+    """Ops whose CPU kernels were seen allocating internally (see TORCH-FACTS.md), and every
+    custom op (bitsandbytes, torchao): their kernels are opaque to a dispatch-level trace."""
+    if func.namespace not in ("aten", "prim", "prims"):
+        return True
     name = func.__name__
     if any(word in name for word in ("convolution", "mkldnn", "rnn", "lstm", "gru")):
         return True
@@ -99,6 +103,7 @@ class Ledger(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._modules = _ModuleStack(model)
         self._open = True
+        self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
 
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:
@@ -179,6 +184,8 @@ class Ledger(TorchDispatchMode):
                     self._track(storage, Category.TEMPORARIES)
                 out_records.append(self._ids.get(storage) if fresh else None)
                 out_metas.append((tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
+        if func.overloadpacket in _SOFTMAX and self.phase == "forward" and isinstance(out, torch.Tensor):
+            self._note_attention(out)
         donor = self._accumulation_donor(func, args, kwargs)
         if donor is not None and out_records and out_records[0] is not None:
             self.records[out_records[0]].donor = donor
@@ -188,6 +195,13 @@ class Ledger(TorchDispatchMode):
             if tensors and _probe_worthy(func, tensors):
                 self._add_site(func, args, kwargs, out_records, out_metas)
         return out
+
+    def _note_attention(self, out: torch.Tensor) -> None:
+        """A softmax over a square last pair of dims of a 4-D tensor is an attention matrix."""
+        if out.dim() == 4 and out.shape[-1] == out.shape[-2] >= 64:
+            module = self._module()
+            nbytes = out.untyped_storage().nbytes()
+            self.attention_matrices[module] = max(nbytes, self.attention_matrices.get(module, 0))
 
     def _accumulation_donor(self, func, args, kwargs) -> int | None:
         """The gradient buffer a plain run would have added into in place, if this is that add.

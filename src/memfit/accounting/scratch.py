@@ -138,11 +138,9 @@ def _operand_bytes(layout) -> int:
 def _real(meta) -> torch.Tensor:
     shape, stride, dtype, _grad = meta
     tensor = torch.empty_strided(shape, stride, dtype=dtype)
-    if dtype.is_floating_point or dtype.is_complex:
-        tensor.normal_()
-    else:
-        tensor.zero_()
-    return tensor
+    # Values do not change what a kernel allocates, only that they are finite; a constant fill
+    # is ~50x faster than random numbers on large operands.
+    return tensor.fill_(0.5 if (dtype.is_floating_point or dtype.is_complex) else 0)
 
 
 def _allocation_spans(prof) -> dict[int, tuple[int, int]]:
