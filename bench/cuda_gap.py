@@ -75,20 +75,19 @@ def _to_cuda(batch):
 
 
 def _run(build, batch, loss, opt, prec):
-    from memfit.precision import cast_model
-    from memfit.step import run_steps
+    from memfit.apply import run_steps
+    from memfit.recipe import Recipe
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build()
-    cast_model(model, prec)
     batch = _to_cuda(batch)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=2_000_000)
     start = time.perf_counter()
-    run_steps(model, batch, loss_fn=loss, optimizer=opt, precision=prec, steps=2, device_type="cuda")
+    run_steps(model, batch, recipe=Recipe(precision=prec, optimizer=opt), steps=2, loss_fn=loss)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     snap = torch.cuda.memory._snapshot()

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from memfit.errors import MemfitError
-from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy, transformers_unaware
+from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.source import Source, resolve
 from memfit.precision import check_precision, weight_dtype
 from memfit.recipe import Recipe, recipe_from
@@ -97,7 +97,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     else:
         batch = fake_batch(batch, mode)
     reads = ScalarReads()
-    with mode, reads, transformers_unaware():
+    with mode, reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake")

@@ -9,9 +9,7 @@ parameter and buffer swapped for a fake twin, so the user's model is never touch
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -19,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads", "transformers_unaware"]
+__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads"]
 
 
 def _fake_param(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, cache: dict, dtype=None):
@@ -107,22 +105,3 @@ class ScalarReads(TorchDispatchMode):
             self._all[out] = True
         return out
 
-
-@contextlib.contextmanager
-def transformers_unaware():
-    """Hide fake tensors from Hugging Face's "am I being traced?" check.
-
-    ``transformers`` builds an explicit 4-D attention mask instead of passing ``is_causal=True``
-    when it sees a FakeTensor (it assumes an export is under way), so a fake step would run a
-    different attention path than the real one (+2% on a tiny Llama with use_cache off).
-    """
-    utils = sys.modules.get("transformers.utils.import_utils")
-    if utils is None or not hasattr(utils, "is_fake_tensor"):
-        yield
-        return
-    original = utils.is_fake_tensor
-    utils.is_fake_tensor = lambda tensor: False
-    try:
-        yield
-    finally:
-        utils.is_fake_tensor = original

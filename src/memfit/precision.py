@@ -14,7 +14,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "cast_model", "weight_dtype", "check_capability"]
+__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "weight_dtype", "check_capability"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
@@ -47,12 +47,6 @@ def check_capability(precision: str, device_type: str) -> None:
 def weight_dtype(precision: str):
     """The dtype weights are cast to (``None``: kept as built)."""
     return torch.bfloat16 if precision == "bf16" else None
-
-
-def cast_model(model: torch.nn.Module, precision: str) -> None:
-    dtype = weight_dtype(precision)
-    if dtype is not None:
-        model.to(dtype)
 
 
 def grad_scaler(precision: str, device_type: str):
