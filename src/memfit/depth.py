@@ -57,6 +57,6 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         settings={**big.settings, "depth": depth, "traced_depths": list(SHALLOW)},
         notes=big.notes + [
             f"traced {SHALLOW[0]} and {SHALLOW[1]} of {depth} blocks and scaled by depth; "
-            "modules are those of the 4-block trace and no timeline is kept (pass fast=False for both)"
+            "modules are those of the 4-block trace and no timeline is kept (fast=False or --full gives both)"
         ],
     )
