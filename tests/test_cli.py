@@ -40,3 +40,20 @@ def test_errors_are_one_line_with_status_2(argv, needle):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_recipe_file_and_flags_compose(tmp_path, capsys):
+    (tmp_path / "r.yaml").write_text("precision: bf16-mixed\ncheckpointing: blocks\n")
+    argv = ["estimate", "gpt2", "--seq-len", "64", "--batch-size", "2", "--recipe", str(tmp_path / "r.yaml"),
+            "--grad-accum-steps", "2",
+            "--json"]
+    assert main(argv) == 0
+    recipe = json.loads(capsys.readouterr().out)["settings"]["recipe"]
+    assert (recipe["precision"], recipe["checkpointing"], recipe["grad_accum_steps"]) == ("bf16-mixed", "blocks", 2)
+
+
+def test_conflicting_flags_name_both_fields():
+    proc = subprocess.run([sys.executable, "-m", "memfit.cli", "estimate", "gpt2", "--optimizer-in-backward",
+                           "--grad-accum-steps", "2"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "optimizer_in_backward" in proc.stderr and "grad_accum_steps" in proc.stderr
+    assert "Traceback" not in proc.stderr
