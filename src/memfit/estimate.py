@@ -106,8 +106,8 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
         except (UnsupportedOperatorException, DataDependentOutputException,
                 DynamicOutputShapeException, UnsupportedFakeTensorException) as err:
             op = getattr(err, "func", None) or str(err).splitlines()[0]
-            raise MemfitError(f"operation {op} cannot run on fake tensors: use memfit.measure "
-                              "(or `memfit measure`) to run the step for real") from None
+            raise MemfitError(f"operation {op} cannot run on fake tensors: run the step for real with "
+                              "memfit.measure(...) instead") from None
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as err:
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
     if reads.reads:
