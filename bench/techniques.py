@@ -13,7 +13,6 @@ On CUDA: the CPU-semantics estimate at the full size (computed here, on the CPU)
 from __future__ import annotations
 
 import argparse
-import gc
 import datetime
 import json
 import os

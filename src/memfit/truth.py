@@ -3,15 +3,14 @@
 This is what estimates are graded against in tests and bench/. It shares nothing with the
 ledger: ``profile(profile_memory=True)`` records every allocation and free the CPU allocator
 serves (kernel scratch included), and the peak is the highest running sum of those events.
-``prof.events()`` alone misses frees, so the kineto event tree is walked instead.
 """
 
 from __future__ import annotations
 
 import torch
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.apply import run_steps
 from memfit.recipe import recipe_from
 from memfit.step import batch_tensors
@@ -23,21 +22,7 @@ def allocator_peak(fn) -> int:
     """Highest bytes allocated above the level at entry while ``fn()`` runs on CPU."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    found = []
-
-    def walk(event):
-        if event.tag == _EventType.Allocation:
-            found.append((event.start_time_ns, event.extra_fields.alloc_size))
-        for child in event.children:
-            walk(child)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    running = peak = 0
-    for _, size in sorted(found, key=lambda item: item[0]):
-        running += size
-        peak = max(peak, running)
-    return peak
+    return span(allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree()))[0]
 
 
 def resident_bytes(model, batch) -> int:

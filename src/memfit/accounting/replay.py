@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from memfit.accounting.ledger import ALLOC, FREE, MARK, SPIKE, Ledger
+from memfit.accounting.ledger import ALLOC, FREE, SPIKE, Ledger
 from memfit.categories import Category
 
 __all__ = ["Replay", "replay"]

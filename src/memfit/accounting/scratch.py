@@ -22,10 +22,10 @@ import contextlib
 import math
 
 import torch
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_unflatten
 
+from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.accounting.ledger import MATMULS
 
 __all__ = ["measure_scratch", "PROBE_LIMIT", "FLOP_LIMIT"]
@@ -147,21 +147,9 @@ def _allocation_spans(prof) -> dict[int, tuple[int, int]]:
     """For each probe marker: (highest running sum, final sum) of allocations inside it."""
     spans = {}
 
-    def allocations(event, into):
-        if event.tag == _EventType.Allocation:
-            into.append((event.start_time_ns, event.extra_fields.alloc_size))
-        for child in event.children:
-            allocations(child, into)
-
     def visit(event):
         if event.name.startswith(_TAG):
-            found: list = []
-            allocations(event, found)
-            running = peak = 0
-            for _, size in sorted(found, key=lambda item: item[0]):
-                running += size
-                peak = max(peak, running)
-            spans[int(event.name[len(_TAG):])] = (peak, running)
+            spans[int(event.name[len(_TAG):])] = span(allocation_sizes(event))
             return
         for child in event.children:
             visit(child)
