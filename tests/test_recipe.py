@@ -61,8 +61,8 @@ def _unavailable_alone() -> dict:
 
 def test_every_field_alone_works_or_says_why():
     alone = _unavailable_alone()
-    # on a CPU-only machine: optimizer offload needs CUDA, LoRA is not built yet
-    assert set(alone) <= {"offload_optimizer", "lora"}
+    # on a CPU-only machine optimizer offload needs CUDA
+    assert set(alone) <= {"offload_optimizer"}
     for field, message in alone.items():
         assert field in message
 
@@ -78,3 +78,18 @@ def test_every_pair_works_or_names_both_fields():
             if a not in str(err) or b not in str(err):
                 failures.append((a, b, str(err)))
     assert not failures, failures
+
+
+def test_qlora_with_every_other_field_works_or_names_both():
+    failures = []
+    for field, value in CHANGED.items():
+        if field in ("precision", "lora", "offload_optimizer"):
+            continue
+        try:
+            _run(precision="bf16-mixed", lora="qlora:8", **{field: value})
+        except MemfitError as err:
+            if field not in str(err) or "lora" not in str(err):
+                failures.append((field, str(err)))
+    assert not failures, failures
+    with pytest.raises(MemfitError, match="lora=qlora:8 and precision=fp32"):
+        _run(lora="qlora:8")

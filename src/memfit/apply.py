@@ -4,7 +4,7 @@ The one place techniques are composed, always in this order, so that each sees t
 previous one left:
 
 1. precision       weights cast for pure bf16; autocast / GradScaler chosen for the step
-1b. lora           peft adapters on the (cast) base, base frozen
+1b. lora           peft adapters on the (cast) base, base frozen; qlora quantises the base first
 2. attention       the model's attention implementation
 3. checkpointing   blocks (or named modules) wrapped in ``torch.utils.checkpoint``
 4. loss            ``chunked_loss`` replaces the loss function
@@ -27,7 +27,7 @@ from memfit.recipe import Recipe
 from memfit.step import check_loss, default_loss, split_batch, token_weights
 from memfit.techniques.attention import set_attention
 from memfit.techniques.checkpointing import apply_checkpointing
-from memfit.techniques.lora import apply_lora
+from memfit.techniques.lora import apply_lora, quantize_base
 from memfit.techniques.chunked_loss import chunked_lm_loss
 from memfit.techniques.offload import ActivationOffload
 from memfit.techniques.optim_backward import InBackward
@@ -60,8 +60,8 @@ def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=Non
     _cast(model, recipe.precision)
     kind, rank = recipe.lora_plan()
     if kind == "qlora":
-        raise MemfitError(f"lora={recipe.lora} (4-bit base) is not built yet: use lora:{rank}")
-    if kind == "lora":
+        quantize_base(model)  # once: a model already quantised (see ``trace``) is left as it is
+    if kind in ("lora", "qlora"):
         model = apply_lora(model, rank=rank)
     for param in model.parameters():  # adapters are parameters too, not temporaries
         watch.mark(param, Category.PARAMETERS)

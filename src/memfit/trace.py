@@ -16,6 +16,7 @@ from memfit.categories import PHASES, Category
 from memfit.report import Report
 from memfit.apply import run_steps
 from memfit.step import batch_tensors
+from memfit.techniques.lora import quant_state_tensors, quantize_base
 from memfit.units import format_size
 
 __all__ = ["trace", "model_device"]
@@ -30,8 +31,10 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake."""
     device = model_device(model)
+    if recipe.lora_plan()[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
+        quantize_base(model)
     ledger = Ledger(device=device, model=model)
-    for param in model.parameters():
+    for param in list(model.parameters()) + quant_state_tensors(model):
         ledger.register(param, Category.PARAMETERS)
     for buf in model.buffers():
         ledger.register(buf, Category.BUFFERS)
@@ -59,8 +62,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
         method=method,
         modelled_bytes=result.scratch_at_peak,
         unprobed_ops=unprobed,
-        parameters=sum(p.numel() for p in params),
-        trainable=sum(p.numel() for p in params if p.requires_grad),
+        parameters=sum(_numel(p) for p in params),
+        trainable=sum(_numel(p) for p in params if p.requires_grad),
         settings={
             "recipe": recipe.to_dict(),
             "precision": recipe.precision,
@@ -70,6 +73,12 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
         },
         notes=_notes(unprobed, ledger.attention_matrices),
     ), result
+
+
+def _numel(param) -> int:
+    """Logical weights of a parameter: a 4-bit one stores two per byte (``quant_state.shape``)."""
+    state = getattr(param, "quant_state", None)
+    return param.numel() if state is None else int(torch.Size(state.shape).numel())
 
 
 def _notes(unprobed: int, attention: dict[str, int]) -> list[str]:

@@ -25,10 +25,10 @@ def allocator_peak(fn) -> int:
     return span(allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree()))[0]
 
 
-def resident_bytes(model, batch) -> int:
-    """Bytes of the distinct storages of ``model``'s parameters and buffers and of ``batch``."""
+def resident_bytes(model, batch, extra=()) -> int:
+    """Bytes of the distinct storages of ``model``'s parameters and buffers, ``batch`` and ``extra``."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()) + batch_tensors(batch):
+    for t in list(model.parameters()) + list(model.buffers()) + batch_tensors(batch) + list(extra):
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
@@ -47,7 +47,12 @@ def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp3
     model = factory()
     if recipe.precision == "bf16":
         model.to(torch.bfloat16)
-    base = resident_bytes(model, batch)
+    extra = []
+    if recipe.lora_plan()[0] == "qlora":  # a quantised model, as a quantised checkpoint would load
+        from memfit.techniques.lora import quant_state_tensors, quantize_base
+
+        extra = quant_state_tensors(quantize_base(model))
+    base = resident_bytes(model, batch, extra)
     peak = allocator_peak(lambda: run_steps(model, batch, recipe=recipe, steps=steps, optimizer=custom,
                                             loss_fn=loss_fn))
     return base + peak
