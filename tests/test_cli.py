@@ -33,6 +33,7 @@ def test_models_lists_the_catalog(capsys):
     (["estimate", "gpt2", "--budget", "lots"], "24GiB"),
     (["estimate", "gpt2", "--seq-len", "0"], "positive"),
     (["estimate", "gpt2", "--optimizer", "lion"], "adamw"),
+    (["estimate", "gpt2", "--gpu", "rtx-9999"], "rtx-4090"),
 ])
 def test_errors_are_one_line_with_status_2(argv, needle):
     proc = subprocess.run([sys.executable, "-m", "memfit.cli", *argv], capture_output=True, text=True)
@@ -57,3 +58,18 @@ def test_conflicting_flags_name_both_fields():
                            "--grad-accum-steps", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and "optimizer_in_backward" in proc.stderr and "grad_accum_steps" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_estimate_for_a_gpu_uses_its_memory_and_counts_reserved_and_context(capsys):
+    assert main(["estimate", "gpt2", "--seq-len", "64", "--gpu", "rtx-4090", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "cuda" and data["gpu"] == "rtx-4090"
+    assert data["device_bytes"] == data["reserved_bytes"] + data["context_bytes"] >= data["peak_bytes"]
+    assert data["budget"]["budget_bytes"] == 25_757_220_864  # the card's memory when no --budget
+    assert data["budget"]["margin_bytes"] == 25_757_220_864 - data["device_bytes"]
+
+
+def test_gpus_lists_the_catalog(capsys):
+    assert main(["gpus", "--json"]) == 0
+    names = {g["name"] for g in json.loads(capsys.readouterr().out)}
+    assert {"rtx-4090", "h100-sxm", "a100-80gb", "t4"} <= names

@@ -55,7 +55,7 @@ def test_tuple_batch_without_loss_fn_asks_for_one():
 
 @pytest.mark.parametrize("kwargs, word", [({"precision": "fp8"}, "precision"), ({"optimizer": "lion"}, "optimizer"),
                                           ({"steps": 0}, "steps"), ({"batch_size": -1}, "batch_size"),
-                                          ({"device": "cuda"}, "device")])
+                                          ({"device": "tpu"}, "device"), ({"gpu": "rtx-9999"}, "rtx-4090")])
 def test_bad_arguments(kwargs, word):
     with pytest.raises(MemfitError, match=word):
         memfit.estimate(MLP, BATCH, loss_fn=classify, **kwargs)

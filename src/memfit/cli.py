@@ -14,7 +14,7 @@ import sys
 from memfit.errors import MemfitError
 from memfit.precision import PRECISIONS
 from memfit.recipe import APPROXIMATE_OPTIMIZERS, ATTENTION, EXACT_OPTIMIZERS
-from memfit.units import parse_size
+from memfit.units import format_size, parse_size
 
 __all__ = ["main"]
 
@@ -53,13 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
     _recipe_flags(est)
     est.add_argument("--steps", type=_positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
-    est.add_argument("--budget", type=_size, default=None, help="bytes available, e.g. 24GiB, 24GB, 80G")
+    est.add_argument("--budget", type=_size, default=None,
+                     help="bytes available, e.g. 24GiB, 24GB, 80G (default with --gpu: the card's memory)")
+    est.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="whose semantics to follow: cpu (default), or cuda (allocated, reserved, context)")
+    est.add_argument("--gpu", default=None, help="a GPU of the catalog (rtx-4090, a100-80gb, h100-sxm, ...): "
+                     "CUDA semantics of that card and its memory as the budget; see `memfit gpus`")
     est.add_argument("--batch", default=None, help="package.module:function returning a batch (for factory models)")
     est.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
     est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth")
     est.add_argument("--json", action="store_true", help="print the report as JSON")
     models = sub.add_parser("models", help="list the built-in model catalog")
     models.add_argument("--json", action="store_true", help="print the list as JSON")
+    gpus = sub.add_parser("gpus", help="list the GPU catalog")
+    gpus.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
 
 
@@ -107,10 +114,17 @@ def _estimate(args) -> int:
     from memfit.render import report_view, verdict
 
     err = Console(stderr=True)
+    card = None
+    if args.gpu is not None:
+        from memfit.gpus import gpu
+
+        card = gpu(args.gpu)
+        if args.budget is None:
+            args.budget = card.memory_bytes
     with err.status(f"tracing {args.model} on fake tensors…"):
         report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss), recipe=_recipe(args),
                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                          fast=False if args.full else None)
+                          fast=False if args.full else None, device="cuda" if card else args.device, gpu=card)
     if args.json:
         data = report.to_dict()
         if args.budget is not None:
@@ -118,6 +132,26 @@ def _estimate(args) -> int:
         print(json.dumps(data, indent=2))
     else:
         Console().print(report_view(report, args.model, args.budget))
+    return 0
+
+
+def _gpus(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memfit.gpus import CATALOG
+
+    if args.json:
+        print(json.dumps([g.to_dict() for g in CATALOG.values()], indent=2))
+        return 0
+    table = Table(title="GPU catalog (figures and sources in memfit/gpus.py)", title_justify="left")
+    for column in ("name", "memory", "compute", "bf16", "bf16 dense", "memory bw", "host link"):
+        table.add_column(column, justify="left" if column in ("name", "host link") else "right")
+    for g in CATALOG.values():
+        table.add_row(g.name, format_size(g.memory_bytes), "%d.%d" % g.compute_capability, "yes" if g.bf16 else "no",
+                      f"{g.bf16_flops / 1e12:.0f} TFLOPS" if g.bf16 else "-", f"{g.memory_bandwidth / 1e12:.2f} TB/s",
+                      f"{g.host_link} {g.host_link_bandwidth / 1e9:.0f} GB/s")
+    Console().print(table)
     return 0
 
 
@@ -141,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_transformers()
     try:
-        return {"estimate": _estimate, "models": _models}[args.command](args)
+        return {"estimate": _estimate, "models": _models, "gpus": _gpus}[args.command](args)
     except MemfitError as err:
         print(f"memfit: error: {err}", file=sys.stderr)
         return 2

@@ -28,11 +28,12 @@ def _line(low: int, high: int, depth: int) -> int:
     return low + (high - low) * (depth - a) // (b - a)
 
 
-def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len) -> Report:
+def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
+                      gpu=None) -> Report:
     depth = source.depth
     (small, r_small), (big, r_big) = (
         fake_trace(source.shallow(n), None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                   steps=steps, batch_size=batch_size, seq_len=seq_len)
+                   steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=gpu)
         for n in SHALLOW
     )
     peaks = {key: _line(r_small.phase_peaks[key], value, depth)
@@ -40,8 +41,18 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     top = max(peaks, key=peaks.get)
     cats_small, cats_big = r_small.phase_categories[top], r_big.phase_categories[top]
     by_category = {k: _line(cats_small.get(k, 0), v, depth) for k, v in cats_big.items()}
+    cuda = {}
+    if gpu is not None:
+        # The peak can sit in another phase in the shallow copies, so the allocator's figures are
+        # not lines themselves: what is affine is the rounding added to the unrounded peak and
+        # the reserved-over-allocated gap.
+        rounding = [r.peak_bytes - max(r.phase_peaks.values()) for r in (small, big)]
+        allocated = peaks[top] + max(0, _line(*rounding, depth))
+        gap = _line(small.reserved_bytes - small.peak_bytes, big.reserved_bytes - big.peak_bytes, depth)
+        cuda = dict(peak_bytes=allocated, reserved_bytes=allocated + max(0, gap),
+                    context_bytes=big.context_bytes, gpu=big.gpu)
     return Report(
-        peak_bytes=peaks[top],
+        peak_bytes=cuda.pop("peak_bytes", peaks[top]),
         by_category=by_category,
         phase_peaks={p: max((v for (s, ph), v in peaks.items() if ph == p), default=0) for p in PHASES},
         step_peaks=[max((v for (s, ph), v in peaks.items() if s == step and ph in PHASES), default=0)
@@ -59,4 +70,5 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
             f"traced {SHALLOW[0]} and {SHALLOW[1]} of {depth} blocks and scaled by depth; "
             "modules are those of the 4-block trace and no timeline is kept (fast=False or --full gives both)"
         ],
+        **cuda,
     )

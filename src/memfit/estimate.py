@@ -34,7 +34,7 @@ FAST_MIN_DEPTH = 8
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
-             device: str = "cpu", fast: bool | None = None, recipe: Recipe | None = None) -> Report:
+             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -46,7 +46,12 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     loss_fn    ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``.
     optimizer  ``adamw``, ``adam``, ``sgd``, ``adafactor`` or a callable ``params -> Optimizer``.
     precision  ``fp32``, ``bf16-mixed``, ``fp16-mixed`` or ``bf16``.
-    device     whose semantics to follow; only ``cpu`` is modelled so far.
+    device     whose semantics to follow: ``cpu`` (byte-exact against the CPU allocator) or
+               ``cuda`` (``memfit.cuda``: CUDA autocast lists, fused attention, foreach
+               optimizers, cuBLAS workspaces, and the caching allocator's rounding and segments;
+               the report adds ``reserved_bytes``, ``context_bytes`` and ``device_bytes``).
+    gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.gpus.gpu(...)``) for CUDA semantics:
+               its workspace size and context; implies ``device="cuda"`` (default ``h100-sxm``).
     fast       trace two shallow copies and scale by depth (default: for configs with
                >= 8 blocks and no explicit batch); ``False`` forces the full trace.
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
@@ -55,8 +60,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
-    if str(device) != "cpu":
-        raise MemfitError(f"device {device!r} is not modelled yet: use device='cpu'")
+    target = _target(device, gpu)
     if recipe.micro_batch_size:
         batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
     source = resolve(model)
@@ -66,10 +70,25 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
         from memfit.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                                 steps=steps, batch_size=batch_size, seq_len=seq_len)
+                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
     report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                           steps=steps, batch_size=batch_size, seq_len=seq_len)
+                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
     return report
+
+
+DEFAULT_GPU = "h100-sxm"
+
+
+def _target(device, gpu):
+    """None for CPU semantics, else the catalog GPU whose CUDA semantics to follow."""
+    from memfit.gpus import GPU, gpu as lookup
+
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise MemfitError(f"device {device!r} is not modelled: use device='cpu' or device='cuda'")
+    if gpu is None:
+        return lookup(DEFAULT_GPU) if kind == "cuda" else None
+    return gpu if isinstance(gpu, GPU) else lookup(gpu)
 
 
 def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None) -> None:
@@ -79,7 +98,7 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
             raise MemfitError(f"{name} must be a positive integer, got {value!r}")
 
 
-def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len):
+def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None):
     """One full trace of ``source`` on fake tensors: (Report, replay)."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
@@ -100,7 +119,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     with mode, reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake")
+                                   steps=steps, method="fake", gpu=gpu)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

@@ -17,12 +17,19 @@ __all__ = ["OPTIMIZERS", "APPROXIMATE", "make_optimizer", "offloaded"]
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 # NOTE: foreach/fused are left to torch's defaults so the estimate runs what the user's own
-# ``torch.optim.AdamW(params)`` would run on the same device.
+# ``torch.optim.AdamW(params)`` would run on the same device. Traced with CUDA semantics, the
+# default is CUDA's (foreach), which fake CPU tensors would not pick by themselves.
+def _foreach() -> dict:
+    from memfit.cuda import active
+
+    return {"foreach": True} if active() else {}
+
+
 OPTIMIZERS: dict[str, Callable] = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4, **_foreach()),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4, **_foreach()),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **_foreach()),
+    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2, **_foreach()),
 }
 
 

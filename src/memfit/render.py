@@ -18,9 +18,10 @@ __all__ = ["report_view", "verdict"]
 
 
 def verdict(report: Report, budget: int) -> dict:
-    """Whether the peak fits ``budget`` bytes, and by how much."""
-    margin = budget - report.peak_bytes
-    return {"budget_bytes": budget, "fits": margin >= 0, "margin_bytes": margin}
+    """Whether the step fits ``budget`` bytes, and by how much: the peak on the CPU; on a GPU what
+    the device needs (reserved by the caching allocator + CUDA context)."""
+    margin = budget - report.device_bytes
+    return {"budget_bytes": budget, "needed_bytes": report.device_bytes, "fits": margin >= 0, "margin_bytes": margin}
 
 
 def report_view(report: Report, name: str, budget: int | None = None) -> Group:
@@ -37,10 +38,16 @@ def report_view(report: Report, name: str, budget: int | None = None) -> Group:
         parts.append(_modules(report))
     peak = Text(f"peak {format_size(report.peak_bytes)}  ·  {report.bytes_per_parameter:.1f} bytes/param")
     parts.append(peak)
+    if report.reserved_bytes is not None:
+        parts.append(Text(f"{report.gpu}: allocated {format_size(report.peak_bytes)}, reserved "
+                          f"{format_size(report.reserved_bytes)} + CUDA context {format_size(report.context_bytes or 0)} "
+                          f"= {format_size(report.device_bytes)} on the device"))
     if budget is not None:
         v = verdict(report, budget)
         word, style = ("fits", "green") if v["fits"] else ("does not fit", "bold red")
-        parts.append(Text(f"{word} in {format_size(budget)}: margin {format_size(v['margin_bytes'])}", style=style))
+        what = "" if report.reserved_bytes is None else f"{format_size(v['needed_bytes'])} "
+        parts.append(Text(f"{what}{word} in {format_size(budget)}: margin {format_size(v['margin_bytes'])}",
+                          style=style))
     parts.extend(Text(f"note: {note}", style="dim") for note in report.notes)
     return Group(*parts)
 

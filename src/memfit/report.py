@@ -36,6 +36,14 @@ class Report:
     parameters      number of parameter elements; ``trainable`` those with requires_grad.
     settings        what was run: precision, optimizer, steps, batch shapes.
     notes           what a reader should know about how these numbers were made.
+
+    With CUDA semantics (``device == "cuda"``) ``peak_bytes`` is what ``max_memory_allocated``
+    would report (each allocation rounded up to 512 bytes), and three more fields are set:
+    reserved_bytes  the caching allocator's reserved peak (``max_memory_reserved``), modelled.
+    context_bytes   the CUDA context of ``gpu``, outside the allocator (catalog figure).
+    gpu             the catalog GPU whose semantics were followed.
+    ``device_bytes`` is what the device needs: reserved + context (``peak_bytes`` on the CPU).
+    by_category, phase_peaks and modules are in unrounded bytes.
     """
 
     peak_bytes: int
@@ -52,6 +60,16 @@ class Report:
     trainable: int
     settings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    reserved_bytes: int | None = None
+    context_bytes: int | None = None
+    gpu: str | None = None
+
+    @property
+    def device_bytes(self) -> int:
+        """Memory the device needs: reserved + CUDA context on a GPU, the peak on the CPU."""
+        if self.reserved_bytes is None:
+            return self.peak_bytes
+        return self.reserved_bytes + (self.context_bytes or 0)
 
     @property
     def bytes_per_parameter(self) -> float:
@@ -71,6 +89,7 @@ class Report:
             {"event": e, "bytes": b, "phase": p, "step": s} for e, b, p, s in self.timeline
         ]
         data["bytes_per_parameter"] = round(self.bytes_per_parameter, 3)
+        data["device_bytes"] = self.device_bytes
         return data
 
     def __str__(self) -> str:
@@ -79,6 +98,9 @@ class Report:
             f"{self.bytes_per_parameter:.1f} bytes/param over {self.parameters:,} params)",
             "at the peak:",
         ]
+        if self.reserved_bytes is not None:
+            lines.insert(1, f"{self.gpu}: reserved {format_size(self.reserved_bytes)} + CUDA context "
+                            f"{format_size(self.context_bytes or 0)} = {format_size(self.device_bytes)} on the device")
         for name, nbytes in sorted(self.by_category.items(), key=lambda kv: -kv[1]):
             if nbytes:
                 lines.append(f"  {name:<16} {format_size(nbytes):>12}")

@@ -7,12 +7,15 @@ allocator, and describe the result.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from memfit.accounting.ledger import Ledger
 from memfit.accounting.replay import replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
+from memfit.cuda import allocator_stats, cuda_semantics
 from memfit.report import Report
 from memfit.apply import run_steps
 from memfit.step import batch_tensors
@@ -28,12 +31,16 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
-    """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake."""
+def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None):
+    """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
+
+    ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device.
+    """
     device = model_device(model)
     if recipe.lora_plan()[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
         quantize_base(model)
-    ledger = Ledger(device=device, model=model)
+    ledger = Ledger(device=device, model=model,
+                    cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
     for param in list(model.parameters()) + quant_state_tensors(model):
         ledger.register(param, Category.PARAMETERS)
     for buf in model.buffers():
@@ -41,7 +48,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
     for tensor in batch_tensors(batch):
         ledger.register(tensor, Category.BATCH)
     try:
-        with ledger:
+        with ledger, (cuda_semantics() if gpu is not None else contextlib.nullcontext()):
             run_steps(model, batch, recipe=recipe, steps=steps, optimizer=optimizer, loss_fn=loss_fn,
                       watch=ledger)
     finally:
@@ -49,8 +56,13 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
     scratch, unprobed = measure_scratch(ledger)
     result = replay(ledger, scratch)
     params = list(model.parameters())
+    cuda = {}
+    if gpu is not None:
+        stats = allocator_stats(ledger)
+        cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
+                    context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
     return Report(
-        peak_bytes=result.peak_bytes,
+        peak_bytes=cuda.pop("peak_bytes", result.peak_bytes),
         by_category=result.by_category,
         phase_peaks={p: max((v for (s, ph), v in result.phase_peaks.items() if ph == p), default=0)
                      for p in PHASES},
@@ -58,7 +70,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
                         default=0) for step in range(steps)],
         modules=result.modules,
         timeline=result.timeline,
-        device=device.type,
+        device=device.type if gpu is None else "cuda",
         method=method,
         modelled_bytes=result.scratch_at_peak,
         unprobed_ops=unprobed,
@@ -71,7 +83,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str):
             "steps": steps,
             "batch_shapes": [list(t.shape) for t in batch_tensors(batch)],
         },
-        notes=_notes(unprobed, ledger.attention_matrices),
+        notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None),
+        **cuda,
     ), result
 
 
@@ -81,13 +94,15 @@ def _numel(param) -> int:
     return param.numel() if state is None else int(torch.Size(state.shape).numel())
 
 
-def _notes(unprobed: int, attention: dict[str, int]) -> list[str]:
+def _notes(unprobed: int, attention: dict[str, int], cuda: bool = False) -> list[str]:
     notes = []
     if unprobed:
         notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")
     if attention:
         module, nbytes = max(attention.items(), key=lambda kv: kv[1])
         notes.append(f"{len(attention)} module(s) materialise the full S x S attention matrix ({format_size(nbytes)} "
-                     f"each in {module}); SDPA's memory-efficient kernels avoid it (attention=sdpa; on CPU only "
-                     "without dropout)")
+                     f"each in {module}); " + (
+                         "on CUDA the fused SDPA kernels avoid it, but fp32 grouped-query attention has none: "
+                         "bf16-mixed or attention=sdpa" if cuda else
+                         "SDPA's memory-efficient kernels avoid it (attention=sdpa; on CPU only without dropout)"))
     return notes

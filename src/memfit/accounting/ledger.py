@@ -38,6 +38,9 @@ ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
 OUTSIDE = "(outside any module)"
 _BORN = {torch.ops.aten.lift_fresh.default}
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
+# ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
+_MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
 
 
 @dataclass
@@ -91,9 +94,15 @@ class Ledger(TorchDispatchMode):
     (garbage collection after the step) are not recorded.
     """
 
-    def __init__(self, *, device: torch.device, model: torch.nn.Module | None = None):
+    def __init__(self, *, device: torch.device, model: torch.nn.Module | None = None,
+                 cublas_workspace: int | None = None):
+        """``cublas_workspace``: trace with CUDA semantics (``memfit.cuda``): no CPU scratch sites
+        and no CPU RNG state; a workspace of this many bytes at the first matmul of forward and
+        of backward (two threads, two cuBLAS handles), kept for the rest of the run."""
         super().__init__()
         self.device = device
+        self.cublas_workspace = cublas_workspace
+        self._workspaces: set[str] = set()
         self.records: list[Record] = []
         self.events: list[tuple[int, int]] = []
         self.sites: list[Site] = []
@@ -135,7 +144,8 @@ class Ledger(TorchDispatchMode):
     def __enter__(self):
         self._modules.__enter__()
         self._rng_state = torch.get_rng_state
-        torch.get_rng_state = self._tracked_rng_state
+        if self.cublas_workspace is None:
+            torch.get_rng_state = self._tracked_rng_state
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -149,6 +159,15 @@ class Ledger(TorchDispatchMode):
         state = self._rng_state()
         self._track(state.untyped_storage(), Category.TEMPORARIES)
         return state
+
+    def _workspace(self, func) -> None:
+        thread = "backward" if self.phase == "backward" else "forward"
+        if func.overloadpacket in _MATMUL_OPS and thread not in self._workspaces:
+            self._workspaces.add(thread)
+            index = len(self.records)
+            self.records.append(Record(self.cublas_workspace, Category.TEMPORARIES, self.phase, self.step,
+                                       f"(cuBLAS workspace, {thread} thread)"))
+            self.events.append((ALLOC, index))
 
     def _module(self) -> str:
         return self._modules.current()
@@ -170,6 +189,8 @@ class Ledger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.cublas_workspace is not None:
+            self._workspace(func)
         out = func(*args, **kwargs)
         returns = func._schema.returns
         flat_out = out if isinstance(out, (tuple, list)) else (out,)
@@ -190,7 +211,7 @@ class Ledger(TorchDispatchMode):
         if donor is not None and out_records and out_records[0] is not None:
             self.records[out_records[0]].donor = donor
             self.records[donor].donated = True
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.cublas_workspace is None:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if tensors and _probe_worthy(func, tensors):
                 self._add_site(func, args, kwargs, out_records, out_metas)
