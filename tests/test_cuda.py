@@ -5,11 +5,14 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 from memfit import Recipe
-from memfit.cuda import cuda_attention_kernel, cuda_semantics
+from memfit.cuda import cpu_only_autocast_ops, cuda_attention_kernel, cuda_semantics
 from memfit.gpus import gpu
 from memfit.models.zoo import CASES
 
@@ -56,6 +59,99 @@ def test_attention_kernel_choice(dtype, mask, kv_heads, kernel):
     k = torch.empty(1, kv_heads, 32, 64, dtype=dtype)
     attn_mask = torch.ones(32, 32, dtype=torch.bool) if mask else None
     assert cuda_attention_kernel(q, k, attn_mask, enable_gqa=kv_heads != 4) == kernel
+
+
+class _Ops(TorchDispatchMode):
+    """(op name, [(shape, dtype) of each tensor output]) of every aten op that runs under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if func.namespace == "aten" and func.__name__ not in ("detach.default", "t.default"):
+            self.calls.append((func.__name__, [(tuple(o.shape), o.dtype) for o in outs if isinstance(o, torch.Tensor)]))
+        return out
+
+    def outputs(self, name):
+        return [outs for op, outs in self.calls if op == name]
+
+
+def _cross_entropy_ops():
+    with FakeTensorMode():
+        lin = torch.nn.Linear(8, 16)
+        x, target = torch.randn(4, 8), torch.randint(0, 16, (4,))
+        with _Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
+            F.cross_entropy(lin(x), target).backward()
+    return ops
+
+
+def test_cross_entropy_is_not_cast_on_cuda_only_its_nll_loss():
+    # CPU autocast lists cross_entropy_loss as fp32 (the whole loss in fp32); CUDA autocast does not list it:
+    # log_softmax keeps the logits' dtype (cross_entropy passes it explicitly) and nll_loss casts to fp32.
+    assert "aten::cross_entropy_loss" in cpu_only_autocast_ops()
+    # lower-precision ops CUDA casts one level down keep their CPU kernel
+    assert not {"aten::conv2d.padding", "aten::mkldnn_rnn_layer"} & set(cpu_only_autocast_ops())
+    cpu = _cross_entropy_ops()
+    assert cpu.outputs("_log_softmax.default") == [[((4, 16), torch.float32)]]
+    with cuda_semantics():
+        cuda = _cross_entropy_ops()
+    assert cuda.outputs("_log_softmax.default") == [[((4, 16), torch.bfloat16)]]  # 128 bytes, saved
+    names = [op for op, _ in cuda.calls]
+    cast = names.index("nll_loss_forward.default") - 1
+    assert cuda.calls[cast] == ("_to_copy.default", [((4, 16), torch.float32)])  # nll_loss's fp32 input, 256 bytes
+    assert cuda.outputs("_log_softmax_backward_data.default") == [[((4, 16), torch.bfloat16)]]
+    assert _cross_entropy_ops().outputs("_log_softmax.default") == cpu.outputs("_log_softmax.default")  # removed
+
+
+def test_dropout_keeps_a_bool_mask_on_cuda():
+    # CUDA's dropout is the fused native_dropout (mask: 1 byte an element); the CPU keeps its mask in the
+    # input's dtype: for a (64, 1024) fp32 activation 65,536 bytes saved instead of 262,144.
+    def run():
+        with FakeTensorMode():
+            x = torch.randn(64, 1024, requires_grad=True)
+            with _Ops() as ops:
+                y = F.dropout(x, 0.1, True)
+                same = F.dropout(x, 0.1, False) is x and F.dropout(x, 0.0, True) is x
+        return ops, y, same
+
+    cpu_ops, cpu_out, _ = run()
+    assert cpu_ops.outputs("empty_like.default") == [[((64, 1024), torch.float32)]]
+    with cuda_semantics():
+        ops, out, identity = run()
+    assert ops.outputs("native_dropout.default") == [[((64, 1024), torch.float32), ((64, 1024), torch.bool)]]
+    mask = out.grad_fn._saved_result1
+    assert mask.dtype == torch.bool and mask.untyped_storage().nbytes() == 64 * 1024
+    assert identity  # eval mode and p = 0 return the input, as aten's _dropout_impl does
+
+
+def test_fused_attention_needs_a_contiguous_mask_row():
+    q = torch.empty(2, 4, 48, 64, dtype=torch.bfloat16)
+    bias = torch.empty(48, 48, 4).permute(2, 0, 1).unsqueeze(0)  # T5's relative bias: stride(-1) = heads
+    assert bias.stride(-1) == 4
+    assert cuda_attention_kernel(q, q, bias, enable_gqa=False, value=q) == "math"
+    assert cuda_attention_kernel(q, q, bias.contiguous(), enable_gqa=False, value=q) == "efficient"
+
+
+def test_mask_with_a_gradient_runs_cudas_efficient_kernel():
+    # The CPU flash kernel refuses a mask that needs a gradient (T5's learned position bias); CUDA's
+    # memory-efficient kernel takes it: lse (2, 4, 64) fp32 (48 rows padded to 32s), the mask cast to
+    # bf16 (1, 4, 48, 48) = 18,432 bytes, and in backward its gradient at full size (2, 4, 48, 48) bf16.
+    with FakeTensorMode():
+        q = torch.randn(2, 4, 48, 64, dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.randn(1, 4, 48, 48, requires_grad=True)
+        with cuda_semantics(), _Ops() as ops, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = F.scaled_dot_product_attention(q, q, q, attn_mask=bias, dropout_p=0.1)
+        with _Ops() as back:
+            out.sum().backward()
+    fwd = ops.outputs("_scaled_dot_product_efficient_attention.default")
+    assert fwd and fwd[0][:2] == [((2, 4, 48, 64), torch.bfloat16), ((2, 4, 64), torch.float32)]
+    assert [((1, 4, 48, 48), torch.bfloat16)] in ops.outputs("_to_copy.default")
+    grads = back.outputs("_scaled_dot_product_efficient_attention_backward.default")
+    assert grads[0][3] == ((2, 4, 48, 48), torch.bfloat16)
+    assert bias.grad.shape == bias.shape
 
 
 def test_fp32_gqa_keeps_the_attention_matrix_on_cuda_only():

@@ -5,18 +5,29 @@ CUDA runtime for the device; a CUDA build without a GPU fails the same way), so 
 on fake CPU tensors and each place where CUDA allocates differently is modelled here, by the
 rules torch itself uses on CUDA:
 
-* **Autocast lists.** ``torch.autocast("cuda")`` runs more ops in fp32 than CPU autocast: layer
-  and group norm, softmax / log-softmax / sum / cumsum (``fp32_set_opt_dtype``), exp, log, pow,
-  rsqrt, ... (``aten/src/ATen/autocast_mode.cpp``, ``AT_FORALL_FP32`` and
+* **Autocast lists.** ``torch.autocast("cuda")`` runs more ops in fp32 than CPU autocast: layer,
+  group and RMS norm, softmax / log-softmax / sum / cumsum (``fp32_set_opt_dtype``), exp, log, pow,
+  rsqrt, upsampling, ... (``aten/src/ATen/autocast_mode.h``, ``AT_FORALL_FP32`` and
   ``AT_FORALL_FP32_SET_OPT_DTYPE``). While ``cuda_semantics()`` is active, those ops get an
   ``AutocastCPU`` kernel (``torch.library``) that does what the CUDA one does; ops CPU autocast
-  already handles keep their kernel. The registrations are removed on exit.
+  already handles keep their kernel. The other way round, ops CPU autocast casts and CUDA autocast
+  does not (``cpu_only_autocast_ops``, read from the dispatcher) run uncast: ``cross_entropy_loss``
+  is fp32 on CPU, while on CUDA its ``log_softmax`` keeps the logits' dtype and only ``nll_loss``
+  casts to fp32 (a bf16 log-probability matrix and an fp32 copy, instead of two fp32 ones). The
+  registrations are removed on exit.
+* **Fused dropout.** On CUDA ``dropout`` in training is the fused ``native_dropout`` kernel
+  (``native/Dropout.cpp``, ``is_fused_kernel_acceptable``), which keeps a bool mask for backward (1
+  byte an element); the CPU keeps its mask in the input's dtype. ``aten::dropout`` is routed to
+  ``native_dropout`` (in-place and feature dropout are not fused on CUDA either and keep their path).
 * **Attention kernels.** On CUDA, SDPA with dropout runs the flash or memory-efficient kernel (the
   dropout mask is regenerated from the RNG seed, never stored); the CPU picks the math path and
   materialises the S x S weights and mask. Under ``cuda_semantics()`` the backend CUDA would pick
-  is chosen by CUDA's rules (``cuda_attention_kernel``); a fused one is traced without dropout so
-  the CPU takes its flash kernel, which saves what CUDA's save (output and a fp32 log-sum-exp per
-  row), and the math path is traced as the math path.
+  is chosen by CUDA's rules (``cuda_attention_kernel``, including the fused kernels' need for a mask
+  whose last dimension has stride 1: a permuted mask runs the math path, with its dropout). A fused
+  one is traced without dropout so the CPU takes its flash kernel, which saves what CUDA's flash /
+  efficient kernels save; where the CPU flash kernel refuses the mask (it needs a gradient, as
+  T5's learned position bias does) CUDA's memory-efficient kernel itself is traced (its meta kernel),
+  with the mask's full-size gradient in backward. The math path is traced as the math path.
 * **foreach optimizers.** ``torch.optim`` defaults to the foreach implementation when every
   parameter is a CUDA tensor; it allocates whole-model temporaries the per-tensor loop does not.
   ``optim.make_optimizer`` asks ``active()`` and passes ``foreach=True``.
@@ -30,20 +41,31 @@ rules torch itself uses on CUDA:
   segments (``accounting/cuda_allocator.py``): the replayed event stream gives
   ``max_memory_allocated`` and ``max_memory_reserved``.
 
-Not modelled (measured where a GPU was lent; see README): cuDNN convolution and RNN workspaces,
-the kernels' own backward scratch (flash attention's fp32 accumulators), and autocast's
-lower-precision list beyond the ops CPU autocast already casts.
+Not modelled (measured where a GPU was lent; see README):
+
+* cuDNN's own buffers, whose sizes cuDNN decides internally (no published rule): the RNN workspace
+  and reserve of ``_cudnn_rnn`` (``cudnnGetRNNTempSpaceSizes``; for the 2-layer LSTM of the zoo on an
+  H100, a 19,874,112-byte workspace in forward, backward-data and backward-weights and a
+  1,081,600-byte reserve kept from forward to backward, in fp32), and the convolution workspaces of
+  the engine cuDNN's heuristics pick (0.67 to 2.9 MB for the zoo's CNN: above 1 MiB, a request takes a
+  fresh 20 MiB segment). On CPU the LSTM traces as oneDNN layers instead.
+* Kernels' scratch freed inside one op: the memory-efficient attention backward's fp32 workspace
+  (the size of grad_q, plus a row of fp32 per query), the reduction buffers of ``sum`` over many rows
+  (a Linear's bias gradient), ``_safe_softmax``'s bool row mask.
+* Autocast's lower-precision list beyond the ops CPU autocast already casts (``addmv``, ``einsum``,
+  the RNN cells, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-__all__ = ["cuda_semantics", "cuda_attention_kernel", "active", "allocator_stats"]
+__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "allocator_stats"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
 
@@ -56,7 +78,10 @@ FP32_OPS = (
     "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
     "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
     "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
-    "logsumexp",
+    "logsumexp", "rms_norm", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
+    "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa",
 )
 FP32_SET_OPT_DTYPE_OPS = ("prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
                           "linalg_vector_norm", "linalg_matrix_norm", "sum", "sum.dim_IntList")
@@ -105,10 +130,41 @@ def _set_opt_dtype_kernel(op):
     return kernel
 
 
-def _has_cpu_autocast_kernel(qualified: str) -> bool:
+def _has_autocast_kernel(qualified: str, key: str = "AutocastCPU") -> bool:
     name, _, overload = qualified.partition(".")
     full = f"aten::{name}" + (f".{overload}" if overload else "")
-    return torch._C._dispatch_has_kernel_for_dispatch_key(full, "AutocastCPU")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(full, key)
+
+
+# CPU autocast's lower-precision ops that CUDA casts one level down (conv*.padding at ``convolution``,
+# ``_addmm_activation`` after ``addmm``/``linear``, the RNN at ``_cudnn_rnn``, MHA at its linears): their
+# CPU kernel stays. Every other op with a CPU autocast kernel and no CUDA one runs uncast on CUDA.
+_CPU_CAST_KEPT = {"aten::conv1d.padding", "aten::conv2d.padding", "aten::conv3d.padding",
+                  "aten::_addmm_activation", "aten::mkldnn_rnn_layer", "aten::_native_multi_head_attention"}
+
+
+def cpu_only_autocast_ops() -> list[str]:
+    """Ops CPU autocast casts and CUDA autocast does not (``cross_entropy_loss``: fp32 on CPU, while on
+    CUDA its ``log_softmax`` keeps the input dtype and only ``nll_loss`` casts), from the dispatcher."""
+    cpu = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+    cuda = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+    return sorted(cpu - cuda - _CPU_CAST_KEPT)
+
+
+def _uncast_kernel(op, qualified: str):
+    """Skip CPU autocast's kernel for this op only. A composite op runs its decomposition with autocast
+    still on, so what it calls is cast as on CUDA (``cross_entropy_loss``: ``nll_loss`` in fp32); a
+    kernel op runs uncast."""
+    name, _, overload = qualified.partition(".")
+    full = f"aten::{name}" + (f".{overload}" if overload else "")
+    if torch._C._dispatch_has_kernel_for_dispatch_key(full, "CompositeImplicitAutograd"):
+        def kernel(*args, **kwargs):
+            return op.decompose(*args, **kwargs)
+    else:
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+                return op(*args, **kwargs)
+    return kernel
 
 
 @contextlib.contextmanager
@@ -121,26 +177,124 @@ def _autocast_policy():
                     op = _op(qualified)
                 except AttributeError:  # an op this torch does not have
                     continue
-                if not _has_cpu_autocast_kernel(qualified):
+                if _has_autocast_kernel(qualified, "AutocastCUDA") and not _has_autocast_kernel(qualified):
                     lib.impl(qualified, make(op), "AutocastCPU")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
+            for full in cpu_only_autocast_ops():
+                qualified = full.removeprefix("aten::")
+                try:
+                    op = _op(qualified)
+                except AttributeError:
+                    continue
+                lib.impl(qualified, _uncast_kernel(op, qualified), "AutocastCPU")
         yield
     finally:
         lib._destroy()
 
 
-def cuda_attention_kernel(query, key, attn_mask, enable_gqa: bool) -> str:
+def _fused_dropout(input, p, train):  # noqa: A002 (aten's argument name)
+    """``aten::dropout`` as CUDA runs it (``native/Dropout.cpp``): in training, for 0 < p < 1, the fused
+    ``native_dropout`` kernel, which keeps a bool mask (1 byte an element) for backward; the CPU draws
+    its mask in the input's dtype and multiplies. Otherwise what ``_dropout_impl`` does."""
+    if train and 0 < p < 1 and input.numel() > 0:
+        return torch.ops.aten.native_dropout.default(input, p, train)[0]
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    return input * torch.zeros((), dtype=input.dtype)
+
+
+@contextlib.contextmanager
+def _dropout_policy():
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("dropout", _fused_dropout, "CompositeImplicitAutograd")
+        yield
+    finally:
+        lib._destroy()
+
+
+def _last_dim_stride_after_cast(tensor: torch.Tensor, dtype) -> int:
+    """``stride(-1)`` of ``tensor`` once autocast has cast it to ``dtype`` (``.to`` keeps the strides of a
+    dense tensor and lays out any other contiguously)."""
+    if tensor.is_floating_point() and tensor.dtype != dtype and not _dense(tensor):
+        return 1
+    return tensor.stride(-1)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return bool(is_non_overlapping_and_dense_or_false(tensor))
+
+
+def cuda_attention_kernel(query, key, attn_mask, enable_gqa: bool, value=None) -> str:
     """The SDPA backend CUDA (sm80+) picks: "flash", "efficient" or "math".
 
-    ``torch/csrc/.../sdp_utils.cpp``: flash needs fp16/bf16, head dim <= 256 and no explicit mask;
-    the memory-efficient kernel takes fp32 and masks but not grouped-query attention, so fp32
-    GQA (a Llama in fp32) falls to the math path and keeps the S x S weights.
+    ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash needs fp16/bf16, head dim <= 256
+    and no explicit mask; the memory-efficient kernel takes fp32 and masks but not grouped-query
+    attention, so fp32 GQA (a Llama in fp32) falls to the math path and keeps the S x S weights. Both
+    need the last dimension of q, k, v and of the mask contiguous (``check_last_dim_stride_equals_1_dense``;
+    the CPU does not ask it of the mask): a mask made by a ``permute`` (T5's relative position bias,
+    unless made contiguous) sends the call to the math path, with its dropout.
     """
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    tensors = [t for t in (query, key, value) if t is not None]
+    if any(_last_dim_stride_after_cast(t, dtype) != 1 and t.size(-1) != 1 for t in tensors):
+        return "math"
+    if attn_mask is not None and _last_dim_stride_after_cast(attn_mask, dtype) != 1:
+        return "math"
     if dtype in _LOW and attn_mask is None and query.size(-1) <= 256:
         return "flash"
     if enable_gqa and query.size(-3) != key.size(-3):
         return "math"
     return "efficient"
+
+
+def _cpu_flash_takes_mask(query, key, attn_mask) -> bool:
+    """Whether the CPU flash kernel accepts ``attn_mask`` (``sdp_utils_cpp.h``, ``check_attn_mask_shape``):
+    no gradient, and a 2-D or 4-D shape broadcastable to (batch, heads, L, S)."""
+    if attn_mask is None:
+        return True
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        return False
+
+    def fits(dim, target):
+        return dim in (1, target)
+    if not (fits(attn_mask.size(-2), query.size(-2)) and fits(attn_mask.size(-1), key.size(-2))):
+        return False
+    if attn_mask.dim() == 2:
+        return True
+    return attn_mask.dim() == 4 and fits(attn_mask.size(0), query.size(0)) and fits(attn_mask.size(1), query.size(1))
+
+
+def _efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    """CUDA's memory-efficient kernel itself (its meta kernel runs on fake CPU tensors), for calls the CPU
+    flash kernel cannot stand in for. As ``attention.cpp`` prepares it: autocast's casts, a bool mask
+    turned additive, a mask whose strides are not 8-aligned padded (``preprocess_mask``), expanded to
+    (batch, heads, L, S); backward then makes the mask's gradient at that full size."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+        query, key, value = cast(query), cast(key), cast(value)
+        bias = attn_mask
+        if bias is not None:
+            if bias.dtype == torch.bool:
+                bias = torch.where(bias, 0.0, torch.scalar_tensor(float("-inf"), dtype=query.dtype))
+            else:
+                bias = cast(bias)
+            aligned = all(s % 8 == 0 for s in bias.stride()[:-1]) and bias.stride(-1) == 1
+            if not aligned:
+                last = bias.size(-1)
+                bias = torch.nn.functional.pad(bias, (0, 8 - last % 8))[..., :last]
+            bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, bias))
+        return torch.ops.aten._scaled_dot_product_efficient_attention.default(
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
 
 
 @contextlib.contextmanager
@@ -151,10 +305,13 @@ def _fused_attention():
     original = functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if cuda_attention_kernel(query, key, attn_mask, enable_gqa) == "math":
+        kernel = cuda_attention_kernel(query, key, attn_mask, enable_gqa, value)
+        if kernel == "math":
             with sdpa_kernel(SDPBackend.MATH):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                 enable_gqa=enable_gqa)
+        if kernel == "efficient" and not _cpu_flash_takes_mask(query, key, attn_mask):
+            return _efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
         # CUDA's fused kernels keep no dropout mask and no weights; without dropout the CPU picks
         # its flash kernel, which saves what CUDA's flash / efficient kernels save.
         return original(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -171,7 +328,7 @@ def cuda_semantics():
     """Trace the step as a CUDA device would run it (see the module docstring)."""
     token = _ACTIVE.set(True)
     try:
-        with _autocast_policy(), _fused_attention():
+        with _autocast_policy(), _dropout_policy(), _fused_attention():
             yield
     finally:
         _ACTIVE.reset(token)
