@@ -16,11 +16,13 @@ from memfit.categories import Category  # noqa: E402
 from memfit.errors import MemfitError
 from memfit.estimate import estimate
 from memfit.measure import measure
+from memfit.plan import NothingFits, Plan, Plans, plan
 from memfit.recipe import Recipe
 from memfit.report import Report
 from memfit.units import format_size, parse_size
 
 __all__ = [
-    "Category", "MemfitError", "Recipe", "Report", "apply", "estimate", "measure", "parse_size", "format_size",
+    "Category", "MemfitError", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply", "estimate", "measure",
+    "parse_size", "plan", "format_size",
 ]
 __version__ = "0.1.0"

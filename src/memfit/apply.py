@@ -38,6 +38,8 @@ __all__ = ["apply", "run_steps"]
 class _Quiet:
     """Stands in for a ledger when nobody is watching."""
 
+    offloaded_bytes = 0
+
     def begin(self, phase, step):
         pass
 
@@ -114,7 +116,12 @@ class _Step:
 
         def pack(tensor):
             watch.mark(tensor, Category.ACTIVATIONS)
-            return offload.pack(tensor) if offload else tensor
+            if not offload:
+                return tensor
+            packed = offload.pack(tensor)
+            if packed is not tensor:  # bytes over the host link, each way: the planner's cost
+                watch.offloaded_bytes += tensor.untyped_storage().nbytes()
+            return packed
 
         def unpack(packed):
             return offload.unpack(packed) if offload else packed

@@ -63,6 +63,21 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
     est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth")
     est.add_argument("--json", action="store_true", help="print the report as JSON")
+    pl = sub.add_parser("plan", help="the fastest recipe that fits a budget, and why")
+    pl.add_argument("model", help="catalog name (see `memfit models`) or a config.json path")
+    pl.add_argument("--gpu", default=None, help="the card to plan for (rtx-4090, a100-80gb, ...): its memory is "
+                    "the budget and its speeds the cost model; see `memfit gpus`")
+    pl.add_argument("--budget", type=_size, default=None, help="bytes available, e.g. 24GiB (default: the --gpu's memory)")
+    pl.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                    help="plan for a GPU (cuda, default; speeds of --gpu or h100-sxm) or for this CPU")
+    pl.add_argument("--seq-len", type=_positive, default=None, help="tokens per example (default: the model's, at most 2048)")
+    pl.add_argument("--global-batch-size", type=_positive, default=8,
+                    help="examples per optimizer step, split into micro-batch x accumulation (default 8)")
+    pl.add_argument("--allow", default="", help="techniques that change the math, allowed by name: "
+                    "lora, qlora, adamw8bit, paged_adamw8bit, bf16 (comma-separated)")
+    pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
+    pl.add_argument("--out", default=None, help="write the chosen recipe to this .yaml/.json file")
+    pl.add_argument("--json", action="store_true", help="print the plans as JSON")
     models = sub.add_parser("models", help="list the built-in model catalog")
     models.add_argument("--json", action="store_true", help="print the list as JSON")
     gpus = sub.add_parser("gpus", help="list the GPU catalog")
@@ -135,6 +150,38 @@ def _estimate(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from memfit.plan import NothingFits, plan
+    from memfit.render import plan_view
+
+    if args.device == "cpu" and args.gpu is not None:
+        raise MemfitError("--gpu and --device cpu conflict: drop one")
+    with Progress(TextColumn("planning {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(args.model, total=None)
+        try:
+            plans = plan(args.model, budget=args.budget, gpu=args.gpu, device=args.device,
+                         global_batch_size=args.global_batch_size, seq_len=args.seq_len, allow=args.allow,
+                         optimizer=args.optimizer, progress=lambda done, total: bar.update(task, completed=done,
+                                                                                         total=total))
+        except NothingFits as err:
+            if args.json:
+                print(json.dumps({"fits": False, "message": str(err), "smallest": err.smallest.to_dict()}, indent=2))
+            else:
+                print(f"memfit: {err}", file=sys.stderr)
+            return 1
+    if args.out:
+        plans.best.recipe.save(args.out)
+    if args.json:
+        print(json.dumps({"fits": True, **plans.to_dict()}, indent=2))
+    else:
+        Console().print(plan_view(plans, args.model, args.out))
+    return 0
+
+
 def _gpus(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -175,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_transformers()
     try:
-        return {"estimate": _estimate, "models": _models, "gpus": _gpus}[args.command](args)
+        return {"estimate": _estimate, "plan": _plan, "models": _models, "gpus": _gpus}[args.command](args)
     except MemfitError as err:
         print(f"memfit: error: {err}", file=sys.stderr)
         return 2

@@ -98,8 +98,9 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
             raise MemfitError(f"{name} must be a positive integer, got {value!r}")
 
 
-def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None):
-    """One full trace of ``source`` on fake tensors: (Report, replay)."""
+def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
+               detail: bool = False, prime: int | None = None):
+    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail`` as for ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
@@ -119,7 +120,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     with mode, reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake", gpu=gpu)
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

@@ -14,7 +14,7 @@ from memfit.categories import PHASES
 from memfit.report import Report
 from memfit.units import format_size
 
-__all__ = ["report_view", "verdict"]
+__all__ = ["report_view", "verdict", "plan_view"]
 
 
 def verdict(report: Report, budget: int) -> dict:
@@ -80,3 +80,34 @@ def _modules(report: Report, top: int = 8) -> Table:
     for module, nbytes in report.modules[:top]:
         table.add_row(module, format_size(nbytes))
     return table
+
+
+def plan_view(plans, name: str, out: str | None = None) -> Group:
+    """The chosen plan, why, and the memory / speed front of every candidate."""
+    best = plans.best
+    where = plans.gpu or "this CPU"
+    head = Text(f"{name} on {where}: {best.recipe.describe()}", style="bold")
+    speed = (f"{best.tokens_per_second:,.0f} tokens/s" if best.tokens_per_second is not None
+             else f"{best.samples_per_second:,.2f} samples/s")
+    reserved = "" if best.reserved_bytes is None else f", reserved {format_size(best.reserved_bytes)}"
+    lines = [head,
+             Text(f"needs {format_size(best.device_bytes)} of {format_size(plans.budget)} (full estimate: allocated "
+                  f"{format_size(best.allocated_bytes)}{reserved}); predicted {best.step_seconds:.3g} s/step, {speed}")]
+    if not best.recipe.is_exact:
+        lines.append(Text(f"changes the math (allowed): {', '.join(best.recipe.approximations)}", style="yellow"))
+    lines.append(Text("why:"))
+    lines += [Text(f"  - {reason}") for reason in best.reasons]
+    table = Table(title=f"memory / speed front ({plans.candidates} candidates, {plans.seconds:.1f} s; predicted)",
+                  title_justify="left")
+    for column in ("needs", "s/step", "tokens/s" if best.tokens_per_second is not None else "samples/s", "recipe"):
+        table.add_column(column, justify="left" if column == "recipe" else "right")
+    for p in plans.front:
+        rate = p.tokens_per_second if p.tokens_per_second is not None else p.samples_per_second
+        style = "bold green" if p.recipe == best.recipe else ("dim" if p.device_bytes > plans.budget else None)
+        table.add_row(format_size(p.device_bytes), f"{p.step_seconds:.3g}", f"{rate:,.0f}", p.recipe.describe(),
+                      style=style)
+    lines.append(table)
+    lines += [Text(f"note: {note}", style="dim") for note in plans.notes]
+    if out:
+        lines.append(Text(f"recipe written to {out} (memfit estimate MODEL --recipe {out})"))
+    return Group(*lines)

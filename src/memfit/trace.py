@@ -12,7 +12,8 @@ import contextlib
 import torch
 
 from memfit.accounting.ledger import Ledger
-from memfit.accounting.replay import replay
+from memfit.accounting.ops import OpCounter
+from memfit.accounting.replay import event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
 from memfit.cuda import allocator_stats, cuda_semantics
@@ -31,10 +32,15 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None):
+def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
+          prime: int | None = None):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device.
+    ``detail``: also keep the live bytes after every event (``Replay.series``) and one row per
+    kernel (``Replay.ops``, see ``accounting/ops.py``), and the allocator statistics on CUDA
+    (``Replay.allocator``), for the planner. ``prime``: the batch dimension is this prime; the
+    series and rows also say which bytes scale with it.
     """
     device = model_device(model)
     if recipe.lora_plan()[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
@@ -47,8 +53,9 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         ledger.register(buf, Category.BUFFERS)
     for tensor in batch_tensors(batch):
         ledger.register(tensor, Category.BATCH)
+    counter = OpCounter(ledger, prime) if detail else contextlib.nullcontext()
     try:
-        with ledger, (cuda_semantics() if gpu is not None else contextlib.nullcontext()):
+        with ledger, counter, (cuda_semantics() if gpu is not None else contextlib.nullcontext()):
             run_steps(model, batch, recipe=recipe, steps=steps, optimizer=optimizer, loss_fn=loss_fn,
                       watch=ledger)
     finally:
@@ -61,6 +68,11 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         stats = allocator_stats(ledger)
         cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
                     context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
+        result.allocator = stats
+    if detail:
+        result.series = event_series(ledger, scratch, prime)
+        result.ops = counter.rows
+        result.offloaded_bytes = ledger.offloaded_bytes
     return Report(
         peak_bytes=cuda.pop("peak_bytes", result.peak_bytes),
         by_category=result.by_category,

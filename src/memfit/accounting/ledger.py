@@ -113,6 +113,7 @@ class Ledger(TorchDispatchMode):
         self._modules = _ModuleStack(model)
         self._open = True
         self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
+        self.offloaded_bytes = 0  # saved activations moved off the device (activation offload)
 
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:

@@ -28,6 +28,10 @@ class Replay:
     modules: list[tuple[str, int]]
     timeline: list[tuple[int, int, str, int]]
     scratch_at_peak: int
+    series: "Series | None" = None  # trace(detail=True)
+    ops: list | None = None  # trace(detail=True): (mark, flops, bytes, dtype code) per kernel
+    allocator: object = None  # CUDA semantics: the allocator model's AllocatorStats
+    offloaded_bytes: int = 0  # trace(detail=True): activation bytes moved off the device
 
 
 def replay(ledger: Ledger, scratch: list[int]) -> Replay:
@@ -118,3 +122,71 @@ def _downsample(series) -> list[tuple[int, int, str, int]]:
         value, (phase, step) = chunk[offset]
         points.append((start + offset, value, phase, step))
     return points
+
+
+@dataclass
+class Series:
+    """Live bytes after every event of a step, for lining up traces (the planner).
+
+    live     all live bytes (kernel scratch as a spike at its event)
+    grads    live bytes of storages that hold a gradient
+    state    live bytes of optimizer state
+    mark     index into ``marks`` of the (phase, step, micro-batch) each event belongs to
+    scaled   with ``prime``: the part of ``live`` in storages whose size is a multiple of it
+             (those that scale with the batch, when the batch dimension is that prime)
+    """
+
+    live: "object"
+    grads: "object"
+    state: "object"
+    mark: "object"
+    marks: list[tuple[str, int, int]]
+    scaled: "object" = None
+
+
+def event_series(ledger: Ledger, scratch: list[int], prime: int | None = None) -> Series:
+    import numpy as np
+
+    records = ledger.records
+    marks, micro, seen = [], {}, {}
+    for phase, step in ledger.marks:
+        if phase == "forward":
+            micro[step] = seen[step] = seen.get(step, -1) + 1
+        marks.append((phase, step, micro.get(step, 0)))
+    n = len(ledger.events)
+    live, grads, state = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    scaled = np.zeros(n, np.int64)
+    mark = np.zeros(n, np.int32)
+    total = g = s = p = 0
+    where = 0
+    gradients, optimizer_state = Category.GRADIENTS, Category.OPTIMIZER_STATE
+    for number, (kind, index) in enumerate(ledger.events):
+        spike = 0
+        if kind == ALLOC or kind == FREE:
+            record = records[index]
+            sign = 1 if kind == ALLOC else -1
+            if kind == ALLOC and record.donor is not None:  # takes over the donor's memory
+                delta = 0
+                donor = records[record.donor]
+                if donor.category is gradients:
+                    g -= record.nbytes
+                elif donor.category is optimizer_state:
+                    s -= record.nbytes
+            elif kind == FREE and record.donated:  # its memory lives on in another record
+                delta = sign = 0
+            else:
+                delta = sign * record.nbytes
+            total += delta
+            if prime and record.nbytes % prime == 0:
+                p += delta
+            if record.category is gradients:
+                g += sign * record.nbytes
+            elif record.category is optimizer_state:
+                s += sign * record.nbytes
+        elif kind == SPIKE:
+            spike = scratch[index]
+        else:
+            where = index
+        live[number], grads[number], state[number], mark[number] = total + spike, g, s, where
+        scaled[number] = p
+    return Series(live, grads, state, mark, marks, scaled if prime else None)

@@ -75,6 +75,8 @@ class Source:
 
 def resolve(model) -> Source:
     """Turn anything the API accepts as ``model`` into a ``Source``."""
+    if isinstance(model, Source):
+        return model
     if isinstance(model, torch.nn.Module):
         return Source(type(model).__name__, build=lambda: model, module=model)
     if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config

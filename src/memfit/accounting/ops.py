@@ -1,0 +1,91 @@
+"""What each kernel of a traced step computes and moves: the raw material of a step-time model.
+
+An ``OpCounter`` runs beside the ledger (a second ``TorchDispatchMode``) and keeps one row per
+kernel: the ledger mark it ran under (phase, step, micro-batch), its FLOPs, the bytes it reads and
+writes, and the dtype of its math. FLOPs come from torch's own formulas
+(``torch.utils.flop_counter.flop_registry``: matmuls, convolutions, attention kernels); the CPU
+flash-attention kernel that CUDA semantics traces stands in for CUDA's and is counted with CUDA's
+formula. Bytes are the sizes of every tensor argument and result, which is what a memory-bound
+kernel moves.
+
+Written here rather than with ``FlopCounterMode`` because the planner needs the rows per phase and
+in order (to line up traces of two micro-batch sizes op by op), and bytes, which it does not count.
+Views are not kernels and are skipped; in-place ops are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["OpCounter", "DTYPE_CODES"]
+
+#: math dtype of a kernel, as a small int for numpy
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_aten = torch.ops.aten
+# allocation without a kernel, and views whose schema does not say so
+_NOT_KERNELS = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+                _aten.lift_fresh.default, _aten._unsafe_view.default, _aten._reshape_alias.default}
+_TENSOR_TYPES = ("Tensor", "Tensor[]", "Tensor?", "Optional[Tensor]")
+_ALIASES = {
+    # CPU kernels CUDA semantics traces in place of CUDA's, counted with CUDA's formulas
+    "_scaled_dot_product_flash_attention_for_cpu": _aten._scaled_dot_product_flash_attention,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def _formula(func):
+    packet = func.overloadpacket
+    found = flop_registry.get(packet)
+    if found is None and packet.__name__ in _ALIASES:
+        found = flop_registry.get(_ALIASES[packet.__name__])
+    return found
+
+
+class OpCounter(TorchDispatchMode):
+    """Rows of ``(mark, flops, bytes, dtype_code, scaled flops, scaled bytes)``, one per kernel.
+
+    ``ledger``: the ledger whose marks say where the step is (``len(ledger.marks) - 1``).
+    ``prime``: when the batch dimension is this prime, the FLOPs and the bytes of tensors whose
+    element count is a multiple of it are those that scale with the batch (the last two columns;
+    they are included in the totals).
+    """
+
+    def __init__(self, ledger, prime: int | None = None):
+        super().__init__()
+        self.ledger, self.prime = ledger, prime
+        self.rows: list[tuple[int, int, int, int, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _NOT_KERNELS or not _is_kernel(func):
+            return out
+        flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in flat)
+        formula = _formula(func)
+        flops = 0
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # an overload the formula does not know: count its bytes only
+                flops = 0
+        dtype = next((t.dtype for t in flat if t.is_floating_point()), torch.float32)
+        scaled_flops = scaled_bytes = 0
+        if self.prime:
+            scaled_bytes = sum(t.numel() * t.element_size() for t in flat if t.numel() % self.prime == 0)
+            scaled_flops = flops if flops % self.prime == 0 else 0
+        self.rows.append((len(self.ledger.marks) - 1, flops, nbytes, DTYPE_CODES.get(dtype, 0), scaled_flops,
+                          scaled_bytes))
+        return out
+
+
+def _is_kernel(func) -> bool:
+    """A tensor result that is fresh memory or written in place (not a view, not metadata such
+    as ``prim.device``); in-place foreach ops return nothing and are kernels."""
+    returns = func._schema.returns
+    if not returns:
+        return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+    return any(str(r.type) in _TENSOR_TYPES and (r.alias_info is None or r.alias_info.is_write) for r in returns)

@@ -1,0 +1,121 @@
+"""plan(): within budget by a full estimate, monotone in the budget, exact by default, a correct
+nothing-fits answer, and composed predictions that match full estimates."""
+
+import json
+
+import pytest
+import transformers as tf
+
+from memfit import MemfitError, NothingFits, Recipe, estimate, plan
+from memfit.cli import main
+from memfit.estimate import _target
+from memfit.models.source import resolve
+from memfit.plan import _Engine, _space
+
+GPU = "rtx-4090"
+
+
+def _config(layers=2):
+    return tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                          architectures=["LlamaForCausalLM"])
+
+
+def _plan(budget_mib, **kw):
+    context = _target("cuda", GPU).cuda_context_bytes
+    return plan(_config(), gpu=GPU, budget=context + budget_mib * 2**20, global_batch_size=8, seq_len=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    out = {}
+    for mib in (40, 48, 64, 96, 160):
+        try:
+            out[mib] = _plan(mib)
+        except NothingFits as err:
+            out[mib] = err
+    return out
+
+
+def test_chosen_plan_is_within_budget_by_a_full_estimate(sweep):
+    fitted = [p for p in sweep.values() if not isinstance(p, NothingFits)]
+    assert len(fitted) >= 3
+    for plans in fitted:
+        best = plans.best
+        assert best.verified and best.device_bytes <= plans.budget
+        full = estimate(_config(), recipe=best.recipe, seq_len=128, gpu=GPU)
+        assert full.device_bytes == best.device_bytes
+        assert best.recipe.micro_batch_size * best.recipe.grad_accum_steps == 8
+
+
+def test_more_budget_is_never_slower(sweep):
+    times = [p.best.step_seconds for _, p in sorted(sweep.items()) if not isinstance(p, NothingFits)]
+    assert times == sorted(times, reverse=True)
+    assert times[0] > times[-1]  # the sweep spans choices that differ
+
+
+def test_exact_by_default_and_allow_by_name(sweep):
+    plans = sweep[160]
+    assert all(p.recipe.is_exact for p in plans) and all(p.recipe.is_exact for p in plans.front)
+    allowed = _plan(160, allow="lora,adamw8bit")
+    assert allowed.candidates > plans.candidates
+    assert any(not p.recipe.is_exact for p in allowed.front)
+    with pytest.raises(MemfitError, match="allow takes"):
+        _plan(160, allow="fp8")
+
+
+def test_nothing_fits_names_the_smallest_and_it_is_the_smallest():
+    with pytest.raises(NothingFits) as caught:
+        _plan(4)
+    err = caught.value
+    assert "nothing fits" in str(err) and "needs" in str(err) and "\n" not in str(err)
+    smallest = err.smallest
+    assert smallest.device_bytes > _target("cuda", GPU).cuda_context_bytes + 4 * 2**20
+    # no candidate is smaller by a full estimate: the extreme memory savers, checked directly
+    for recipe in (Recipe(precision="bf16-mixed", checkpointing="blocks", chunked_loss=8, offload_activations=True,
+                          micro_batch_size=1, grad_accum_steps=8),
+                   Recipe(precision="fp32", checkpointing="blocks", chunked_loss=8, micro_batch_size=1,
+                          grad_accum_steps=8)):
+        assert estimate(_config(), recipe=recipe, seq_len=128, gpu=GPU).device_bytes >= smallest.device_bytes * 0.97
+
+
+def test_composed_predictions_match_full_estimates():
+    """One trace per graph at a prime batch size, scaled to each micro-batch and composed with
+    optimizer traces, against a full trace of the same recipe (allocated bytes)."""
+    source = resolve(_config(layers=8))  # deep enough for the depth path: depths 1 and 2 scaled to 8
+    gpu = _target("cuda", GPU)
+    engine = _Engine(source, None, gpu, 128, None, "adamw", 8, None)
+    recipes = [Recipe(precision="bf16-mixed", micro_batch_size=8),
+               Recipe(precision="bf16-mixed", micro_batch_size=2, grad_accum_steps=4),
+               Recipe(micro_batch_size=4, grad_accum_steps=2, checkpointing="blocks"),
+               Recipe(precision="bf16-mixed", micro_batch_size=8, optimizer_in_backward=True, chunked_loss=8),
+               Recipe(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=8, checkpointing="selective")]
+    engine.prepare(recipes)
+    for recipe in recipes:
+        predicted = engine.predict(recipe).allocated_bytes
+        full = estimate(source, recipe=recipe, seq_len=128, gpu=gpu).peak_bytes
+        assert predicted == pytest.approx(full, rel=0.02), recipe.describe()
+
+
+def test_space_covers_the_axes():
+    engine = _Engine(resolve("llama-3.1-8b"), None, _target("cuda", GPU), 2048, None, "adamw", 64, None)
+    space = _space(engine, set(), "adamw")
+    assert len(space) >= 500
+    assert {r.grad_accum_steps * r.micro_batch_size for r in space} == {64}
+    assert {r.checkpointing for r in space} >= {"off", "selective", "blocks", "blocks:2", "blocks:16"}
+    assert any(r.offload_activations for r in space) and any(r.optimizer_in_backward for r in space)
+    assert all(r.is_exact for r in space)
+
+
+def test_cli_plan_json_out_and_exit_codes(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    _config().to_json_file(path)
+    out = tmp_path / "recipe.yaml"
+    assert main(["plan", str(path), "--gpu", GPU, "--global-batch-size", "8", "--seq-len", "128",
+                 "--json", "--out", str(out)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["best"]["device_bytes"] <= data["budget_bytes"]
+    assert Recipe.load(str(out)) == Recipe.from_dict(data["best"]["recipe"])
+    assert main(["plan", str(path), "--budget", "1MiB", "--gpu", GPU, "--seq-len", "128"]) == 1
+    assert "nothing fits" in capsys.readouterr().err
+    assert main(["plan", str(path), "--gpu", GPU, "--allow", "magic"]) == 2
