@@ -19,10 +19,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/memfit estimate llama-3.1-8b --seq-len 2048 --budget 24GiB
-	@echo "\n--- the same model with a recipe that fits a 24 GiB card (LoRA and bf16 weights change the math) ---"
-	$(BIN)/memfit estimate llama-3.1-8b --seq-len 2048 --budget 24GiB --precision bf16 --lora lora:16 \
-		--checkpointing blocks --chunked-loss 8
+	$(BIN)/memfit plan llama-3.1-8b --gpu rtx-4090 --seq-len 2048 --global-batch-size 64 --allow qlora \
+		--out recipe.yaml
+	$(BIN)/memfit estimate llama-3.1-8b --seq-len 2048 --gpu rtx-4090 --recipe recipe.yaml
 
 test: setup
 	$(BIN)/python -m pytest tests

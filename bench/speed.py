@@ -1,6 +1,7 @@
-"""How long an estimate takes, for the big catalog models.
+"""How long an estimate and a plan take, for the big catalog models.
 
     python bench/speed.py           # prints the table, writes bench/results/speed-cpu.json
+    python bench/speed.py --plan    # only the planning rows (bench/results/speed-plan-cpu.json)
 
 Each row is the wall time of one ``memfit.estimate`` call in a warm process (imports done),
 best of ``REPEATS``. The depth fast path is the default for these; ``full`` rows trace every block.
@@ -32,7 +33,40 @@ CASES = [  # (model, seq_len, precision, fast)
 ]
 
 
+PLANS = [  # (model, gpu, seq_len, global batch, allow)
+    ("llama-3.1-8b", "rtx-4090", 2048, 64, ""),
+    ("llama-3.1-8b", "rtx-4090", 2048, 64, "qlora"),
+    ("llama-3.1-8b", "h200", 2048, 64, ""),
+]
+
+
+def plans() -> None:
+    rows = []
+    for model, gpu, seq, gbs, allow in PLANS:
+        start = time.perf_counter()
+        try:
+            result = memfit.plan(model, gpu=gpu, seq_len=seq, global_batch_size=gbs, allow=allow)
+            seconds = time.perf_counter() - start
+            row = {"fits": True, "candidates": result.candidates, "traces": result.settings["traces"],
+                   "recipe": result.best.recipe.describe(), "device_bytes": result.best.device_bytes,
+                   "tokens_per_second": round(result.best.tokens_per_second)}
+        except memfit.NothingFits as err:
+            seconds = time.perf_counter() - start
+            row = {"fits": False, "message": str(err)}
+        rows.append({"model": model, "gpu": gpu, "seq_len": seq, "global_batch_size": gbs, "allow": allow,
+                     "seconds": round(seconds, 1), **row})
+        print(f"plan {model} on {gpu} allow={allow or '-'}: {seconds:.1f} s  "
+              f"{row.get('candidates', '')} candidates  {row.get('recipe', row.get('message', ''))}", flush=True)
+    meta = {"torch": torch.__version__, "cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "command": "python bench/speed.py --plan"}
+    with open(OUT.replace("speed-cpu", "speed-plan-cpu"), "w") as f:
+        json.dump({"meta": meta, "plans": rows}, f, indent=1)
+
+
 def main() -> None:
+    if "--plan" in sys.argv:
+        memfit.estimate("gpt2", seq_len=16)  # warm imports
+        return plans()
     memfit.estimate("gpt2", seq_len=16)  # warm imports
     rows = []
     for model, seq, precision, fast in CASES:
@@ -50,6 +84,7 @@ def main() -> None:
             "command": "python bench/speed.py"}
     with open(OUT, "w") as f:
         json.dump({"meta": meta, "cases": rows}, f, indent=1)
+    plans()
 
 
 if __name__ == "__main__":
