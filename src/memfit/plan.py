@@ -166,7 +166,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         raise MemfitError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     if seq_len is None and source.config is not None:
         seq_len = source.default_seq_len()
-    engine = _Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
+    engine = _cached_engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = _space(engine, allowed, optimizer)
     engine.prepare(space)
     predicted = [engine.predict(r) for r in space]
@@ -203,6 +203,29 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                  gpu=None if target is None else target.name, candidates=len(predicted),
                  front=_front(predicted), seconds=time.perf_counter() - start, report=report,
                  settings=settings, notes=notes)
+
+
+_ENGINES: dict = {}  # the traces of recent plans: a budget sweep traces each graph once
+
+
+def _cached_engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
+    """An engine with the traces already made for the same model, batch and step, if any.
+
+    Only config models are cached (their key is the config's text); a module or a batch could
+    change between calls without a visible difference."""
+    key = None
+    if source.config is not None and batch is None and source.module is None:
+        key = (source.config.to_json_string(), source.task, None if target is None else target.name, seq_len,
+               loss_fn, optimizer, global_batch_size)
+    engine = _ENGINES.get(key) if key is not None else None
+    if engine is None:
+        engine = _Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
+        if key is not None:
+            while len(_ENGINES) >= 4:
+                _ENGINES.pop(next(iter(_ENGINES)))
+            _ENGINES[key] = engine
+    engine.progress, engine.notes, engine.traces = progress, [], 0
+    return engine
 
 
 def _rank(p: Plan):
@@ -276,6 +299,7 @@ class _Engine:
         self.traces = 0
         self._graphs: dict = {}
         self._optims: dict = {}
+        self._verified: dict = {}  # recipe -> full estimate
         if batch is None and self.depth and self.depth >= FAST_MIN_DEPTH:
             types = getattr(source.config, "layer_types", None)
             uniform = not isinstance(types, list) or len(set(types)) <= 1
@@ -308,6 +332,9 @@ class _Engine:
             if r.checkpointing.startswith("blocks:"):
                 graphs.add(self._graph_key(r.replace(checkpointing="blocks")))
             optims.add((r.precision, r.lora, r.optimizer))
+        graphs -= set(self._graphs)
+        optims -= set(self._optims)
+        self._done = 0
         self._todo = len(self.depths) * (len(graphs) * len(self._mb_points()) + 2 * len(optims))
         for key in sorted(graphs, key=repr):
             self._graph(key)
@@ -413,10 +440,12 @@ class _Engine:
         """The full estimate of ``r`` (depth fast path for deep configs), as ``estimate`` gives it."""
         from memfit.estimate import estimate
 
-        self.traces += 1
-        batch = self.batch() if callable(self.batch) else self.batch
-        return estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                        device="cpu" if self.target is None else "cuda", gpu=self.target)
+        if r not in self._verified:
+            self.traces += 1
+            batch = self.batch() if callable(self.batch) else self.batch
+            self._verified[r] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
+                                         device="cpu" if self.target is None else "cuda", gpu=self.target)
+        return self._verified[r]
 
 
 def _extrapolate(per_depth: dict, depths, depth) -> dict:

@@ -1,0 +1,123 @@
+"""Does the planner's choice fit, and is it fast? Checked with real runs on this CPU.
+
+    python bench/plan_cpu.py        # writes bench/results/plan-cpu.json
+
+A small GPT-2 (4 blocks, width 256, vocabulary 8192, sequence 256, global batch 16) is planned for a
+sweep of budgets with ``device="cpu"`` (CPU semantics, this CPU's measured speeds). For each budget
+the chosen recipe runs for real: its peak is the CPU allocator's (``memfit.truth``: the profiler's
+memory events plus what existed before, no memfit tracking) and its step time the median of three
+steps after a warm-up. A grid of recipes (precision x checkpointing x chunked loss x micro-batch)
+is measured the same way; for each budget the fastest grid point whose measured peak fits is the
+reference. Pass: measured peak <= budget, and step time within 10 % of that reference (or faster).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+import memfit  # noqa: E402
+from memfit import Recipe  # noqa: E402
+from memfit.apply import apply  # noqa: E402
+from memfit.cost import Speed  # noqa: E402
+from memfit.models.source import resolve  # noqa: E402
+from memfit.truth import true_peak  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GLOBAL, SEQ = 16, 256
+CONFIG = tf.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=512,
+                       architectures=["GPT2LMHeadModel"])
+
+
+def _batch(source):
+    torch.manual_seed(0)
+    return source.make_batch(GLOBAL, SEQ)
+
+
+def _seconds(source, batch, recipe, repeats=3) -> float:
+    torch.manual_seed(0)
+    model = source.build()
+    _, _, step = apply(model, recipe)
+    step(batch)  # warm-up: optimizer state, allocator caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _measure(source, batch, recipe) -> dict:
+    return {"peak_bytes": true_peak(source.build, batch, recipe=recipe),
+            "step_seconds": round(_seconds(source, batch, recipe), 4)}
+
+
+def grid() -> list[Recipe]:
+    out = []
+    for precision in ("fp32", "bf16-mixed"):
+        for checkpointing in ("off", "blocks"):
+            for chunks in (0, 8):
+                for mb in (1, 2, 4, 8, 16):
+                    out.append(Recipe(precision=precision, checkpointing=checkpointing, chunked_loss=chunks,
+                                      micro_batch_size=mb, grad_accum_steps=GLOBAL // mb))
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    source = resolve(CONFIG)
+    batch = _batch(source)
+    print(f"grid: {len(grid())} recipes measured for real (peak by the allocator, median step time)", flush=True)
+    measured = []
+    for recipe in grid():
+        row = {"recipe": recipe.to_dict(), "describe": recipe.describe(), **_measure(source, batch, recipe)}
+        measured.append(row)
+        print(f"  {memfit.format_size(row['peak_bytes']):>11} {row['step_seconds']:7.3f} s  {row['describe']}", flush=True)
+    peaks = sorted(r["peak_bytes"] for r in measured)
+    budgets = sorted({peaks[int(q * (len(peaks) - 1))] for q in (0.05, 0.2, 0.35, 0.5, 0.7, 0.9)})
+    sweep = []
+    for budget in budgets:
+        start = time.perf_counter()
+        try:
+            plans = memfit.plan(CONFIG, device="cpu", budget=budget, global_batch_size=GLOBAL, seq_len=SEQ)
+        except memfit.NothingFits as err:
+            sweep.append({"budget_bytes": budget, "fits": False, "message": str(err)})
+            print(f"budget {memfit.format_size(budget)}: {err}", flush=True)
+            continue
+        planning = time.perf_counter() - start
+        chosen = plans.best
+        real = _measure(source, batch, chosen.recipe)
+        fitting = [r for r in measured if r["peak_bytes"] <= budget]
+        best = min(fitting, key=lambda r: r["step_seconds"]) if fitting else None
+        ratio = real["step_seconds"] / best["step_seconds"] if best else None
+        row = {"budget_bytes": budget, "fits": True, "chosen": chosen.recipe.describe(),
+               "predicted_bytes": chosen.device_bytes, "measured_bytes": real["peak_bytes"],
+               "within_budget": real["peak_bytes"] <= budget, "predicted_seconds": round(chosen.step_seconds, 4),
+               "measured_seconds": real["step_seconds"], "best_grid": best and best["describe"],
+               "best_grid_seconds": best and best["step_seconds"],
+               "time_vs_best_grid": ratio and round(ratio, 3), "within_10_percent": ratio is not None and ratio <= 1.10,
+               "planning_seconds": round(planning, 1), "candidates": plans.candidates}
+        sweep.append(row)
+        print(f"budget {memfit.format_size(budget)}: {row['chosen']} → measured {memfit.format_size(real['peak_bytes'])}"
+              f" ({'fits' if row['within_budget'] else 'OVER'}), {real['step_seconds']:.3f} s vs best grid "
+              f"{best and best['step_seconds']} s ({best and best['describe']}): x{ratio and round(ratio, 3)}", flush=True)
+    meta = {"torch": torch.__version__, "cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "model": "GPT-2 4 x 256, vocab 8192", "global_batch_size": GLOBAL, "seq_len": SEQ,
+            "speed": dict(Speed.host().__dict__),
+            "command": "python bench/plan_cpu.py"}
+    with open(os.path.join(HERE, "results", "plan-cpu.json"), "w") as f:
+        json.dump({"meta": meta, "sweep": sweep, "grid": measured}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
