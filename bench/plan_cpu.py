@@ -5,10 +5,12 @@
 A small GPT-2 (4 blocks, width 256, vocabulary 8192, sequence 256, global batch 16) is planned for a
 sweep of budgets with ``device="cpu"`` (CPU semantics, this CPU's measured speeds). For each budget
 the chosen recipe runs for real: its peak is the CPU allocator's (``memfit.truth``: the profiler's
-memory events plus what existed before, no memfit tracking) and its step time the median of three
+memory events plus what existed before, no memfit tracking) and its step time the median of five
 steps after a warm-up. A grid of recipes (precision x checkpointing x chunked loss x micro-batch)
 is measured the same way; for each budget the fastest grid point whose measured peak fits is the
-reference. Pass: measured peak <= budget, and step time within 10 % of that reference (or faster).
+reference, timed again right after the chosen recipe (CPU step times drift by 10-20 % over
+minutes on a shared machine). Pass: measured peak <= budget, and step time within 10 % of that
+reference (or faster).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _batch(source):
     return source.make_batch(GLOBAL, SEQ)
 
 
-def _seconds(source, batch, recipe, repeats=3) -> float:
+def _seconds(source, batch, recipe, repeats=5) -> float:
     torch.manual_seed(0)
     model = source.build()
     _, _, step = apply(model, recipe)
@@ -57,9 +59,9 @@ def _seconds(source, batch, recipe, repeats=3) -> float:
     return statistics.median(times)
 
 
-def _measure(source, batch, recipe) -> dict:
+def _measure(source, batch, recipe, repeats=5) -> dict:
     return {"peak_bytes": true_peak(source.build, batch, recipe=recipe),
-            "step_seconds": round(_seconds(source, batch, recipe), 4)}
+            "step_seconds": round(_seconds(source, batch, recipe, repeats), 4)}
 
 
 def grid() -> list[Recipe]:
@@ -80,7 +82,7 @@ def main() -> None:
     print(f"grid: {len(grid())} recipes measured for real (peak by the allocator, median step time)", flush=True)
     measured = []
     for recipe in grid():
-        row = {"recipe": recipe.to_dict(), "describe": recipe.describe(), **_measure(source, batch, recipe)}
+        row = {"recipe": recipe.to_dict(), "describe": recipe.describe(), **_measure(source, batch, recipe, 3)}
         measured.append(row)
         print(f"  {memfit.format_size(row['peak_bytes']):>11} {row['step_seconds']:7.3f} s  {row['describe']}", flush=True)
     peaks = sorted(r["peak_bytes"] for r in measured)
@@ -99,6 +101,8 @@ def main() -> None:
         real = _measure(source, batch, chosen.recipe)
         fitting = [r for r in measured if r["peak_bytes"] <= budget]
         best = min(fitting, key=lambda r: r["step_seconds"]) if fitting else None
+        if best is not None:  # timed again beside the chosen one: the two share the machine's state
+            best = {**best, "step_seconds": round(_seconds(source, batch, Recipe.from_dict(best["recipe"])), 4)}
         ratio = real["step_seconds"] / best["step_seconds"] if best else None
         row = {"budget_bytes": budget, "fits": True, "chosen": chosen.recipe.describe(),
                "predicted_bytes": chosen.device_bytes, "measured_bytes": real["peak_bytes"],

@@ -119,3 +119,16 @@ def test_cli_plan_json_out_and_exit_codes(tmp_path, capsys):
     assert main(["plan", str(path), "--budget", "1MiB", "--gpu", GPU, "--seq-len", "128"]) == 1
     assert "nothing fits" in capsys.readouterr().err
     assert main(["plan", str(path), "--gpu", GPU, "--allow", "magic"]) == 2
+
+
+def test_long_accumulation_verified_from_two_and_three_micro_batches():
+    """The planner verifies k > 5 micro-batches from traces of 2 and 3: never below tracing all k
+    (the plan's budget check stays safe), and within 0.1 %."""
+    source = resolve(_config())
+    engine = _Engine(source, None, _target("cuda", GPU), 128, None, "adamw", 8, None)
+    for recipe in (Recipe(micro_batch_size=1, grad_accum_steps=8),
+                   Recipe(precision="bf16-mixed", checkpointing="blocks", micro_batch_size=1, grad_accum_steps=8)):
+        many = estimate(source, recipe=recipe, seq_len=128, gpu=GPU)
+        read = engine.verify(recipe)
+        assert many.peak_bytes <= read.peak_bytes <= many.peak_bytes * 1.001
+        assert many.reserved_bytes <= read.reserved_bytes <= many.reserved_bytes * 1.001

@@ -10,7 +10,8 @@ optimizer's kernels.
 Rates: for a catalog GPU, its datasheet peaks (``gpus.py``) times the fraction eager PyTorch
 reaches (``EFFICIENCY``, checked against the H100 runs recorded in ``bench/results``; see
 ``bench/plan_calibrate.py``); for the CPU, measured on this machine at first use
-(``Speed.host()``: a 1024^3 matmul per dtype, a 64 MiB copy, a tiny op's dispatch cost).
+(``Speed.host()``: a 1024^3 matmul per dtype, a 64 MiB copy, and the per-kernel cost of a
+training step of tiny modules: dispatch, module calls and autograd).
 
 Written by hand: torch's ``FlopCounterMode`` counts FLOPs only, and no library we know predicts
 eager step time per kernel from a fake trace.
@@ -85,6 +86,27 @@ def _host() -> Speed:
     src = torch.empty(16 * 1024**2)  # 64 MiB
     dst = torch.empty_like(src)
     bandwidth = 2 * src.nbytes / _timed(lambda: dst.copy_(src))
-    tiny = torch.zeros(8)
-    launch = _timed(lambda: [tiny.add(1) for _ in range(200)]) / 200
+    launch = _step_overhead()
     return Speed("cpu", tuple(rates), bandwidth, launch, 0.0)
+
+
+def _step_overhead() -> float:
+    """Seconds per kernel of a training step whose kernels do almost nothing: module calls,
+    dispatch and autograd bookkeeping (four tiny LayerNorm-Linear-GELU blocks, forward and
+    backward). A bare op costs a third of this; a step pays it on every kernel."""
+    from memfit.accounting.ops import OpCounter
+
+    class _Marks:
+        marks = [("step", 0, 0)]
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16),
+                                                      torch.nn.GELU()) for _ in range(4)])
+    x = torch.randn(4, 16)
+
+    def step():
+        model(x).sum().backward()
+
+    counter = OpCounter(_Marks())
+    with counter:
+        step()
+    return _timed(lambda: [step() for _ in range(50)]) / 50 / len(counter.rows)
