@@ -235,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_transformers() -> None:
-    """Config warnings from transformers (unused token ids, loss type) are noise in a table."""
+    """Config warnings from transformers (unused token ids, loss type) are noise in a table; so are
+    torchao's notes, at import, about CUDA kernels a CPU machine cannot load (transformers imports
+    torchao when it is installed), and torch's deprecation note on torchao's pytree registrations."""
+    import logging as std_logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        std_logging.getLogger(name).setLevel(std_logging.ERROR)
     try:
         from transformers.utils import logging
     except ImportError:
