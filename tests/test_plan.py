@@ -132,3 +132,20 @@ def test_long_accumulation_verified_from_two_and_three_micro_batches():
         read = engine.verify(recipe)
         assert many.peak_bytes <= read.peak_bytes <= many.peak_bytes * 1.001
         assert many.reserved_bytes <= read.reserved_bytes <= many.reserved_bytes * 1.001
+
+
+def test_module_with_a_batch_on_the_cpu():
+    """A plain nn.Module and its global batch: micro-batches are slices of it; CPU semantics."""
+    import torch
+
+    from memfit.models.zoo import GPT, gpt_batch, lm_loss
+
+    torch.manual_seed(0)
+    model, batch = GPT(vocab=512, d=128, layers=2, heads=4, ctx=64), gpt_batch(batch=8, seq=64)
+    plans = plan(model, batch, loss_fn=lm_loss, device="cpu", budget="64MiB")
+    best = plans.best
+    assert plans.device == "cpu" and best.reserved_bytes is None and best.device_bytes <= 64 * 2**20
+    assert best.recipe.micro_batch_size * best.recipe.grad_accum_steps == 8
+    assert best.device_bytes == estimate(model, batch, loss_fn=lm_loss, recipe=best.recipe).peak_bytes
+    with pytest.raises(MemfitError, match="conflict"):
+        plan(model, batch, loss_fn=lm_loss, device="cpu", budget="64MiB", global_batch_size=4)
