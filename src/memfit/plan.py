@@ -3,21 +3,24 @@
 The search covers precision x checkpointing (off, selective, every block, every N-th block) x
 activation offload x chunked loss x optimizer (the user's, plus 8-bit states or LoRA/QLoRA when
 named in ``allow``) x optimizer-in-backward x micro-batch / accumulation (exact divisors of the
-global batch). Each candidate gets a predicted peak (allocated, reserved, device total) and a
-predicted step time, and the fastest candidate whose prediction fits is checked with a full
-``estimate``; a candidate whose full estimate does not fit is passed over, so a plan never exceeds
-its budget by the estimate's own account.
+global batch). Each candidate gets a predicted peak (allocated bytes, plus the CUDA context on a
+GPU) and a predicted step time (``cost.py``), and the fastest candidate whose prediction fits is
+checked with a full ``estimate``, which adds the caching allocator's reserved memory; a candidate
+whose full estimate does not fit is passed over, so a plan never exceeds its budget by the
+estimate's own account.
 
 Tracing every candidate would take minutes for an 8B model, so candidates are composed from a few
 traces (``_Engine``):
 
-* **Graph traces**, one per (precision, LoRA, checkpointing kind, offload, chunked loss): one step
-  at two micro-batch sizes and two depths. Every tensor's size is affine in the micro-batch, and
-  the two traces run the same events in the same order, so live bytes after *every event* are
-  interpolated to any micro-batch size (micro-batch 1 is extrapolated from 2 and the largest: a
-  batch of one skips a few contiguity copies, so this is an upper bound). Phase peaks and kernel
-  times are affine in depth, as in ``depth.py``. From each trace come the forward peak, the
-  backward peak with and without the gradients live at each event, and the kernel rows.
+* **Graph traces**, one per (precision, LoRA, checkpointing kind, offload, chunked loss), one step
+  each at two depths. With CUDA semantics the batch has a prime number of rows: every tensor whose
+  size is a multiple of the prime scales with the batch, the rest does not, so the live bytes after
+  *every event* and each kernel's FLOPs and bytes are exact at any micro-batch size from that one
+  trace (a batch of one skips a few contiguity copies: an upper bound there). With CPU semantics
+  (kernel scratch is replayed with real tensors) or a user's batch, two batch sizes are traced and
+  lined up event by event. Phase peaks and kernel times are affine in depth, as in ``depth.py``.
+  From each trace come the forward peak, the backward peak with and without the gradients live at
+  each event, and the kernel rows.
 * **Optimizer traces**, one per (precision, LoRA, optimizer) on a short sequence: optimizer-state
   bytes, the optimizer phase's peak and kernels, and what stepping inside backward adds.
 * **Composition.** Step 2's forward and backward hold the state; accumulation keeps every
@@ -288,6 +291,8 @@ PRIMES = (1009, 1013, 1019, 1021, 1031)
 
 
 class _Engine:
+    """The traces of one model, batch and step, and every candidate composed from them."""
+
     def __init__(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
         from memfit.depth import SHALLOW
         from memfit.estimate import FAST_MIN_DEPTH
