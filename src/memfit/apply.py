@@ -120,7 +120,7 @@ class _Step:
                 return tensor
             packed = offload.pack(tensor)
             if packed is not tensor:  # bytes over the host link, each way: the planner's cost
-                watch.offloaded_bytes += tensor.untyped_storage().nbytes()
+                watch.offloaded_bytes = getattr(watch, "offloaded_bytes", 0) + tensor.untyped_storage().nbytes()
             return packed
 
         def unpack(packed):
