@@ -42,7 +42,10 @@ PLANS = [  # (model, gpu, seq_len, global batch, allow)
 
 def plans() -> None:
     rows = []
+    from memfit.plan import _ENGINES
+
     for model, gpu, seq, gbs, allow in PLANS:
+        _ENGINES.clear()  # cold: no traces kept from the row before
         start = time.perf_counter()
         try:
             result = memfit.plan(model, gpu=gpu, seq_len=seq, global_batch_size=gbs, allow=allow)

@@ -89,12 +89,21 @@ def test_composed_predictions_match_full_estimates():
                Recipe(precision="bf16-mixed", micro_batch_size=2, grad_accum_steps=4),
                Recipe(micro_batch_size=4, grad_accum_steps=2, checkpointing="blocks"),
                Recipe(precision="bf16-mixed", micro_batch_size=8, optimizer_in_backward=True, chunked_loss=8),
-               Recipe(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=8, checkpointing="selective")]
-    engine.prepare(recipes)
-    for recipe in recipes:
+               Recipe(precision="bf16-mixed", micro_batch_size=1, grad_accum_steps=8, checkpointing="selective"),
+               Recipe(micro_batch_size=4, grad_accum_steps=2, offload_activations=True, checkpointing="blocks:2")]
+    # Offload leaves tensors under 1 KiB on the device; at this toy width some of chunked loss's
+    # cross the line between the prime batch and 8 rows, so this one is only bounded (from above:
+    # on Llama-3.2-1B it is exact, see the README).
+    loose = Recipe(precision="bf16-mixed", micro_batch_size=8, offload_activations=True, chunked_loss=8,
+                   optimizer_in_backward=True)
+    engine.prepare(recipes + [loose])
+    for recipe in recipes + [loose]:
         predicted = engine.predict(recipe).allocated_bytes
         full = estimate(source, recipe=recipe, seq_len=128, gpu=gpu).peak_bytes
-        assert predicted == pytest.approx(full, rel=0.02), recipe.describe()
+        if recipe is loose:
+            assert full <= predicted <= full * 1.08
+        else:
+            assert predicted == pytest.approx(full, rel=0.02), recipe.describe()
 
 
 def test_space_covers_the_axes():
@@ -149,3 +158,16 @@ def test_module_with_a_batch_on_the_cpu():
     assert best.device_bytes == estimate(model, batch, loss_fn=lm_loss, recipe=best.recipe).peak_bytes
     with pytest.raises(MemfitError, match="conflict"):
         plan(model, batch, loss_fn=lm_loss, device="cpu", budget="64MiB", global_batch_size=4)
+
+
+def test_scaled_bytes_of_a_view_laid_out_again():
+    """A slice of a batch-major buffer: its storage span is affine in the batch dimension."""
+    import torch
+
+    from memfit.accounting.ledger import _scaled_bytes
+
+    prime = 1009
+    view = torch.empty(prime, 10, 4)[:, :9]  # strides (40, 4, 1): span 1 + 1008*40 + 8*4 + 3 elements
+    assert _scaled_bytes(view, prime) == prime * 40 * 4  # fixed part: 4 * 40356 - 161440 = -16 bytes
+    assert _scaled_bytes(torch.empty(8, 8), prime) == 0
+    assert _scaled_bytes(torch.empty(2 * prime, 3), prime) == 2 * prime * 3 * 4

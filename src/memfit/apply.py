@@ -38,8 +38,6 @@ __all__ = ["apply", "run_steps"]
 class _Quiet:
     """Stands in for a ledger when nobody is watching."""
 
-    offloaded_bytes = 0
-
     def begin(self, phase, step):
         pass
 
@@ -119,8 +117,9 @@ class _Step:
             if not offload:
                 return tensor
             packed = offload.pack(tensor)
-            if packed is not tensor:  # bytes over the host link, each way: the planner's cost
-                watch.offloaded_bytes = getattr(watch, "offloaded_bytes", 0) + tensor.untyped_storage().nbytes()
+            note = getattr(watch, "note_offload", None)
+            if packed is not tensor and note is not None:  # bytes over the host link: the planner's cost
+                note(tensor)
             return packed
 
         def unpack(packed):

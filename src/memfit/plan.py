@@ -13,10 +13,11 @@ Tracing every candidate would take minutes for an 8B model, so candidates are co
 traces (``_Engine``):
 
 * **Graph traces**, one per (precision, LoRA, checkpointing kind, offload, chunked loss), one step
-  each at two depths. With CUDA semantics the batch has a prime number of rows: every tensor whose
-  size is a multiple of the prime scales with the batch, the rest does not, so the live bytes after
-  *every event* and each kernel's FLOPs and bytes are exact at any micro-batch size from that one
-  trace (a batch of one skips a few contiguity copies: an upper bound there). With CPU semantics
+  each at two depths. With CUDA semantics the batch has a prime number of rows: a dimension that is
+  a multiple of the prime is a batch dimension, and a storage's span is affine in it
+  (``ledger._scaled_bytes``), so the live bytes after *every event* and each kernel's FLOPs and
+  bytes are exact at any micro-batch size from that one trace (a batch of one skips a few
+  contiguity copies: an upper bound there). With CPU semantics
   (kernel scratch is replayed with real tensors) or a user's batch, two batch sizes are traced and
   lined up event by event. Phase peaks and kernel times are affine in depth, as in ``depth.py``.
   From each trace come the forward peak, the backward peak with and without the gradients live at
@@ -186,8 +187,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     if rejected:
         notes.append(f"{rejected} faster candidate(s) predicted to fit were over budget by a full estimate")
     if chosen is None:
-        # Predictions can be high where they interpolate (every N-th block with offload): the
-        # smallest few are checked in full before the answer is "nothing fits".
+        # Predictions are approximate where they interpolate (every N-th block) and leave out the
+        # allocator's reserved memory: the smallest few are checked in full before the answer is
+        # "nothing fits".
         smallest = sorted(predicted, key=lambda p: (p.device_bytes, p.step_seconds))[:SMALLEST_CHECKS]
         # the smallest is checked for the answer's figure; the others only if they could be near
         smallest = smallest[:1] + [p for p in smallest[1:] if p.device_bytes <= 1.5 * budget_bytes]
@@ -508,6 +510,7 @@ class _GraphPoint:
         self.rows_fwd, self.rows_bwd = rows[row_phase == "forward"], rows[row_phase == "backward"]
         self.speed, self.prime = speed, prime
         self.offloaded = float(replay.offloaded_bytes)
+        self.offloaded_scaled = float(replay.offloaded_scaled)
 
     def terms(self) -> dict:
         return self._terms(self.live, self.grads, self.rows_fwd[:, 1:4], self.rows_bwd[:, 1:4], self.offloaded)
@@ -536,7 +539,7 @@ class _GraphPoint:
         w = x / self.prime
         live = self.live + self.scaled * (w - 1)
         return self._terms(live, self.grads, self._rows_at(self.rows_fwd, x), self._rows_at(self.rows_bwd, x),
-                           self.offloaded * w)
+                           self.offloaded + self.offloaded_scaled * (w - 1))
 
     def interpolate(self, other: "_GraphPoint", lo: int, hi: int, x: int) -> dict:
         w = (x - lo) / (hi - lo)

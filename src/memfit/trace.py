@@ -47,6 +47,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         quantize_base(model)
     ledger = Ledger(device=device, model=model,
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
+    ledger.prime = prime
     for param in list(model.parameters()) + quant_state_tensors(model):
         ledger.register(param, Category.PARAMETERS)
     for buf in model.buffers():
@@ -73,6 +74,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         result.series = event_series(ledger, scratch, prime)
         result.ops = counter.rows
         result.offloaded_bytes = ledger.offloaded_bytes
+        result.offloaded_scaled = ledger.offloaded_scaled
     return Report(
         peak_bytes=cuda.pop("peak_bytes", result.peak_bytes),
         by_category=result.by_category,

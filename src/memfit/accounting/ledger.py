@@ -54,6 +54,7 @@ class Record:
     module: str
     donor: int | None = None  # the record whose memory this one reuses (in-place accumulation)
     donated: bool = False  # its memory went on in another record: its free releases nothing
+    scaled: int = 0  # with ``Ledger.prime``: the bytes of it that scale with the batch
 
 
 @dataclass
@@ -114,6 +115,9 @@ class Ledger(TorchDispatchMode):
         self._open = True
         self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
         self.offloaded_bytes = 0  # saved activations moved off the device (activation offload)
+        self.offloaded_scaled = 0  # with ``prime``: the part of it that scales with the batch
+        self.prime: int | None = None  # the batch has this prime number of rows (the planner)
+        self.counter = None  # an ``ops.OpCounter`` while one is attached (the planner)
 
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:
@@ -125,7 +129,15 @@ class Ledger(TorchDispatchMode):
         """Account a storage that exists before the step (parameters, buffers, the batch)."""
         index = self._track(tensor.untyped_storage(), category)
         if index is not None:
+            if self.prime:
+                self.records[index].scaled = _scaled_bytes(tensor, self.prime)
             self.mark(tensor, category)
+
+    def note_offload(self, tensor: torch.Tensor) -> None:
+        """A saved tensor left the device (activation offload): bytes over the host link."""
+        self.offloaded_bytes += tensor.untyped_storage().nbytes()
+        if self.prime:
+            self.offloaded_scaled += _scaled_bytes(tensor, self.prime)
 
     def mark(self, tensor: torch.Tensor, category: Category) -> None:
         """Give ``tensor``'s storage a stronger role, if it is tracked."""
@@ -193,6 +205,8 @@ class Ledger(TorchDispatchMode):
         if self.cublas_workspace is not None:
             self._workspace(func)
         out = func(*args, **kwargs)
+        if self.counter is not None:
+            self.counter.record(func, args, kwargs, out)
         returns = func._schema.returns
         flat_out = out if isinstance(out, (tuple, list)) else (out,)
         self._modules.tag(out)
@@ -203,7 +217,9 @@ class Ledger(TorchDispatchMode):
             for tensor in _tensors(value):
                 storage = tensor.untyped_storage()
                 if fresh:
-                    self._track(storage, Category.TEMPORARIES)
+                    index = self._track(storage, Category.TEMPORARIES)
+                    if index is not None and self.prime:
+                        self.records[index].scaled = _scaled_bytes(tensor, self.prime)
                 out_records.append(self._ids.get(storage) if fresh else None)
                 out_metas.append((tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
         if func.overloadpacket in _SOFTMAX and self.phase == "forward" and isinstance(out, torch.Tensor):
@@ -320,3 +336,17 @@ def _tensors(value):
         for item in value:
             if isinstance(item, torch.Tensor):
                 yield item
+
+
+def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:
+    """The bytes of ``tensor``'s storage that scale with the batch when the batch has ``prime`` rows.
+
+    A dimension that is a multiple of the prime is a batch dimension; the storage spans
+    ``1 + sum((size - 1) * stride)`` elements, which is affine in the batch, so a view's storage
+    (a slice of a bigger buffer, laid out again) splits exactly into a scaled and a fixed part.
+    """
+    if not tensor.numel():
+        return 0
+    slope = sum((size // prime) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size % prime == 0)
+    return slope * prime * tensor.element_size()
+

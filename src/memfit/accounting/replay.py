@@ -32,6 +32,7 @@ class Replay:
     ops: list | None = None  # trace(detail=True): (mark, flops, bytes, dtype code) per kernel
     allocator: object = None  # CUDA semantics: the allocator model's AllocatorStats
     offloaded_bytes: int = 0  # trace(detail=True): activation bytes moved off the device
+    offloaded_scaled: int = 0  # with a prime batch: the part of it that scales with the batch
 
 
 def replay(ledger: Ledger, scratch: list[int]) -> Replay:
@@ -132,8 +133,8 @@ class Series:
     grads    live bytes of storages that hold a gradient
     state    live bytes of optimizer state
     mark     index into ``marks`` of the (phase, step, micro-batch) each event belongs to
-    scaled   with ``prime``: the part of ``live`` in storages whose size is a multiple of it
-             (those that scale with the batch, when the batch dimension is that prime)
+    scaled   with ``prime`` (the batch's row count): the part of ``live`` that scales with the
+             batch (``Record.scaled``)
     """
 
     live: "object"
@@ -177,8 +178,8 @@ def event_series(ledger: Ledger, scratch: list[int], prime: int | None = None) -
             else:
                 delta = sign * record.nbytes
             total += delta
-            if prime and record.nbytes % prime == 0:
-                p += delta
+            if prime and delta:
+                p += record.scaled if delta > 0 else -record.scaled
             if record.category is gradients:
                 g += sign * record.nbytes
             elif record.category is optimizer_state:
