@@ -11,7 +11,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
-from memfit import Recipe
 from memfit.cuda import cpu_only_autocast_ops, cuda_attention_kernel, cuda_semantics
 from memfit.gpus import gpu
 from memfit.models.zoo import CASES

@@ -63,7 +63,7 @@ import contextvars
 import warnings
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "allocator_stats"]
 
