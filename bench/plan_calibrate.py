@@ -21,7 +21,7 @@ from memfit import Recipe
 from memfit.cost import EFFICIENCY
 from memfit.estimate import _target
 from memfit.models.source import resolve
-from memfit.plan import _Engine
+from memfit.compose import Engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,7 +41,7 @@ def main() -> None:
     for name, recipe in recipes.items():
         if recipe.offload_optimizer:
             continue  # not estimated on fake tensors, so not planned
-        engine = _Engine(source, None, gpu, 1024, None, recipe.optimizer, 8, None)
+        engine = Engine(source, None, gpu, 1024, None, recipe.optimizer, 8, None)
         engine.prepare([recipe])
         predicted = engine.predict(recipe).step_seconds
         measured = recorded["recipes"][name]["step_seconds"]

@@ -10,7 +10,8 @@ from memfit import MemfitError, NothingFits, Recipe, estimate, plan
 from memfit.cli import main
 from memfit.estimate import _target
 from memfit.models.source import resolve
-from memfit.plan import _Engine, _space
+from memfit.compose import Engine as _Engine
+from memfit.plan import _space
 
 GPU = "rtx-4090"
 
@@ -171,3 +172,8 @@ def test_scaled_bytes_of_a_view_laid_out_again():
     assert _scaled_bytes(view, prime) == prime * 40 * 4  # fixed part: 4 * 40356 - 161440 = -16 bytes
     assert _scaled_bytes(torch.empty(8, 8), prime) == 0
     assert _scaled_bytes(torch.empty(2 * prime, 3), prime) == 2 * prime * 3 * 4
+
+
+def test_unknown_optimizer_is_one_line():
+    with pytest.raises(MemfitError, match="unknown optimizer"):
+        _plan(160, optimizer="lion")
