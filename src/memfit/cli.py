@@ -7,9 +7,9 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+import warnings
 
 from memfit.errors import MemfitError
 from memfit.precision import PRECISIONS
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit status 2), not the whole usage text."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {MemfitError(message)} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     est = sub.add_parser("estimate", help="memory of one training step, on fake tensors (no GPU, no memory)")
     est.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or package.module:function")
-    est.add_argument("--batch-size", type=_positive, default=1, help="examples per step (default 1)")
+    est.add_argument("--batch-size", type=_positive, default=None,
+                     help="examples per optimizer step (default 1; with --micro-batch-size it must equal "
+                          "micro-batch x --grad-accum-steps)")
     est.add_argument("--seq-len", type=_positive, default=None, help="tokens per example (default: the model's, at most 2048)")
     est.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
     _recipe_flags(est)
@@ -113,13 +115,9 @@ def _recipe(args):
 
 
 def _import(spec: str | None):
-    if spec is None:
-        return None
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise MemfitError(f"cannot import {spec}: {err}; write it as package.module:function") from None
+    from memfit.models.check import import_object
+
+    return None if spec is None else import_object(spec)
 
 
 def _estimate(args) -> int:
@@ -159,6 +157,8 @@ def _plan(args) -> int:
 
     if args.device == "cpu" and args.gpu is not None:
         raise MemfitError("--gpu and --device cpu conflict: drop one")
+    if args.out is not None:
+        _check_out(args.out)
     with Progress(TextColumn("planning {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(args.model, total=None)
@@ -174,12 +174,30 @@ def _plan(args) -> int:
                 print(f"memfit: {err}", file=sys.stderr)
             return 1
     if args.out:
-        plans.best.recipe.save(args.out)
+        try:
+            plans.best.recipe.save(args.out)
+        except OSError as err:
+            raise MemfitError(f"cannot write --out {args.out}: {err.strerror or err}") from None
     if args.json:
         print(json.dumps({"fits": True, **plans.to_dict()}, indent=2))
     else:
         Console().print(plan_view(plans, args.model, args.out))
     return 0
+
+
+def _check_out(path: str) -> None:
+    """Refuse an --out the recipe could not be written to, before the plan runs (minutes)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    if not path.endswith((".yaml", ".yml", ".json")):
+        raise MemfitError(f"--out {path!r} must end in .yaml, .yml or .json: name the recipe file")
+    if os.path.isdir(path):
+        raise MemfitError(f"--out {path} is a directory: name a .yaml or .json file in it")
+    if not os.path.isdir(folder):
+        raise MemfitError(f"--out {path}: the directory {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise MemfitError(f"--out {path}: cannot write to {folder}; choose another directory")
 
 
 def _gpus(args) -> int:
@@ -222,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_transformers()
     try:
-        return {"estimate": _estimate, "plan": _plan, "models": _models, "gpus": _gpus}[args.command](args)
+        with warnings.catch_warnings():
+            # peft and bitsandbytes warn about choices memfit makes on purpose (fan_in_fan_out for
+            # GPT-2's Conv1D, CPU kernels); on stderr they would bury the table or the error line
+            warnings.filterwarnings("ignore", module=r"(peft|bitsandbytes)(\.|$)")
+            return {"estimate": _estimate, "plan": _plan, "models": _models, "gpus": _gpus}[args.command](args)
     except MemfitError as err:
         print(f"memfit: error: {err}", file=sys.stderr)
         return 2
@@ -237,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 def _quiet_transformers() -> None:
     """Config warnings from transformers (unused token ids, loss type) are noise in a table; so are
     torchao's notes, at import, about CUDA kernels a CPU machine cannot load (transformers imports
-    torchao when it is installed), and torch's deprecation note on torchao's pytree registrations."""
+    torchao when it is installed), and torch's deprecation note on torchao's pytree registrations, and bitsandbytes' note that an optional
+CPU kernel package is missing."""
     import logging as std_logging
 
-    for name in ("torchao", "torch.utils._pytree"):
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
         std_logging.getLogger(name).setLevel(std_logging.ERROR)
     try:
         from transformers.utils import logging

@@ -2,12 +2,38 @@
 
 A ``MemfitError`` carries a single line that says what is wrong and how to fix it. The CLI prints
 it and exits with status 2; library callers can catch it. Anything else escaping is a bug.
+
+The line stays one short line whatever went into it: line breaks and runs of whitespace become
+one space, and a message longer than ``MAX_MESSAGE`` characters is cut in the middle (a value the
+user typed can be megabytes; the fix is named at the end). ``shown`` quotes such a value briefly.
 """
 
 from __future__ import annotations
 
-__all__ = ["MemfitError"]
+__all__ = ["MemfitError", "MAX_MESSAGE", "shown"]
+
+MAX_MESSAGE = 400  # characters: room for the longest fix we name (the GPU list) and a quoted value
 
 
 class MemfitError(ValueError):
     """Bad input or an unsupported case, explained in one line that names the fix."""
+
+    def __init__(self, message="", *args):
+        super().__init__(_one_line(str(message)), *args)
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    if len(text) <= MAX_MESSAGE:
+        return text
+    half = (MAX_MESSAGE - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to about ``limit`` characters, for quoting user input in a message."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 — a user object whose __repr__ fails is still an object
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

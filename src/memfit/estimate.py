@@ -18,11 +18,11 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from memfit.errors import MemfitError
-from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
+from memfit.errors import MemfitError, shown
+from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
 from memfit.models.source import Source, resolve
-from memfit.precision import check_precision, weight_dtype
-from memfit.recipe import Recipe, recipe_from
+from memfit.precision import check_gpu, check_precision, weight_dtype
+from memfit.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
 from memfit.report import Report
 from memfit.trace import trace
 
@@ -33,7 +33,7 @@ FAST_MIN_DEPTH = 8
 
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
-             steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
+             steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
@@ -52,6 +52,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                the report adds ``reserved_bytes``, ``context_bytes`` and ``device_bytes``).
     gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.gpus.gpu(...)``) for CUDA semantics:
                its workspace size and context; implies ``device="cuda"`` (default ``h100-sxm``).
+    batch_size examples per optimizer step (default 1). With ``recipe.micro_batch_size`` it is
+               micro_batch_size x grad_accum_steps; a different value is an error, not overridden.
     fast       trace two shallow copies and scale by depth (default: for configs with
                >= 8 blocks and no explicit batch); ``False`` forces the full trace.
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
@@ -61,8 +63,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
     target = _target(device, gpu)
-    if recipe.micro_batch_size:
-        batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
+    check_gpu(recipe.precision, target)
+    batch_size = _step_batch(batch_size, recipe)
     source = resolve(model)
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
@@ -91,11 +93,33 @@ def _target(device, gpu):
     return gpu if isinstance(gpu, GPU) else lookup(gpu)
 
 
-def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None) -> None:
+def check_args(precision: str, steps: int, batch_size: int | None, seq_len: int | None) -> None:
     check_precision(precision)
-    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
-        if value is not None and (not isinstance(value, int) or value <= 0):
-            raise MemfitError(f"{name} must be a positive integer, got {value!r}")
+    for name, value, limit in (("steps", steps, MAX_STEPS), ("batch_size", batch_size, MAX_BATCH),
+                               ("seq_len", seq_len, MAX_SEQ)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
+            raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
+
+
+# Bounds past which a trace would run for hours (steps) or byte counts overflow 64 bits.
+MAX_STEPS = 64
+MAX_SEQ = 1 << 24
+
+
+def _step_batch(batch_size: int | None, recipe: Recipe) -> int:
+    """Examples per optimizer step. The rule: batch_size = micro_batch_size x grad_accum_steps when
+    the recipe sets a micro-batch; a batch_size that disagrees is an error naming the fix."""
+    if not recipe.micro_batch_size:
+        return batch_size or 1
+    per_step = recipe.micro_batch_size * recipe.grad_accum_steps
+    if batch_size not in (None, per_step):
+        mb, steps = recipe.micro_batch_size, recipe.grad_accum_steps
+        fix = (f"set grad_accum_steps={batch_size // mb}" if batch_size % mb == 0 and batch_size // mb <= MAX_ACCUM_STEPS
+               else "change one of them")
+        raise MemfitError(f"batch_size={batch_size} and micro_batch_size={mb} x grad_accum_steps={steps} "
+                          f"= {per_step} conflict: batch_size is the examples of one optimizer step; {fix}, "
+                          "or leave batch_size out")
+    return per_step
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
@@ -104,6 +128,12 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
+    with quiet_fake_log():
+        return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                           batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime)
+
+
+def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime):
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)
@@ -111,11 +141,17 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
         module = fake_copy(source.module, mode, dtype)
     else:
         module = build_fake(source.build, mode, device, dtype)
-    if batch is None:
-        with mode:
-            batch = source.make_batch(batch_size, seq_len)
-    else:
-        batch = fake_batch(batch, mode)
+    try:
+        if batch is None:
+            with mode:
+                batch = source.make_batch(batch_size, seq_len)
+        else:
+            batch = fake_batch(batch, mode)
+    except MemfitError:
+        raise
+    except Exception as err:  # noqa: BLE001 — a batch factory is the user's code
+        raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}: "
+                          "check the batch (or batch_size and seq_len)") from None
     reads = ScalarReads()
     with mode, reads:
         try:
@@ -128,11 +164,21 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
             op = getattr(err, "func", None) or str(err).splitlines()[0]
             raise MemfitError(f"operation {op} cannot run on fake tensors: run the step for real with "
                               "memfit.measure(...) instead") from None
-        except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as err:
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError) as err:
+            if _overflow(err):
+                raise MemfitError(f"{_overflow(err)}: use a smaller batch_size or seq_len") from None
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
     if reads.reads:
         report.notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
     return report, result
+
+
+def _overflow(err: BaseException) -> str | None:
+    """A sentence when ``err`` is a size that overflows 64 bits, else None."""
+    text = str(err)
+    if isinstance(err, OverflowError) or "overflow" in text.lower() or "negative dimension" in text:
+        return "the step's tensor sizes overflow 64-bit byte counts"
+    return None
 
 
 def _first_line(err: BaseException) -> str:

@@ -9,7 +9,9 @@ parameter and buffer swapped for a fake twin, so the user's model is never touch
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -17,7 +19,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads"]
+__all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads", "quiet_fake_log"]
+
+
+@contextlib.contextmanager
+def quiet_fake_log():
+    """Silence torch's fake-tensor logger while a fake step runs, then restore it.
+
+    When an op fails on fake tensors torch logs the exception with its traceback
+    (``log.exception("fake tensor raised TypeError")``) before raising it; memfit turns the
+    exception itself into one line, so the logged traceback is noise."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    before = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = before
 
 
 def _fake_param(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, cache: dict, dtype=None):

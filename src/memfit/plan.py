@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from memfit.compose import Engine
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
 from memfit.recipe import Recipe
 from memfit.units import format_size, parse_size
 
@@ -124,8 +124,14 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     from memfit.estimate import DEFAULT_GPU, _target
     from memfit.models.source import resolve
 
+    from memfit.estimate import MAX_SEQ
+    from memfit.recipe import MAX_BATCH
+
     start = time.perf_counter()
     allowed = _allowed(allow)
+    for name, value, limit in (("global_batch_size", global_batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
+            raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
     Recipe(optimizer=optimizer)  # an unknown name is one line naming the choices
     device = device or "cuda"
     if gpu is not None and str(device).startswith("cpu"):
@@ -221,24 +227,31 @@ def _rank(p: Plan):
 
 
 def _allowed(allow) -> set[str]:
+    if allow is None:
+        return set()
     if isinstance(allow, str):
         allow = [a for a in allow.split(",") if a.strip()]
-    names = {str(a).strip().lower() for a in allow}
+    try:
+        names = {str(a).strip().lower() for a in allow}
+    except TypeError:
+        raise MemfitError(f"allow takes names, e.g. allow='lora,adamw8bit', got {shown(allow)}") from None
     unknown = sorted(names - set(ALLOWABLE))
     if unknown:
-        raise MemfitError(f"cannot allow {', '.join(unknown)}: allow takes {', '.join(ALLOWABLE)}")
+        raise MemfitError(f"cannot allow {', '.join(shown(u, 30) for u in unknown)}: allow takes {', '.join(ALLOWABLE)}")
     return names
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # pairs (d, n // d): sqrt(n) steps
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _space(engine, allowed: set[str], optimizer: str) -> list[Recipe]:
     """Every candidate recipe; pairs ``Recipe`` rejects are skipped."""
     target = engine.target
     low = "bf16-mixed" if target is None or target.bf16 else "fp16-mixed"
-    precisions = ["fp32", low] + (["bf16"] if "bf16" in allowed else [])
+    bf16_ok = target is None or target.bf16  # pure bf16 needs bf16 units (sm80+)
+    precisions = ["fp32", low] + (["bf16"] if "bf16" in allowed and bf16_ok else [])
     depth = engine.depth or 0
     levels = ["off", "selective", "blocks"] + [f"blocks:{n}" for n in EVERY if n < depth]
     chunked = [0, CHUNKS] if engine.causal_lm else [0]

@@ -14,7 +14,8 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "weight_dtype", "check_capability"]
+__all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "weight_dtype", "check_capability",
+           "check_gpu"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
@@ -42,6 +43,14 @@ def check_capability(precision: str, device_type: str) -> None:
         major, minor = torch.cuda.get_device_capability()
         raise MemfitError(f"precision={precision} needs bfloat16, which {name} (sm_{major}{minor}) lacks before "
                           "Ampere (sm_80): use fp16-mixed")
+
+
+def check_gpu(precision: str, gpu) -> None:
+    """Refuse a precision a catalog GPU (``memfit.gpus.GPU``) cannot run: bf16 needs sm_80+."""
+    if gpu is not None and "bf16" in precision and not gpu.bf16:
+        major, minor = gpu.compute_capability
+        raise MemfitError(f"precision={precision} needs bfloat16, which the {gpu.name} (sm_{major}{minor}) lacks "
+                          "before Ampere (sm_80): use fp16-mixed, or a bf16 card such as a10g or a100")
 
 
 def weight_dtype(precision: str):

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
 from memfit.precision import PRECISIONS
 
 __all__ = ["Recipe", "recipe_from", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS"]
@@ -34,6 +35,14 @@ __all__ = ["Recipe", "recipe_from", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS"
 EXACT_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 APPROXIMATE_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit", "adamw4bit")
 ATTENTION = ("auto", "sdpa", "eager")
+# Bounds on counts: past these an estimate would trace for hours (every micro-batch and chunk runs)
+# or sizes would overflow 64-bit byte counts; no training step is near them.
+MAX_ACCUM_STEPS = 1024
+MAX_CHUNKS = 65536
+MAX_BATCH = 1 << 24
+MAX_LORA_RANK = 65536
+MAX_FILE_BYTES = 64 * 1024  # a recipe file is a dozen short lines
+MAX_DEPTH = 8  # nesting levels a recipe file may have (it needs one)
 
 
 @dataclass(frozen=True)
@@ -58,13 +67,19 @@ class Recipe:
         self.lora_plan()
         for name in ("offload_activations", "optimizer_in_backward", "offload_optimizer"):
             if not isinstance(getattr(self, name), bool):
-                raise MemfitError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not _int(self.chunked_loss) or self.chunked_loss < 0 or self.chunked_loss == 1:
-            raise MemfitError(f"chunked_loss must be 0 (off) or a number of chunks >= 2, got {self.chunked_loss!r}")
-        if not _int(self.grad_accum_steps) or self.grad_accum_steps < 1:
-            raise MemfitError(f"grad_accum_steps must be a positive integer, got {self.grad_accum_steps!r}")
-        if self.micro_batch_size is not None and (not _int(self.micro_batch_size) or self.micro_batch_size < 1):
-            raise MemfitError(f"micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+                raise MemfitError(f"{name} must be true or false, got {shown(getattr(self, name))}")
+        if not _int(self.chunked_loss) or self.chunked_loss < 0 or self.chunked_loss == 1 \
+                or self.chunked_loss > MAX_CHUNKS:
+            raise MemfitError(f"chunked_loss must be 0 (off) or a number of chunks from 2 to {MAX_CHUNKS}, "
+                              f"got {shown(self.chunked_loss)}")
+        if not _int(self.grad_accum_steps) or not 1 <= self.grad_accum_steps <= MAX_ACCUM_STEPS:
+            raise MemfitError(f"grad_accum_steps must be an integer from 1 to {MAX_ACCUM_STEPS}, got "
+                              f"{shown(self.grad_accum_steps)}: memory stops changing after the second "
+                              "micro-batch, so a smaller count gives the same peak")
+        if self.micro_batch_size is not None and (not _int(self.micro_batch_size)
+                                                  or not 1 <= self.micro_batch_size <= MAX_BATCH):
+            raise MemfitError(f"micro_batch_size must be an integer from 1 to {MAX_BATCH}, got "
+                              f"{shown(self.micro_batch_size)}")
         self.conflicts()
 
     # -- what the fields mean -------------------------------------------------------------
@@ -73,19 +88,22 @@ class Recipe:
         value = self.checkpointing
         if value in ("off", "blocks", "selective"):
             return value, 1
-        kind, _, rest = str(value).partition(":")
-        if kind == "blocks" and rest.isdigit() and int(rest) >= 1:
+        kind, _, rest = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if kind == "blocks" and re.fullmatch(r"[0-9]{1,9}", rest) and int(rest) >= 1:
             return "blocks", int(rest)
-        if kind == "modules" and rest:
-            return "modules", tuple(name.strip() for name in rest.split(",") if name.strip())
-        raise MemfitError(f"checkpointing {value!r} not understood: use off, blocks, blocks:2, selective "
+        names = tuple(name.strip() for name in rest.split(",") if name.strip())
+        if kind == "modules" and names:
+            return "modules", names
+        raise MemfitError(f"checkpointing {shown(value)} not understood: use off, blocks, blocks:2, selective "
                           "or modules:name1,name2")
 
     def lora_plan(self) -> tuple[str, int]:
         """("off" | "lora" | "qlora", rank)."""
-        kind, _, rank = str(self.lora).partition(":")
-        if kind not in ("off", "lora", "qlora") or (rank and not rank.isdigit()) or rank == "0":
-            raise MemfitError(f"lora {self.lora!r} not understood: use off, lora, lora:16 or qlora:64")
+        kind, _, rank = self.lora.partition(":") if isinstance(self.lora, str) else ("", "", "")
+        if kind not in ("off", "lora", "qlora") or (kind == "off" and rank) \
+                or (rank and not (re.fullmatch(r"[0-9]{1,9}", rank) and 1 <= int(rank) <= MAX_LORA_RANK)):
+            raise MemfitError(f"lora {shown(self.lora)} not understood: use off, lora, lora:16 or qlora:64 "
+                              f"(a rank from 1 to {MAX_LORA_RANK})")
         return kind, int(rank) if rank else 16
 
     @property
@@ -134,7 +152,9 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
+        if not isinstance(data, dict):
+            raise MemfitError(f"a recipe is a dict of field: value, got {type(data).__name__}")
+        unknown = sorted(shown(k, 30) if not isinstance(k, str) else shown(k, 30)[1:-1] for k in set(data) - fields)
         if unknown:
             raise MemfitError(f"unknown recipe field(s) {', '.join(unknown)}: the fields are {', '.join(sorted(fields))}")
         return cls(**data)
@@ -149,18 +169,43 @@ class Recipe:
 
     @classmethod
     def load(cls, path: str) -> "Recipe":
-        """A recipe from a ``.yaml``/``.yml`` or ``.json`` file."""
+        """A recipe from a ``.yaml``/``.yml`` or ``.json`` file.
+
+        Read as YAML 1.2 would (only ``true``/``false`` are booleans, so ``checkpointing: off``
+        is the string ``off``), at most ``MAX_FILE_BYTES`` and ``MAX_DEPTH`` levels deep, without
+        anchors and aliases (a dozen fields need none, and aliases can expand a small file into
+        gigabytes), and with each field at most once.
+        """
         import yaml
 
+        name = shown(str(path))
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f)  # JSON is YAML too
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as err:
-            raise MemfitError(f"cannot read recipe {path}: {err.strerror}") from None
+            raise MemfitError(f"cannot read recipe {name}: {err.strerror or err}") from None
+        except (TypeError, ValueError) as err:  # a path of the wrong type, or with a NUL byte
+            raise MemfitError(f"cannot read recipe {name}: {err}; pass the path of a .yaml or .json file") from None
+        if len(raw) > MAX_FILE_BYTES:
+            raise MemfitError(f"recipe {name} is over {MAX_FILE_BYTES // 1024} KiB: a recipe is a dozen "
+                              "field: value lines; point --recipe at the right file")
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise MemfitError(f"recipe {name} is not UTF-8 text: write it as YAML or JSON") from None
+        try:
+            data = yaml.load(text, Loader=_RecipeLoader)  # JSON is YAML too
         except yaml.YAMLError as err:
-            raise MemfitError(f"recipe {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+            raise MemfitError(f"recipe {name} is not valid YAML/JSON: {_yaml_problem(err)}") from None
+        except RecursionError:
+            raise MemfitError(f"recipe {name} nests too deeply: write it as flat field: value lines") from None
         if not isinstance(data, dict):
-            raise MemfitError(f"recipe {path} must be a mapping of field: value")
+            raise MemfitError(f"recipe {name} must be a mapping of field: value, got {type(data).__name__}: "
+                              "write lines like `precision: bf16-mixed`")
+        bad = [key for key in data if not isinstance(key, str)]
+        if bad:
+            raise MemfitError(f"recipe {name} has a key {shown(bad[0])} that is not a field name: the fields are "
+                              f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         return cls.from_dict(data)
 
     def save(self, path: str) -> None:
@@ -194,9 +239,78 @@ def recipe_from(recipe: Recipe | None, precision: str, optimizer) -> tuple[Recip
 
 
 def _choice(name, value, allowed):
-    if value not in allowed:
-        raise MemfitError(f"unknown {name} {value!r}: choose one of {', '.join(allowed)}")
+    if not isinstance(value, str) or value not in allowed:
+        raise MemfitError(f"unknown {name} {shown(value)}: choose one of {', '.join(allowed)}")
 
 
 def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _recipe_loader():
+    """PyYAML's safe loader with YAML 1.2 booleans, no aliases, bounded depth, no repeated keys."""
+    import re
+
+    import yaml
+
+    bool_tag = "tag:yaml.org,2002:bool"
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, "anchors and aliases (*name) are not allowed in a "
+                                                  "recipe: write each value out", mark)
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_DEPTH} levels: write "
+                                                      "flat field: value lines", self.peek_event().start_mark)
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key (a list): reported as not a field name
+                    continue
+                if repeated:
+                    raise yaml.constructor.ConstructorError(None, None, f"field {shown(key)} is given twice: "
+                                                            "keep one", key_node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return Loader
+
+
+class _LazyLoader:
+    """The loader class, built on first use so importing memfit does not import yaml."""
+
+    cls = None
+
+    def __call__(self, stream):
+        if _LazyLoader.cls is None:
+            _LazyLoader.cls = _recipe_loader()
+        return _LazyLoader.cls(stream)
+
+
+_RecipeLoader = _LazyLoader()
+
+
+def _yaml_problem(err) -> str:
+    """The parser's complaint and where, in one line."""
+    problem = getattr(err, "problem", None)
+    mark = getattr(err, "problem_mark", None)
+    if problem:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

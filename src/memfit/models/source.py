@@ -9,7 +9,6 @@ Hugging Face configs how to make a batch of a given size and how to make the sam
 from __future__ import annotations
 
 import copy
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -18,6 +17,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.models.catalog import lookup
+from memfit.models.check import check_config, checked_build, import_object, read_config
 
 __all__ = ["Source", "resolve"]
 
@@ -82,7 +82,8 @@ def resolve(model) -> Source:
     if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
         return _hf_source(model.model_type, model, _task(model))
     if callable(model):
-        return Source(getattr(model, "__name__", "factory"), build=model)
+        name = getattr(model, "__name__", "factory")
+        return Source(name, build=checked_build(model, name, user=True))
     if not isinstance(model, str):
         raise MemfitError(f"cannot use {type(model).__name__} as a model: pass an nn.Module, a factory, "
                           "a catalog name or a config.json path")
@@ -90,6 +91,9 @@ def resolve(model) -> Source:
         return _from_config_path(model)
     if ":" in model:
         return _from_factory(model)
+    if not model.strip():
+        raise MemfitError("the model is an empty name: give a catalog name (see `memfit models`), a config.json "
+                          "path or package.module:function")
     entry = lookup(model)
     from transformers import AutoConfig
 
@@ -101,20 +105,16 @@ _TASKS = {"bert": "masked-lm", "t5": "seq2seq", "vit": "image-classification"}
 
 
 def _from_config_path(path: str) -> Source:
-    from transformers import AutoConfig
-
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise MemfitError(f"no config.json at {path}: point at a Hugging Face config.json or its folder")
-    try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, OSError, KeyError) as err:
-        raise MemfitError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    config = read_config(folder, path)
     return _hf_source(os.path.basename(os.path.abspath(folder)), config, _task(config))
 
 
 def _task(config) -> str:
-    for arch in getattr(config, "architectures", None) or ():
+    archs = getattr(config, "architectures", None)
+    for arch in [a for a in archs if isinstance(a, str)] if isinstance(archs, (list, tuple)) else ():
         for suffix, task in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
                              ("ForMaskedLM", "masked-lm"), ("ForConditionalGeneration", "seq2seq"),
                              ("ForImageClassification", "image-classification")):
@@ -124,12 +124,7 @@ def _task(config) -> str:
 
 
 def _from_factory(spec: str) -> Source:
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise MemfitError(f"cannot import {spec}: {err}; write it as package.module:function") from None
-    return Source(spec, build=factory)
+    return Source(spec, build=checked_build(import_object(spec), spec, user=True))
 
 
 def _hf_source(name: str, config, task: str) -> Source:
@@ -144,4 +139,5 @@ def _hf_source(name: str, config, task: str) -> Source:
         }[task]
         return auto.from_config(config)
 
-    return Source(name, build=build, config=config, task=task)
+    check_config(config, name)
+    return Source(name, build=checked_build(build, name, user=False), config=config, task=task)

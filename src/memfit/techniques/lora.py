@@ -20,7 +20,8 @@ matmul kernel (forward) and once per layer in backward, so activations are about
 The quantisation happens before the first step (as loading a quantised checkpoint would), not
 inside it. Left out on purpose: peft's ``prepare_model_for_kbit_training`` (it casts every other
 weight to fp32 and turns on checkpointing by itself; here precision and checkpointing are the
-recipe's own fields). Layers that are not ``nn.Linear`` (GPT-2's ``Conv1D``) stay unquantised.
+recipe's own fields). Layers that are not ``nn.Linear`` (GPT-2's ``Conv1D``) stay unquantised; a model with no
+adaptable ``nn.Linear`` at all (GPT-2) is refused, since QLoRA would quantise nothing.
 
 On fake tensors bitsandbytes' ``Params4bit`` cannot wrap a FakeTensor (``_make_subclass``), so the
 quantised weight stays a plain fake parameter carrying the same attributes; bitsandbytes' ops have
@@ -154,7 +155,11 @@ def quantize_base(model: torch.nn.Module) -> torch.nn.Module:
     bnb = _bnb()
     if any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()):
         return model
-    for name in _linear_names(model):
+    names = _linear_names(model)
+    if not names:
+        raise MemfitError(f"qlora found no nn.Linear layers to quantise in {type(model).__name__} (layers such as "
+                          "GPT-2's Conv1D are not nn.Linear): use lora instead")
+    for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, _quantized(getattr(owner, child), bnb))

@@ -1,0 +1,530 @@
+"""Fuzz memfit's inputs: malformed and edge values for every public entry point.
+
+A generator with a fixed seed makes cases for the API (``memfit.estimate``, ``memfit.plan``,
+``Recipe(...)``, ``Recipe.load``) and the command line (every verb and flag: sizes, numbers,
+recipe files, config.json files, ``package.module:function`` sources). Each case passes when it
+gives a normal result, or a ``MemfitError`` (CLI: exit status 2, or 1 for "nothing fits") whose
+message is exactly one short line, with no traceback printed anywhere. Anything else is a
+failure: another exception, a traceback on stderr, a long or multi-line message, a case over its
+time limit.
+
+Models are tiny configs (two layers, width 32) so each case takes well under a second; a plan
+reuses the traces of the few (target, batch, sequence) combinations it meets.
+
+    python bench/fuzz.py                     # 1200 cases, seed 0 -> bench/results/fuzz.json
+    python bench/fuzz.py --cases 200 --seed 3 --out /tmp/fuzz.json
+
+``tests/test_fuzz.py`` runs a fast subset of the same generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import memfit  # noqa: E402
+from memfit.cli import main  # noqa: E402
+from memfit.errors import MAX_MESSAGE, MemfitError  # noqa: E402
+
+CASE_SECONDS = 180  # a case over this is a failure (a plan's first traces take ~20 s on a busy CPU)
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=32, intermediate_size=64,
+             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+             max_position_embeddings=64)
+GPT2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=32, n_layer=2, n_head=2, vocab_size=128,
+            n_positions=64, bos_token_id=0, eos_token_id=0)
+BERT = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=2, vocab_size=128, max_position_embeddings=64)
+TINY = {"llama": LLAMA, "gpt2": GPT2, "bert": BERT}
+
+# A module of factories for ``package.module:function`` sources: good ones and every kind of bad one.
+FACTORIES = '''
+import torch
+NOT_CALLABLE = 3
+def tiny():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+def raises():
+    raise RuntimeError("factory failed\\non two lines")
+def returns_none():
+    return None
+def returns_int():
+    return 7
+def needs_args(width):
+    return torch.nn.Linear(width, width)
+def batch():
+    return torch.randn(4, 8)
+def batch_none():
+    return None
+def bad_batch():
+    return torch.randn(4, 5)
+def loss(model, batch):
+    return model(batch).sum()
+def loss_vector(model, batch):
+    return model(batch)
+def loss_raises(model, batch):
+    raise KeyError("no loss here")
+'''
+
+INTS = ["0", "-1", "1", "2", "3", "4", "16", "007", "1e3", "1.5", "", " ", "nan", "inf", "abc", "0x10", "-0",
+        "99999999999999999999", "2147483648", "1000000000", "\u0661\u0662", "12abc", "+4", "1_000"]
+SIZES = ["24GiB", "24GB", "80G", "512MiB", "1", "0", "-1GiB", "GiB", ".5G", "1.5TB", "1e400GiB", "nan", "inf",
+         "24 gib", "1KiB", "100", "99999999999999999999999999999TB", "24XB", "1,000", "", "1GiB1", "0.0000001G",
+         "10TiB", "3.5e3MiB"]
+WORDS = ["", " ", "x", "none", "None", "null", "-", "--", "\n", "a" * 5000, "\u00e9\u00e8", "\x00", "gpt2\n2",
+         "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace")]
+PRECISIONS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8", "BF16-MIXED", ""]
+OPTIMIZERS = ["adamw", "adam", "sgd", "adafactor", "adamw8bit", "paged_adamw8bit", "adamw4bit", "lion", "ADAMW", ""]
+CHECKPOINTING = ["off", "blocks", "blocks:2", "blocks:0", "blocks:-1", "blocks:x", "blocks:99999999999999999999",
+                 "selective", "modules:model.layers.0", "modules:,,", "modules:", "modules:nowhere", "on", "true",
+                 "blocks:", ":", "modules: , "]
+LORAS = ["off", "lora", "lora:8", "lora:0", "lora:00", "lora:-1", "lora:x", "qlora", "qlora:4", "lora:1e3",
+         "lora:99999999999999999999", "lora:", "qlora:0", "LORA", "lora:8:8", "on"]
+GPUS = ["rtx-4090", "t4", "v100", "a100", "h100-sxm", "rtx-9999", "", "NVIDIA A100-SXM4-80GB", "4090", "tpu"]
+DEVICES = ["cpu", "cuda", "cuda:0", "tpu", "", "CPU", "mps"]
+ALLOWS = ["", "lora", "qlora", "adamw8bit", "bf16", "lora,qlora", "lion", ",,", "LORA", "lora, bf16", "all"]
+SOURCES = ["fuzzfactories:tiny", "fuzzfactories:NOT_CALLABLE", "fuzzfactories:raises", "fuzzfactories:returns_none",
+           "fuzzfactories:returns_int", "fuzzfactories:needs_args", "fuzzfactories:missing", "nowhere.at_all:build",
+           "fuzzfactories:", ":tiny", "fuzzfactories:tiny:x", "memfit.models.zoo:MLP", "os.path:sep", ":"]
+ODD_VALUES = [None, True, False, 0, -1, 1, 2, 1.5, float("nan"), float("inf"), 10**30, -(10**30), "", "x", "2",
+              [], [1], {}, {"a": 1}, b"bytes", object(), 2**63]
+
+RECIPE_VALUES = {
+    "precision": PRECISIONS, "checkpointing": CHECKPOINTING, "attention": ["auto", "sdpa", "eager", "flash", ""],
+    "chunked_loss": [0, 1, 2, 4, -1, 10**9], "optimizer": OPTIMIZERS,
+    "offload_activations": [True, False, "off", "yes"], "optimizer_in_backward": [True, False, 0, 1],
+    "offload_optimizer": [True, False], "micro_batch_size": [None, 1, 2, 0, -1, 10**12],
+    "grad_accum_steps": [1, 2, 0, -3, 10**9], "lora": LORAS,
+}
+FLAG_VALUES = {
+    "--precision": PRECISIONS, "--checkpointing": CHECKPOINTING, "--attention": ["auto", "sdpa", "eager", "x"],
+    "--chunked-loss": INTS, "--optimizer": OPTIMIZERS, "--micro-batch-size": INTS, "--grad-accum-steps": INTS,
+    "--lora": LORAS, "--batch-size": INTS, "--seq-len": INTS, "--steps": INTS, "--budget": SIZES, "--gpu": GPUS,
+    "--device": DEVICES, "--batch": SOURCES + ["fuzzfactories:batch", "fuzzfactories:batch_none",
+                                               "fuzzfactories:bad_batch"],
+    "--loss": SOURCES + ["fuzzfactories:loss", "fuzzfactories:loss_vector", "fuzzfactories:loss_raises"],
+}
+SWITCHES = ["--offload-activations", "--optimizer-in-backward", "--offload-optimizer", "--full", "--json"]
+PLAN_FLAGS = {"--gpu": GPUS, "--budget": SIZES, "--device": ["cpu", "cuda", "tpu"], "--seq-len": INTS,
+              "--global-batch-size": INTS, "--allow": ALLOWS, "--optimizer": ["adamw", "lion", "", "ADAMW"]}
+
+
+# -- the workspace: config.json files, recipe files and a factory module ---------------------------
+
+class Workspace:
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, "fuzzfactories.py"), "w") as f:
+            f.write(FACTORIES)
+        if path not in sys.path:
+            sys.path.insert(0, path)
+        self.count = 0
+
+    def file(self, name: str, data: bytes | str) -> str:
+        self.count += 1
+        folder = os.path.join(self.path, f"f{self.count}")
+        os.makedirs(folder)
+        target = os.path.join(folder, name)
+        with open(target, "wb") as f:
+            f.write(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+        return target
+
+    def config(self, rng: random.Random) -> str:
+        """A config.json: valid, or with one key made wrong, or not a config at all."""
+        base = dict(TINY[rng.choice(list(TINY))])
+        kind = rng.random()
+        if kind < 0.55:
+            key = rng.choice([k for k in base if k != "architectures"] + ["torch_dtype", "tie_word_embeddings",
+                                                                            "rope_scaling", "head_dim"])
+            base[key] = rng.choice([0, -1, -(10**9), 1.5, "x", None, [], {}, True, 10**12, 10**30, 3, "32"])
+            text = json.dumps(base)
+        elif kind < 0.7:
+            base.pop(rng.choice(list(base)))
+            text = json.dumps(base)
+        elif kind < 0.8:
+            text = rng.choice(["", "{", "[]", "3", "null", '{"model_type": "nonesuch"}', '{"model_type": 3}',
+                               '{"model_type": "llama", "hidden_size": 1e999}', "\x00\x01\x02",
+                               '{"model_type": "llama", "num_attention_heads": 3}',
+                               '{"model_type": "gpt2", "n_embd": 33}'])
+        else:
+            text = json.dumps(base)
+        return self.file("config.json", text)
+
+    def recipe(self, rng: random.Random) -> str:
+        """A recipe file: fields with random values, or one of the classic parser attacks."""
+        kind = rng.random()
+        ext = rng.choice([".yaml", ".yml", ".json", ".txt"])
+        if kind < 0.45:
+            fields = {k: rng.choice(v) for k, v in rng.sample(sorted(RECIPE_VALUES.items()), rng.randint(1, 4))}
+            text = json.dumps(fields) if ext == ".json" else "\n".join(f"{k}: {_yaml(v)}" for k, v in fields.items())
+            return self.file("r" + ext, text)
+        attacks = [
+            "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+                f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")),
+            "[" * 10000 + "]" * 10000, "{a: " * 5000 + "1" + "}" * 5000, "1: 2\n", "? [a, b]\n: c\n", "null: x\n",
+            "precision: !!python/object/apply:os.system ['true']\n", "lora: lora:00\n", "checkpointing: modules:,,\n",
+            "checkpointing: off\n", "lora: off\n", "offload_activations: off\n", "optimizer_in_backward: yes\n",
+            "", "   \n", "- a\n- b\n", "just text", "precision: [fp32]\n", "precision: {a: 1}\n",
+            "grad_accum_steps: 1e999\n", "micro_batch_size: 99999999999999999999999\n", "chunked_loss: 2.0\n",
+            "precision: fp32\nprecision: bf16\n", "\xef\xbb\xbfprecision: fp32\n", "precision: 'bf16-mixed\n",
+            "\t precision: fp32\n", "precision: fp32\n" * 200000, "lora: qlora\nprecision: fp32\n",
+            "precision: &x bf16-mixed\noptimizer: *x\n", "lora: !!binary aGVsbG8=\n", "precision: !custom x\n",
+        ]
+        choice = rng.choice(attacks + [b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", bytes(range(256)),
+                                       "precision: fp32\n".encode("utf-16")])
+        return self.file("r" + ext, choice)
+
+
+def _yaml(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) and (not value or ":" in value) else str(value)
+
+
+# -- cases ----------------------------------------------------------------------------------------------
+
+def make_cases(seed: int, n: int, ws: Workspace) -> list[dict]:
+    """``n`` cases from ``seed``: (kind, description, arguments). Deterministic for a seed."""
+    rng = random.Random(seed)
+    kinds = [("recipe", 12), ("recipe_load", 14), ("estimate", 18), ("plan", 8), ("cli_estimate", 26),
+             ("cli_plan", 10), ("cli_misc", 4), ("subprocess", 1)]
+    names = [k for k, w in kinds for _ in range(w)]
+    cases = []
+    for i in range(n):
+        kind = rng.choice(names)
+        cases.append({"id": i, "kind": kind, **globals()["_" + kind](rng, ws)})
+    return cases
+
+
+def _recipe(rng, ws):
+    fields = {k: rng.choice(v + ODD_VALUES[:6]) for k, v in rng.sample(sorted(RECIPE_VALUES.items()), rng.randint(1, 5))}
+    if rng.random() < 0.15:
+        fields[rng.choice(["checkpoint", "", "1", "precision "])] = "x"
+    return {"fields": fields, "run": rng.random() < 0.25}
+
+
+def _recipe_load(rng, ws):
+    path = ws.recipe(rng) if rng.random() < 0.9 else rng.choice([ws.path, os.path.join(ws.path, "missing.yaml"), ""])
+    return {"path": path, "run": rng.random() < 0.3}
+
+
+def _model(rng, ws):
+    r = rng.random()
+    if r < 0.5:
+        return ws.config(rng)
+    if r < 0.7:
+        import transformers
+
+        base = dict(TINY[rng.choice(list(TINY))])
+        return ("config", base)
+    if r < 0.85:
+        return rng.choice(SOURCES)
+    return rng.choice(["gpt2", "lama-3-8b", "", 42, None, "memfit.models.zoo:MLP", ws.path])
+
+
+def _estimate(rng, ws):
+    kwargs = {}
+    pool = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "steps": [1, 2, 0, -1, 1.5, "2", 10**9],
+            "batch_size": [1, 2, 3, 0, -2, None, 2.0, 10**9, 10**15], "seq_len": [8, 16, 0, None, 10**7, 10**12, "8"],
+            "device": DEVICES, "gpu": GPUS + [None], "fast": [True, False, None, "yes"],
+            "recipe": ["fields", None, "not a recipe", {"precision": "fp32"}]}
+    for name, values in rng.sample(sorted(pool.items()), rng.randint(0, 4)):
+        kwargs[name] = rng.choice(values)
+    if kwargs.get("recipe") == "fields":
+        kwargs["recipe"] = {k: rng.choice(v) for k, v in rng.sample(sorted(RECIPE_VALUES.items()), rng.randint(1, 3))}
+    kwargs.setdefault("seq_len", 16)
+    return {"model": _model(rng, ws), "kwargs": kwargs}
+
+
+# A plan's first traces of a (target, batch, sequence) take seconds; valid plans stay within these.
+PLAN_TARGETS = [{"budget": "1GiB"}, {"gpu": "t4"}, {"budget": "256MiB", "device": "cpu"}]
+
+
+def _plan(rng, ws):
+    kwargs = dict(rng.choice(PLAN_TARGETS))
+    kwargs.update(global_batch_size=2, seq_len=16)
+    pool = {"budget": SIZES + [0, -5, 10**30, 1.5, None], "gpu": GPUS + [None], "device": DEVICES + [None],
+            "global_batch_size": [2, 0, -1, None, 2.5, 10**9, 10**18, 7919 * 7907], "seq_len": [16, 0, -3, 10**12],
+            "allow": ["", "lora", "bf16", "lion", ",,", ["lora"], [1], None],
+            "optimizer": ["adamw", "lion", "", "ADAMW", [1], None]}  # a new optimizer is a new set of traces
+    for name, values in rng.sample(sorted(pool.items()), rng.randint(0, 2)):
+        kwargs[name] = rng.choice(values)
+    model = ("config", LLAMA) if rng.random() < 0.8 else _model(rng, ws)
+    return {"model": model, "kwargs": kwargs}
+
+
+def _cli_model(rng, ws):
+    r = rng.random()
+    if r < 0.55:
+        return ws.config(rng)
+    if r < 0.8:
+        return ws.file("config.json", json.dumps(TINY[rng.choice(list(TINY))]))
+    return rng.choice(SOURCES + ["gpt2", "lama-3-8b", "", "-", ws.path, "--json"])
+
+
+def _cli_estimate(rng, ws):
+    argv = ["estimate", _cli_model(rng, ws), "--seq-len", rng.choice(["8", "16"])]
+    for flag in rng.sample(sorted(FLAG_VALUES), rng.randint(0, 4)):
+        argv += [flag, rng.choice(FLAG_VALUES[flag])]
+    argv += rng.sample(SWITCHES, rng.randint(0, 2))
+    if rng.random() < 0.3:
+        argv += ["--recipe", ws.recipe(rng)]
+    if rng.random() < 0.05:
+        argv.insert(rng.randrange(len(argv) + 1), rng.choice(WORDS + ["--nope", "-x"]))
+    return {"argv": argv}
+
+
+def _cli_plan(rng, ws):
+    valid = rng.random() < 0.5
+    model = ws.file("config.json", json.dumps(LLAMA)) if valid else _cli_model(rng, ws)
+    argv = ["plan", model, "--seq-len", "16", "--global-batch-size", "2"]
+    target = rng.choice([["--budget", "1GiB"], ["--gpu", "t4"], ["--device", "cpu", "--budget", "256MiB"]])
+    argv += target
+    for flag in rng.sample(sorted(PLAN_FLAGS), rng.randint(0, 2)):
+        argv += [flag, rng.choice(PLAN_FLAGS[flag])]
+    if rng.random() < 0.3:
+        argv += ["--out", rng.choice([os.path.join(ws.path, "missing", "r.yaml"), os.path.join(ws.path, "o.yaml"),
+                                      os.path.join(ws.path, "o.json"), os.path.join(ws.path, "o.txt"), ws.path, ""])]
+    argv += rng.sample(["--json"], rng.randint(0, 1))
+    return {"argv": argv}
+
+
+def _cli_misc(rng, ws):
+    return {"argv": rng.choice([["models"], ["gpus"], ["models", "--json"], ["gpus", "--json"], [], ["nope"],
+                                ["gpus", "x"], ["estimate"], ["plan"], ["--json"], ["models", "--jsn"]])}
+
+
+def _subprocess(rng, ws):
+    return {"argv": rng.choice([["estimate", ws.config(rng), "--seq-len", "8"], ["estimate", "gpt2", "--lora", "lora:00"],
+                                ["estimate", "fuzzfactories:raises"], ["estimate", "fuzzfactories:returns_none"],
+                                ["estimate", ws.file("config.json", json.dumps(LLAMA)), "--recipe", ws.recipe(rng)],
+                                ["plan", "gpt2", "--global-batch-size", "1000000000", "--budget", "1GiB"],
+                                ["estimate", "gpt2", "--gpu", "t4", "--precision", "bf16-mixed"]])}
+
+
+# -- running and judging a case ----------------------------------------------------------------------
+
+class _LoggedTracebacks(logging.Handler):
+    """Records with a traceback sent to torch's loggers: torch writes them to the stderr it saw at
+    import, past ``redirect_stderr``, so they are caught here."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[str] = []
+
+    def emit(self, record):
+        if record.exc_info:
+            self.records.append(record.getMessage())
+
+
+TORCH_LOG = _LoggedTracebacks()
+TORCH_LOGGERS = ("torch", "torch._subclasses.fake_tensor")  # the second does not propagate
+
+
+class _Timeout(BaseException):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def _materialise(model):
+    if isinstance(model, tuple) and model[0] == "config":
+        import transformers
+
+        data = dict(model[1])
+        return transformers.AutoConfig.for_model(data.pop("model_type"), **{k: v for k, v in data.items()
+                                                                             if k != "architectures"})
+    return model
+
+
+def _short_line(text: str) -> str | None:
+    """None when ``text`` is one non-empty short line, else what is wrong with it."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) != 1:
+        return f"{len(lines)} lines"
+    if len(lines[0]) > MAX_MESSAGE + 40:
+        return f"a line of {len(lines[0])} characters"
+    return None
+
+
+def _api(call) -> str | None:
+    """Run ``call``; None when it passed, else why it failed."""
+    err_text = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err_text), contextlib.redirect_stdout(io.StringIO()):
+            call()
+    except MemfitError as err:
+        problem = _short_line(str(err))
+        if problem:
+            return f"MemfitError message is {problem}: {str(err)[:300]!r}"
+    except _Timeout:
+        raise
+    except BaseException as err:  # noqa: BLE001 — anything else is the bug being looked for
+        return f"{type(err).__name__}: {str(err)[:300]!r} at {_where(err)}"
+    if "Traceback" in err_text.getvalue():
+        return f"traceback on stderr: {err_text.getvalue()[-300:]!r}"
+    return None
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[::-1][:4])
+
+
+def _cli(argv) -> str | None:
+    out, err_text = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err_text), contextlib.redirect_stdout(out):
+            try:
+                status = main(list(argv))
+            except SystemExit as exit_:
+                status = exit_.code
+    except _Timeout:
+        raise
+    except BaseException as err:  # noqa: BLE001
+        return f"{type(err).__name__} escaped main: {str(err)[:300]!r} at {_where(err)}"
+    return _judge_cli(status, err_text.getvalue(), argv)
+
+
+def _judge_cli(status, stderr: str, argv) -> str | None:
+    if "Traceback" in stderr:
+        return f"traceback on stderr: {stderr[-300:]!r}"
+    if status == 0:
+        return None
+    if status == 2 or (status == 1 and argv and argv[0] == "plan"):
+        problem = _short_line(stderr)
+        return f"status {status} with {problem} on stderr: {stderr[:300]!r}" if problem else None
+    return f"exit status {status!r}: {stderr[-300:]!r}"
+
+
+def run_case(case: dict, ws: Workspace) -> str | None:
+    kind = case["kind"]
+    if kind == "recipe":
+        def call():
+            recipe = memfit.Recipe.from_dict(case["fields"])
+            if case["run"]:
+                memfit.estimate(_materialise(("config", LLAMA)), seq_len=8, recipe=recipe)
+        return _api(call)
+    if kind == "recipe_load":
+        def call():
+            recipe = memfit.Recipe.load(case["path"])
+            if case["run"]:
+                memfit.estimate(_materialise(("config", GPT2)), seq_len=8, recipe=recipe)
+        return _api(call)
+    if kind == "estimate":
+        kwargs = dict(case["kwargs"])
+        if isinstance(kwargs.get("recipe"), dict):
+            def call():
+                memfit.estimate(_materialise(case["model"]), **{**kwargs, "recipe": memfit.Recipe.from_dict(
+                    kwargs["recipe"])})
+            return _api(call)
+        return _api(lambda: memfit.estimate(_materialise(case["model"]), **kwargs))
+    if kind == "plan":
+        return _api(lambda: memfit.plan(_materialise(case["model"]), **case["kwargs"]))
+    if kind == "subprocess":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ws.path]))
+        proc = subprocess.run([sys.executable, "-m", "memfit.cli", *case["argv"]], capture_output=True, text=True,
+                              env=env, timeout=CASE_SECONDS, errors="replace")
+        return _judge_cli(proc.returncode, proc.stderr, case["argv"])
+    return _cli(case["argv"])
+
+
+def _printable(case: dict) -> dict:
+    """The case as JSON data, long strings cut (a recipe file's path stands for its content)."""
+    def cut(value):
+        return value[:200] + "..." if isinstance(value, str) and len(value) > 200 else value
+    return json.loads(json.dumps(case, default=repr), object_hook=lambda d: {k: cut(v) for k, v in d.items()})
+
+
+def fuzz(seed: int, cases: int, *, kinds: set[str] | None = None, only: set[int] | None = None, log=None) -> dict:
+    """Run ``cases`` cases from ``seed``; returns counts and the failures."""
+    counts: dict[str, dict[str, int]] = {}
+    failures = []
+    old = signal.signal(signal.SIGALRM, _alarm)
+    for name in TORCH_LOGGERS:
+        logging.getLogger(name).addHandler(TORCH_LOG)
+    start = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="memfit-fuzz-") as path:
+            ws = Workspace(path)
+            for case in make_cases(seed, cases, ws):
+                if (kinds and case["kind"] not in kinds) or (only and case["id"] not in only):
+                    continue
+                t0 = time.perf_counter()
+                signal.alarm(CASE_SECONDS)
+                TORCH_LOG.records.clear()
+                try:
+                    problem = run_case(case, ws)
+                    if not problem and TORCH_LOG.records:
+                        problem = f"torch logged a traceback: {TORCH_LOG.records[0][:200]!r}"
+                except _Timeout:
+                    problem = f"over {CASE_SECONDS} s"
+                except subprocess.TimeoutExpired:
+                    problem = f"subprocess over {CASE_SECONDS} s"
+                finally:
+                    signal.alarm(0)
+                tally = counts.setdefault(case["kind"], {"cases": 0, "failures": 0})
+                tally["cases"] += 1
+                if problem:
+                    tally["failures"] += 1
+                    failures.append({"case": _printable(case), "problem": problem})
+                if log:
+                    log(f"{case['id']:5d} {case['kind']:13s} {time.perf_counter() - t0:6.2f}s "
+                        f"{'FAIL ' + problem[:160] if problem else 'ok'}")
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        for name in TORCH_LOGGERS:
+            logging.getLogger(name).removeHandler(TORCH_LOG)
+    total = sum(c["cases"] for c in counts.values())
+    return {"seed": seed, "cases": total, "failures": len(failures), "by_kind": counts,
+            "seconds": round(time.perf_counter() - start, 1), "max_message": MAX_MESSAGE, "failed": failures}
+
+
+def _main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", type=int, default=1200)
+    parser.add_argument("--kinds", default="", help="comma-separated case kinds to run (default all)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fuzz.json"))
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--show", type=int, nargs="*", help="print these cases of the seed and exit")
+    parser.add_argument("--only", type=int, nargs="*", help="run only these cases of the seed")
+    args = parser.parse_args()
+    if args.show is not None:
+        with tempfile.TemporaryDirectory(prefix="memfit-fuzz-") as path:
+            for case in make_cases(args.seed, args.cases, Workspace(path)):
+                if case["id"] in args.show:
+                    print(json.dumps(_printable(case), default=repr))
+        return 0
+    kinds = {k for k in args.kinds.split(",") if k} or None
+    result = fuzz(args.seed, args.cases, kinds=kinds, only=set(args.only or ()), log=(lambda line: print(line, flush=True))
+                  if args.verbose else None)
+    result["command"] = "python bench/fuzz.py " + " ".join(sys.argv[1:])
+    result["torch"] = __import__("torch").__version__
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "failed"}, indent=1))
+    for failure in result["failed"][:40]:
+        print(failure["problem"][:200], "<-", json.dumps(failure["case"])[:300])
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,114 @@
+"""Checks on where a model comes from: a config's numbers, a config.json file, ``pkg.mod:fn``.
+
+A config with a width of zero, a depth given as a list or a vocabulary of 10^30 would otherwise
+fail deep inside transformers or torch, or give a confident number for a model that cannot exist.
+Here the sizes that decide memory are checked up front (whole numbers within bounds), and what
+transformers, the user's factory or an import raises while building is turned into one
+``MemfitError`` line that names the source and the fix.
+
+Left to the model itself: consistency between fields (a width the head count does not divide);
+transformers raises for those when the model is built, and that message is passed on.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from memfit.errors import MemfitError, shown
+
+__all__ = ["check_config", "read_config", "import_object", "checked_build"]
+
+# Config fields that are counts or widths, per architecture family; None is allowed where
+# transformers fills in a default (head_dim, n_inner, num_key_value_heads).
+_DEPTHS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+          "max_position_embeddings", "head_dim", "n_embd", "n_head", "n_inner", "n_positions", "d_model", "d_ff",
+          "num_heads", "d_kv", "image_size", "patch_size", "num_channels", "num_labels")
+MAX_DEPTH = 4096  # blocks: the deepest published models have ~160; building more takes minutes
+MAX_SIZE = 1 << 27  # widths, vocabularies, positions: 134M, beyond any published model
+
+# What transformers raises for a config it cannot take (huggingface_hub's strict dataclasses raise
+# StrictDataclassError, which is not a ValueError).
+_BUILD_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, KeyError, AttributeError, IndexError,
+                                                  ZeroDivisionError, OverflowError, RuntimeError, AssertionError)
+try:
+    from huggingface_hub.errors import StrictDataclassError
+
+    _BUILD_ERRORS += (StrictDataclassError,)
+except ImportError:  # pragma: no cover — older huggingface_hub
+    pass
+
+
+def check_config(config, name: str) -> None:
+    """Raise for a size field that is not a whole number within bounds."""
+    for key in _DEPTHS + _SIZES:
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        limit = MAX_DEPTH if key in _DEPTHS else MAX_SIZE
+        low = 0 if key in _DEPTHS else 1
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limit:
+            raise MemfitError(f"{name}: {key}={shown(value)} must be a whole number from {low} to {limit}: "
+                              "fix the config")
+
+
+def read_config(folder: str, name: str):
+    """The transformers config in ``folder``/config.json, checked."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except _BUILD_ERRORS + (OSError, RecursionError) as err:
+        raise MemfitError(f"cannot read {name}: {_message(err)}: fix its config.json") from None
+    check_config(config, name)
+    return config
+
+
+def import_object(spec: str, role: str = "function"):
+    """The callable named by ``package.module:function``."""
+    module_name, colon, attr = str(spec).partition(":")
+    hint = f"write it as package.module:{role}"
+    if not colon or not module_name or not attr:
+        raise MemfitError(f"cannot import {shown(spec)}: {hint}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 — importing runs the user's code: any failure is theirs
+        raise MemfitError(f"cannot import {shown(spec)}: {_message(err)}; {hint}") from None
+    found = getattr(module, attr, None)
+    if found is None:
+        raise MemfitError(f"cannot import {shown(spec)}: {module_name} has no {shown(attr)}; {hint}")
+    if not callable(found):
+        raise MemfitError(f"{shown(spec)} is a {type(found).__name__}, not a {role}: name a {role} to call")
+    return found
+
+
+def checked_build(build, name: str, user: bool):
+    """``build`` that always returns an ``nn.Module`` or raises one ``MemfitError`` line.
+
+    ``user``: the builder is the user's factory (any exception is reported as theirs); otherwise
+    it is transformers building a config, whose errors are the config's.
+    """
+    caught = Exception if user else _BUILD_ERRORS
+
+    def guarded():
+        try:
+            module = build()
+        except MemfitError:
+            raise
+        except caught as err:
+            what = f"the model factory {name} raised" if user else f"transformers cannot build {name}:"
+            fix = "fix the factory or call it yourself" if user else "fix the config"
+            raise MemfitError(f"{what} {_message(err)}: {fix}") from None
+        if not isinstance(module, torch.nn.Module):
+            raise MemfitError(f"the model factory {name} returned {type(module).__name__}, not an nn.Module: "
+                              "return the model")
+        return module
+
+    return guarded
+
+
+def _message(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
