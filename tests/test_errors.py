@@ -74,3 +74,183 @@ def test_estimate_leaves_the_users_model_alone():
     memfit.estimate(model, BATCH, loss_fn=classify)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- impossible setups are refused, not estimated ---------------------------------------------------
+
+def _tiny_gpt2():
+    import transformers as tf
+
+    return tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0,
+                         eos_token_id=0)
+
+
+def _tiny_llama():
+    import transformers as tf
+
+    return tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, vocab_size=128, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("card", ["t4", "v100-16gb", "v100-32gb"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_bf16_on_a_card_without_it_is_refused(card, precision):
+    from memfit.gpus import gpu
+
+    assert not gpu(card).bf16 and gpu(card).compute_capability < (8, 0)
+    with pytest.raises(MemfitError, match=f"precision={precision} needs bfloat16.*fp16-mixed") as err:
+        memfit.estimate(_tiny_llama(), seq_len=8, gpu=card, precision=precision)
+    _one_line(err)
+    assert memfit.estimate(_tiny_llama(), seq_len=8, gpu=card, precision="fp16-mixed").peak_bytes > 0
+
+
+def test_plan_for_a_card_without_bf16_never_picks_it():
+    from memfit.plan import _space
+
+    class Engine:  # what _space reads
+        target = __import__("memfit.gpus", fromlist=["gpu"]).gpu("t4")
+        depth, causal_lm, global_batch_size = 2, True, 2
+
+    space = _space(Engine, {"bf16", "lora"}, "adamw")
+    assert space and not [r for r in space if "bf16" in r.precision]
+    Engine.target = __import__("memfit.gpus", fromlist=["gpu"]).gpu("a100")
+    assert {r.precision for r in _space(Engine, {"bf16"}, "adamw")} == {"fp32", "bf16-mixed", "bf16"}
+
+
+def test_batch_size_that_disagrees_with_micro_batches_is_refused():
+    with pytest.raises(MemfitError, match="batch_size=32 and micro_batch_size=2 x grad_accum_steps=1 = 2 "
+                                          "conflict.*grad_accum_steps=16") as err:
+        memfit.estimate(_tiny_llama(), seq_len=8, batch_size=32, recipe=memfit.Recipe(micro_batch_size=2))
+    _one_line(err)
+    consistent = memfit.Recipe(micro_batch_size=2, grad_accum_steps=16)
+    same = memfit.estimate(_tiny_llama(), seq_len=8, batch_size=32, recipe=consistent)
+    implied = memfit.estimate(_tiny_llama(), seq_len=8, recipe=consistent)  # batch_size left out
+    assert same.peak_bytes == implied.peak_bytes > 0
+
+
+def test_qlora_on_a_model_without_linear_layers_is_refused():
+    with pytest.raises(MemfitError, match="qlora found no nn.Linear layers to quantise in GPT2LMHeadModel"):
+        memfit.estimate(_tiny_gpt2(), seq_len=8, recipe=memfit.Recipe(lora="qlora:8", precision="bf16-mixed"))
+
+
+@pytest.mark.parametrize("lora", ["lora:0", "lora:00", "qlora:000", "lora:-1", "lora:x", "off:8", "lora:99999999"])
+def test_lora_rank_must_be_a_positive_number(lora):
+    with pytest.raises(MemfitError, match="rank from 1 to"):
+        memfit.Recipe(lora=lora)
+
+
+# -- malformed sources: config.json, pkg.mod:fn, huge numbers ------------------------------------
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("hidden_size", 0, "hidden_size=0 must be a whole number"), ("num_hidden_layers", [2], "num_hidden_layers"),
+    ("vocab_size", 10**30, "vocab_size"), ("hidden_size", "32", "hidden_size.*expected int"),
+    ("num_attention_heads", 3, "not a multiple"), ("intermediate_size", 1.5, "intermediate_size.*float"),
+    ("tie_word_embeddings", "x", "tie_word_embeddings"),
+])
+def test_config_json_of_wrong_types_or_sizes(tmp_path, key, value, needle):
+    import json
+
+    data = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, key: value}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(MemfitError, match=needle) as err:
+        memfit.estimate(str(tmp_path / "config.json"), seq_len=8)
+    _one_line(err)
+
+
+FACTORIES = """
+import torch
+NOT_CALLABLE = 3
+def raises():
+    raise RuntimeError("broken\\non two lines")
+def returns_none():
+    return None
+"""
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("fuzzy_factories:NOT_CALLABLE", "is a int, not a function"),
+    ("fuzzy_factories:raises", "raised RuntimeError: broken on two lines"),
+    ("fuzzy_factories:returns_none", "returned NoneType, not an nn.Module"),
+    ("fuzzy_factories:missing", "has no 'missing'"), (":", "package.module:function"),
+])
+def test_factory_sources_that_cannot_build_a_model(tmp_path, monkeypatch, spec, needle):
+    (tmp_path / "fuzzy_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(MemfitError, match=needle) as err:
+        memfit.estimate(spec, torch.randn(2, 8), loss_fn=lambda m, b: m(b).sum())
+    _one_line(err)
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 10**15}, {"seq_len": 10**12}, {"steps": 10**6},
+                                    {"micro_batch_size": 1, "grad_accum_steps": 10**9}, {"micro_batch_size": 10**12}])
+def test_huge_numbers_are_refused_quickly(kwargs):
+    with pytest.raises(MemfitError, match="from 1 to") as err:
+        if "micro_batch_size" in kwargs:
+            memfit.estimate(_tiny_llama(), recipe=memfit.Recipe.from_dict(kwargs))
+        else:
+            memfit.estimate(_tiny_llama(), **kwargs)
+    _one_line(err)
+
+
+def test_sizes_that_overflow_64_bits_are_one_line():
+    import transformers as tf
+
+    wide = tf.LlamaConfig(hidden_size=2**26, intermediate_size=2**26, num_hidden_layers=1, num_attention_heads=1,
+                          num_key_value_heads=1, vocab_size=2**26, max_position_embeddings=2**24)
+    with pytest.raises(MemfitError, match="overflow") as err:
+        memfit.estimate(wide, seq_len=2**24, batch_size=2**24)
+    _one_line(err)
+
+
+def test_plan_with_a_huge_global_batch_answers_at_once():
+    import time
+
+    from memfit.plan import _divisors
+
+    start = time.perf_counter()
+    assert _divisors(10**12)[:4] == [1, 2, 4, 5] and len(_divisors(10**12)) == 169
+    with pytest.raises(MemfitError, match="global_batch_size must be an integer from 1 to"):
+        memfit.plan(_tiny_llama(), budget="1GiB", global_batch_size=10**9)
+    assert time.perf_counter() - start < 5
+
+
+# -- messages and logs ---------------------------------------------------------------------------
+
+def test_messages_are_one_bounded_line():
+    from memfit.errors import MAX_MESSAGE
+
+    err = MemfitError("first\nsecond\t" + "x" * 10_000 + " the fix")
+    assert "\n" not in str(err) and len(str(err)) <= MAX_MESSAGE
+    assert str(err).startswith("first second") and str(err).endswith("the fix")
+    with pytest.raises(MemfitError) as caught:
+        memfit.estimate("y" * 100_000)
+    assert len(_one_line(caught)) <= MAX_MESSAGE
+
+
+def test_torch_fake_tensor_log_is_silenced_during_a_trace_and_restored(capfd):
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    seen = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    handler = Record()
+    log.addHandler(handler)
+    try:
+        with pytest.raises(MemfitError, match="overflow"):
+            # a shape that fails inside a meta kernel: torch logs it with a traceback, then raises
+            memfit.estimate(_tiny_llama(), torch.zeros(1, 1, dtype=torch.long).expand(2**31, 2**31),
+                            loss_fn=lambda m, b: m(input_ids=b[:, :4]).logits.sum() + b.float().tril().sum())
+        assert not seen and "Traceback" not in capfd.readouterr().err
+        assert log.disabled is False  # restored after the trace
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(), pytest.raises(RuntimeError):  # and outside memfit it logs as before
+            torch.zeros(1, 1).expand(2**31, 2**31).tril()
+        assert seen
+    finally:
+        log.removeHandler(handler)
