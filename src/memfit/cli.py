@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         with warnings.catch_warnings():
-            # peft and bitsandbytes warn about choices memfit makes on purpose (fan_in_fan_out for
-            # GPT-2's Conv1D, CPU kernels); on stderr they would bury the table or the error line
-            warnings.filterwarnings("ignore", module=r"(peft|bitsandbytes)(\.|$)")
+            # peft, bitsandbytes and transformers warn about choices memfit makes on purpose
+            # (fan_in_fan_out for GPT-2's Conv1D, CPU kernels) or about the user's config's
+            # spelling (deprecated keys); on stderr they would bury the table or the error line
+            warnings.filterwarnings("ignore", module=r"(peft|bitsandbytes|transformers)(\.|$)")
             return {"estimate": _estimate, "plan": _plan, "models": _models, "gpus": _gpus}[args.command](args)
     except MemfitError as err:
         print(f"memfit: error: {err}", file=sys.stderr)
