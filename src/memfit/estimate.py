@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from memfit.cpu_kernels import CpuKernels
 from memfit.errors import MemfitError
 from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.source import Source, resolve
@@ -117,7 +118,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     else:
         batch = fake_batch(batch, mode)
     reads = ScalarReads()
-    with mode, reads:
+    with mode, CpuKernels(), reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
