@@ -15,7 +15,7 @@ Position limits: a model with a *learned absolute* position table (GPT-2, BERT, 
 RoBERTa, OPT, BART, Whisper's decoder) cannot embed positions past its table, and the failure a
 longer batch gives is a broadcast or index error from deep inside the model. So a made batch
 longer than the table is refused with one line naming the limit. Rotary (Llama, Mistral, GPT-J,
-GPT-NeoX, ...), ALiBi (BLOOM), relative (T5) and position-free (Mamba) models have no such table:
+GPT-NeoX, ModernBERT, ...), ALiBi (BLOOM), relative (T5, DeBERTa) and position-free (Mamba) models have no such table:
 their ``max_position_embeddings`` is a training length, not a limit, and is not enforced.
 RoBERTa-style models start positions after the padding index, so their limit is the table size
 minus ``pad_token_id + 1`` (514 - 2 = 512 for roberta-base).
@@ -42,6 +42,8 @@ def position_limit(config, task: str | None = None) -> tuple[int, str] | None:
         return config.max_target_positions, "max_target_positions"
     text = getattr(config, "text_config", None) or config
     if any(getattr(text, key, None) for key in ("rope_parameters", "rope_scaling", "rotary_dim", "alibi")):
+        return None
+    if getattr(text, "position_biased_input", True) is False:  # DeBERTa: relative positions only
         return None
     for key in ("n_positions", "max_position_embeddings"):
         value = getattr(text, key, None)

@@ -102,7 +102,9 @@ def resolve(model) -> Source:
     return _hf_source(model.lower(), config, entry.task)
 
 
-_TASKS = {"bert": "masked-lm", "t5": "seq2seq", "vit": "image-classification"}
+_TASKS = {"bert": "masked-lm", "distilbert": "masked-lm", "roberta": "masked-lm", "xlm-roberta": "masked-lm",
+          "albert": "masked-lm", "electra": "masked-lm", "deberta": "masked-lm", "deberta-v2": "masked-lm",
+          "modernbert": "masked-lm", "t5": "seq2seq", "bart": "seq2seq", "vit": "image-classification"}
 
 
 def _from_config_path(path: str) -> Source:
