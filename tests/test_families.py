@@ -120,3 +120,45 @@ def test_new_catalog_entries_match_published_sizes(name):
     assert name in CATALOG
     report = memfit.estimate(name, seq_len=600 if name.startswith("llava") else 32)
     assert abs(report.parameters - PUBLISHED[name]) / PUBLISHED[name] < 0.01
+
+
+def _forced_router(build, routing):
+    """``build`` with every MoE router's choice replaced: ``balanced`` spreads each token's top_k
+    picks round-robin over the experts, ``worst`` sends every token to experts 0..top_k-1."""
+    def hook(module, args, out):
+        logits, scores, index = out
+        tokens, k = index.shape
+        if routing == "worst":
+            forced = torch.arange(k).expand(tokens, k).clone()
+        else:
+            forced = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % module.num_experts
+        return logits, scores, forced
+
+    def forced_build():
+        model = build()
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.register_forward_hook(hook)
+        return model
+    return forced_build
+
+
+@pytest.mark.parametrize("routing", ["balanced", "worst"])
+def test_moe_routing_matches_the_forced_real_routing_in_bf16(tmp_path, routing):
+    # Pure bf16 is where routing shows: the CPU grouped_mm converts each expert's rows to fp32.
+    build = _forced_router(_source(tmp_path, "mixtral").build, routing)
+    batch = resolve(str(tmp_path / "config.json")).make_batch(2, 32)
+    report = memfit.estimate(build, batch, precision="bf16", moe_routing=routing)
+    truth = true_peak(build, batch, precision="bf16")
+    assert abs(report.peak_bytes - truth) / truth < TOLERANCE, (report.peak_bytes, truth)
+
+
+def test_moe_routing_changes_only_bf16_kernel_scratch(tmp_path):
+    build = _source(tmp_path, "mixtral").build
+    batch = resolve(str(tmp_path / "config.json")).make_batch(2, 32)
+    truths = {(r, p): true_peak(_forced_router(build, r), batch, precision=p)
+              for r in ("balanced", "worst") for p in ("fp32", "bf16")}
+    assert truths["balanced", "fp32"] == truths["worst", "fp32"]  # every expert tensor is tokens x top_k
+    assert truths["worst", "bf16"] > truths["balanced", "bf16"]
+    with pytest.raises(MemfitError, match="balanced, worst"):
+        memfit.estimate(build, batch, moe_routing="uniform")

@@ -9,6 +9,8 @@ and scales by depth (``depth.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -18,7 +20,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from memfit.cpu_kernels import CpuKernels
+from memfit.cpu_kernels import CpuKernels, check_routing
 from memfit.errors import MemfitError
 from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.source import Source, resolve
@@ -35,7 +37,8 @@ FAST_MIN_DEPTH = 8
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
-             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None) -> Report:
+             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
+             moe_routing: str = "balanced") -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -58,13 +61,16 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
                shorthands for two of its fields. With accumulation, ``batch`` is what one
                optimizer step consumes; a made batch has micro_batch_size x grad_accum_steps rows.
+    moe_routing  how a mixture-of-experts router splits tokens, which fake tensors cannot know:
+               ``balanced`` (tokens x top_k / experts each) or ``worst`` (all tokens on the same
+               top_k experts). Only CPU kernel scratch depends on it (``cpu_kernels.py``).
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
     target = _target(device, gpu)
     if recipe.micro_batch_size:
         batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
-    source = resolve(model)
+    source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
     if fast:
@@ -118,7 +124,9 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     else:
         batch = fake_batch(batch, mode)
     reads = ScalarReads()
-    with mode, CpuKernels(), reads:
+    config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
+    top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
+    with mode, CpuKernels(source.moe_routing, top_k), reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)

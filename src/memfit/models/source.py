@@ -34,6 +34,7 @@ class Source:
     config: object | None = None  # a transformers PretrainedConfig, when there is one
     task: str | None = None
     module: torch.nn.Module | None = None  # a ready instance passed by the user
+    moe_routing: str = "balanced"  # how a mixture-of-experts router splits tokens (cpu_kernels.py)
 
     @property
     def depth(self) -> int | None:
@@ -53,7 +54,9 @@ class Source:
         settable = getattr(getattr(type(config), "layer_types", None), "fset", True) is not None
         if isinstance(types, list) and settable:  # Mamba derives layer_types from the depth
             config.layer_types = types[:layers]
-        return _hf_source(f"{self.name}[{layers} layers]", config, self.task)
+        shallow = _hf_source(f"{self.name}[{layers} layers]", config, self.task)
+        shallow.moe_routing = self.moe_routing
+        return shallow
 
     def default_seq_len(self) -> int | None:
         if self.task == "image-classification":
