@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 
 from memfit.cpu_kernels import CpuKernels, check_routing
 from memfit.errors import MemfitError
+from memfit.models.mamba_scan import collapsed_scans
 from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.source import Source, resolve
 from memfit.precision import check_precision, weight_dtype
@@ -126,7 +127,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     reads = ScalarReads()
     config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
     top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
-    with mode, CpuKernels(source.moe_routing, top_k), reads:
+    with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans():
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
