@@ -170,3 +170,19 @@ def test_collapsed_mamba_scan_matches_the_real_loop_at_a_longer_sequence(tmp_pat
     source = _source(tmp_path, "mamba")
     report, truth = _graded(source, precision, seq_len=128)
     assert abs(report.peak_bytes - truth) / truth < TOLERANCE, (report.peak_bytes, truth)
+
+
+def test_a_vision_language_model_without_a_batch_recipe_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2_vl", architectures=["Qwen2VLForConditionalGeneration"],
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4))))
+    with pytest.raises(MemfitError, match="cannot make a batch for qwen2_vl.*batch=") as err:
+        memfit.estimate(str(tmp_path / "config.json"), seq_len=32)
+    assert "\n" not in str(err.value)
+
+
+def test_moe_reports_its_routing_assumption(tmp_path):
+    report = memfit.estimate(_source(tmp_path, "qwen2_moe"), seq_len=16)
+    assert any("balanced routing assumed" in note for note in report.notes)

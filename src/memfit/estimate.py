@@ -140,6 +140,9 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
                               "memfit.measure(...) instead") from None
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError) as err:
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
+    if top_k:
+        report.notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "
+                            "only CPU bf16 kernel scratch, every expert tensor is tokens x top_k")
     if reads.reads:
         report.notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
     return report, result

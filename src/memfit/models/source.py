@@ -126,6 +126,9 @@ def _from_config_path(path: str) -> Source:
 def _task(config) -> str:
     if config.model_type in families.TASKS:
         return families.TASKS[config.model_type]
+    if hasattr(config, "vision_config") or hasattr(config, "audio_config"):
+        raise MemfitError(f"memfit cannot make a batch for {config.model_type} (multimodal inputs): pass a factory "
+                          "and batch=, e.g. estimate(lambda: Model(config), batch)")
     for arch in getattr(config, "architectures", None) or ():
         for suffix, task in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
                              ("ForMaskedLM", "masked-lm"), ("ForConditionalGeneration", "seq2seq"),
@@ -156,6 +159,10 @@ def _hf_source(name: str, config, task: str) -> Source:
             "speech-seq2seq": transformers.AutoModelForSpeechSeq2Seq,
             "image-text-to-text": transformers.AutoModelForImageTextToText,
         }[task]
-        return auto.from_config(config)
+        try:
+            return auto.from_config(config)
+        except ValueError as err:
+            raise MemfitError(f"transformers has no {task} model for {config.model_type}: "
+                              f"{str(err).splitlines()[0][:120]}") from None
 
     return Source(name, build=build, config=config, task=task)
