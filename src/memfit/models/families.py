@@ -66,12 +66,16 @@ def check_seq_len(config, task: str | None, seq_len: int, name: str) -> None:
 
 
 def default_seq_len(config, task: str | None) -> int:
-    """The model's own limit, at most 512 for encoders and encoder-decoders, 2048 otherwise."""
+    """The model's trained length (a limit or not), at most 512 for encoders and encoder-decoders,
+    2048 otherwise; Whisper's decoder length; LLaVA's image tokens + 512."""
     if task == "image-text-to-text":
         return config.image_seq_length + 512
+    if task == "speech-seq2seq":
+        return config.max_target_positions
+    trained = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
+                    if isinstance(getattr(config, k, None), int)), 2048)
     limit = position_limit(config, task)
-    cap = 448 if task == "speech-seq2seq" else 512 if task in ("masked-lm", "seq2seq") else 2048
-    return min(limit[0], cap) if limit else cap
+    return min(trained, limit[0] if limit else trained, 512 if task in ("masked-lm", "seq2seq") else 2048)
 
 
 def _speech_batch(config, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
