@@ -100,8 +100,10 @@ def test_rotary_and_state_space_models_have_no_position_limit(tmp_path):
     assert memfit.estimate(_source(tmp_path, "mamba2"), seq_len=160, fast=False).peak_bytes > 0
 
 
-def test_mamba_depth_fast_path_agrees_with_full_trace(tmp_path):
-    config = {**CONFIGS["mamba"], "num_hidden_layers": 8}
+@pytest.mark.parametrize("family, keys", [("mamba", ["num_hidden_layers"]), ("mixtral", ["num_hidden_layers"]),
+                                          ("whisper", ["encoder_layers", "decoder_layers"])])
+def test_depth_fast_path_agrees_with_full_trace(tmp_path, family, keys):
+    config = {**CONFIGS[family], **{key: 8 for key in keys}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     path = str(tmp_path / "config.json")
     fast = memfit.estimate(path, seq_len=8)
