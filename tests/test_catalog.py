@@ -26,7 +26,8 @@ def test_llama_fp32_adamw_model_states_are_16_bytes_per_parameter():
 def test_every_entry_builds_and_traces():
     for name in CATALOG:
         entry = CATALOG[name]
-        assert entry.task in {"causal-lm", "masked-lm", "seq2seq", "image-classification"}
+        assert entry.task in {"causal-lm", "masked-lm", "seq2seq", "image-classification", "speech-seq2seq",
+                              "image-text-to-text"}
     for name in ("t5-small", "vit-base", "bert-base", "gemma-2-2b"):
         assert memfit.estimate(name, seq_len=32).peak_bytes > 0
 

@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--batch", default=None, help="package.module:function returning a batch (for factory models)")
     est.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
     est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth")
+    est.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
+                     help="mixture-of-experts only: tokens spread evenly over the experts (default), or all on the "
+                          "same top-k experts (worst case for CPU bf16 kernel scratch)")
     est.add_argument("--json", action="store_true", help="print the report as JSON")
     pl = sub.add_parser("plan", help="the fastest recipe that fits a budget, and why")
     pl.add_argument("model", help="catalog name (see `memfit models`) or a config.json path")
@@ -137,7 +140,8 @@ def _estimate(args) -> int:
     with err.status(f"tracing {args.model} on fake tensors…"):
         report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss), recipe=_recipe(args),
                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                          fast=False if args.full else None, device="cuda" if card else args.device, gpu=card)
+                          fast=False if args.full else None, device="cuda" if card else args.device, gpu=card,
+                          moe_routing=args.moe_routing)
     if args.json:
         data = report.to_dict()
         if args.budget is not None:

@@ -9,6 +9,8 @@ and scales by depth (``depth.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -18,8 +20,10 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from memfit.cpu_kernels import CpuKernels, check_routing
 from memfit.errors import MemfitError, shown
 from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
+from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source, resolve
 from memfit.precision import check_gpu, check_precision, weight_dtype
 from memfit.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
@@ -34,7 +38,8 @@ FAST_MIN_DEPTH = 8
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
-             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None) -> Report:
+             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
+             moe_routing: str = "balanced") -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -59,13 +64,16 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
                shorthands for two of its fields. With accumulation, ``batch`` is what one
                optimizer step consumes; a made batch has micro_batch_size x grad_accum_steps rows.
+    moe_routing  how a mixture-of-experts router splits tokens, which fake tensors cannot know:
+               ``balanced`` (tokens x top_k / experts each) or ``worst`` (all tokens on the same
+               top_k experts). Only CPU kernel scratch depends on it (``cpu_kernels.py``).
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
     target = _target(device, gpu)
     check_gpu(recipe.precision, target)
     batch_size = _step_batch(batch_size, recipe)
-    source = resolve(model)
+    source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
     if fast:
@@ -153,7 +161,9 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
         raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}: "
                           "check the batch (or batch_size and seq_len)") from None
     reads = ScalarReads()
-    with mode, reads:
+    config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
+    top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
+    with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans():
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
@@ -168,6 +178,9 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
             if _overflow(err):
                 raise MemfitError(f"{_overflow(err)}: use a smaller batch_size or seq_len") from None
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
+    if top_k:
+        report.notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "
+                            "only CPU bf16 kernel scratch, every expert tensor is tokens x top_k")
     if reads.reads:
         report.notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
     return report, result

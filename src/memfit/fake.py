@@ -102,7 +102,8 @@ class ScalarReads(TorchDispatchMode):
     Memory does not depend on these values, only on the branch a read may choose, so each read
     takes the common branch of a training step: zero (no inf found, nothing skipped), False for
     ``any`` and True for ``all`` (no padding: Hugging Face skips building a 4-D attention mask
-    only after ``(mask == 1).all()`` reads True). ``reads`` counts how often it answered.
+    only after ``(mask == 1).all()`` reads True; LLaVA checks its image-token count with
+    ``torch._check_tensor_all``). ``reads`` counts how often it answered.
     """
 
     def __init__(self):
@@ -119,7 +120,8 @@ class ScalarReads(TorchDispatchMode):
                     return tensor in self._all
                 return 0.0 if tensor.is_floating_point() else 0
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket is torch.ops.aten.all and isinstance(out, torch.Tensor):
+        # torch._check_tensor_all (transformers' torch_compilable_check) reads ``_is_all_true``.
+        if func.overloadpacket in (torch.ops.aten.all, torch.ops.aten._is_all_true) and isinstance(out, torch.Tensor):
             self._all[out] = True
         return out
 

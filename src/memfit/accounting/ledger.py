@@ -85,7 +85,8 @@ def _probe_worthy(func, tensors) -> bool:
     return bool(low) and (name.split(".")[0] in MATMULS or len(floats) > 1)
 
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation",
+           "_grouped_mm"}  # bf16 grouped_mm converts each group to fp32: cpu_kernels.py
 
 
 class Ledger(TorchDispatchMode):

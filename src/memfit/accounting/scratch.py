@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_unflatten
 
 from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.accounting.ledger import MATMULS
+from memfit.cpu_kernels import probe_operands
 
 __all__ = ["measure_scratch", "PROBE_LIMIT", "FLOP_LIMIT"]
 
@@ -97,7 +98,7 @@ def _probe(number: int, site, layout):
         return None
     func, tree, _ = site.spec
     leaves = [_real(meta) if kind == "tensor" else meta for kind, meta in layout]
-    args, kwargs = tree_unflatten(leaves, tree)
+    args, kwargs = probe_operands(func, *tree_unflatten(leaves, tree))  # MoE group offsets: cpu_kernels.py
     try:
         with torch.set_grad_enabled(site.key[2]), record_function(f"{_TAG}{number}"):
             out = func(*args, **kwargs)

@@ -19,7 +19,7 @@ __all__ = ["CatalogEntry", "CATALOG", "lookup"]
 @dataclass(frozen=True)
 class CatalogEntry:
     model_type: str  # transformers' model_type
-    task: str  # causal-lm | masked-lm | seq2seq | image-classification
+    task: str  # causal-lm | masked-lm | seq2seq | image-classification | speech-seq2seq | image-text-to-text
     config: dict = field(default_factory=dict)
 
 
@@ -41,6 +41,20 @@ def _qwen(h, inter, layers, heads, kv, vocab, tied):
 def _gpt2(h, layers, heads):
     return CatalogEntry("gpt2", "causal-lm", dict(
         n_embd=h, n_layer=layers, n_head=heads, vocab_size=50257, n_positions=1024))
+
+
+def _mamba(h, layers):
+    return CatalogEntry("mamba", "causal-lm", dict(
+        hidden_size=h, num_hidden_layers=layers, vocab_size=50280, state_size=16, expand=2, conv_kernel=4,
+        time_step_rank=-(-h // 16), tie_word_embeddings=True))
+
+
+def _whisper(d, layers, heads, ffn, vocab, mels):
+    return CatalogEntry("whisper", "speech-seq2seq", dict(
+        d_model=d, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+        decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, vocab_size=vocab,
+        num_mel_bins=mels, max_source_positions=1500, max_target_positions=448,
+        decoder_start_token_id=50258, pad_token_id=50257, bos_token_id=50257, eos_token_id=50257))
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -86,6 +100,47 @@ CATALOG: dict[str, CatalogEntry] = {
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
         pad_token_id=32000)),
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": CatalogEntry("mixtral", "causal-lm", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
+        num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # Qwen/Qwen1.5-MoE-A2.7B (60 routed experts, top-4, and a shared expert per layer)
+    "qwen1.5-moe-a2.7b": CatalogEntry("qwen2_moe", "causal-lm", dict(
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1,
+        norm_topk_prob=False, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        vocab_size=151936, max_position_embeddings=8192, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
+    # Qwen/Qwen3-30B-A3B (128 routed experts, top-8, no shared expert)
+    "qwen3-30b-a3b": CatalogEntry("qwen3_moe", "causal-lm", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # state-spaces/mamba-{130m,1.4b,2.8b}-hf
+    "mamba-130m": _mamba(768, 24),
+    "mamba-1.4b": _mamba(2048, 48),
+    "mamba-2.8b": _mamba(2560, 64),
+    # state-spaces/mamba2-1.3b (d_model 2048, n_layer 48, d_state 128, headdim 64, expand 2,
+    # ngroups 1, chunk_size 256; vocabulary 50277 padded to a multiple of 16)
+    "mamba2-1.3b": CatalogEntry("mamba2", "causal-lm", dict(
+        hidden_size=2048, num_hidden_layers=48, state_size=128, head_dim=64, num_heads=64, expand=2,
+        n_groups=1, chunk_size=256, conv_kernel=4, vocab_size=50288, tie_word_embeddings=True)),
+    # openai/whisper-small, whisper-medium, whisper-large-v3
+    "whisper-small": _whisper(768, 12, 12, 3072, 51865, 80),
+    "whisper-medium": _whisper(1024, 24, 16, 4096, 51865, 80),
+    "whisper-large-v3": _whisper(1280, 32, 20, 5120, 51866, 128),
+    # llava-hf/llava-1.5-7b-hf (CLIP ViT-L/14 at 336 px + Vicuna-7B; 576 image tokens)
+    "llava-1.5-7b": CatalogEntry("llava", "image-text-to-text", dict(
+        text_config=dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                         max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                           projection_dim=768, hidden_act="quick_gelu"),
+        image_token_id=32000, image_seq_length=576, vision_feature_layer=-2,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu", tie_word_embeddings=False)),
     # google-bert/bert-base-uncased, bert-large-uncased
     "bert-base": CatalogEntry("bert", "masked-lm", dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,

@@ -16,13 +16,15 @@ from typing import Callable
 import torch
 
 from memfit.errors import MemfitError
+from memfit.models import families
 from memfit.models.catalog import lookup
 from memfit.models.check import check_config, checked_build, import_object, read_config
 
 __all__ = ["Source", "resolve"]
 
 # Config attributes that count repeated blocks, per architecture family.
-_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
+               "decoder_layers")
 
 
 @dataclass
@@ -32,13 +34,15 @@ class Source:
     config: object | None = None  # a transformers PretrainedConfig, when there is one
     task: str | None = None
     module: torch.nn.Module | None = None  # a ready instance passed by the user
+    moe_routing: str = "balanced"  # how a mixture-of-experts router splits tokens (cpu_kernels.py)
 
     @property
     def depth(self) -> int | None:
         if self.config is None:
             return None
-        values = [getattr(self.config, k) for k in _DEPTH_KEYS if isinstance(getattr(self.config, k, None), int)]
-        return max(values) if values else None
+        values = {getattr(self.config, k) for k in _DEPTH_KEYS if isinstance(getattr(self.config, k, None), int)}
+        # An encoder and a decoder of different depths are not one line in a single depth.
+        return values.pop() if len(values) == 1 else None
 
     def shallow(self, layers: int) -> "Source":
         """The same architecture with ``layers`` blocks (every depth key set to ``layers``)."""
@@ -47,16 +51,17 @@ class Source:
             if isinstance(getattr(config, key, None), int):
                 setattr(config, key, layers)
         types = getattr(config, "layer_types", None)
-        if isinstance(types, list):
+        settable = getattr(getattr(type(config), "layer_types", None), "fset", True) is not None
+        if isinstance(types, list) and settable:  # Mamba derives layer_types from the depth
             config.layer_types = types[:layers]
-        return _hf_source(f"{self.name}[{layers} layers]", config, self.task)
+        shallow = _hf_source(f"{self.name}[{layers} layers]", config, self.task)
+        shallow.moe_routing = self.moe_routing
+        return shallow
 
     def default_seq_len(self) -> int | None:
         if self.task == "image-classification":
             return None
-        limit = next((getattr(self.config, k) for k in ("max_position_embeddings", "n_positions")
-                      if isinstance(getattr(self.config, k, None), int)), 2048)
-        return min(limit, 512 if self.task in ("masked-lm", "seq2seq") else 2048)
+        return families.default_seq_len(self.config, self.task)
 
     def make_batch(self, batch_size: int, seq_len: int | None) -> dict[str, torch.Tensor]:
         """A batch this model trains on, built in the current device / fake mode."""
@@ -69,6 +74,9 @@ class Source:
                 "labels": torch.randint(0, self.config.num_labels, (batch_size,)),
             }
         seq_len = seq_len or self.default_seq_len()
+        families.check_seq_len(self.config, self.task, seq_len, self.name)
+        if self.task in families.BATCHES:
+            return families.BATCHES[self.task](self.config, batch_size, seq_len)
         ids = torch.randint(0, self.config.vocab_size, (batch_size, seq_len))
         return {"input_ids": ids, "labels": ids.clone()}
 
@@ -101,7 +109,9 @@ def resolve(model) -> Source:
     return _hf_source(model.lower(), config, entry.task)
 
 
-_TASKS = {"bert": "masked-lm", "t5": "seq2seq", "vit": "image-classification"}
+_TASKS = {"bert": "masked-lm", "distilbert": "masked-lm", "roberta": "masked-lm", "xlm-roberta": "masked-lm",
+          "albert": "masked-lm", "electra": "masked-lm", "deberta": "masked-lm", "deberta-v2": "masked-lm",
+          "modernbert": "masked-lm", "t5": "seq2seq", "bart": "seq2seq", "vit": "image-classification"}
 
 
 def _from_config_path(path: str) -> Source:
@@ -113,6 +123,11 @@ def _from_config_path(path: str) -> Source:
 
 
 def _task(config) -> str:
+    if config.model_type in families.TASKS:
+        return families.TASKS[config.model_type]
+    if hasattr(config, "vision_config") or hasattr(config, "audio_config"):
+        raise MemfitError(f"memfit cannot make a batch for {config.model_type} (multimodal inputs): pass a factory "
+                          "and batch=, e.g. estimate(lambda: Model(config), batch)")
     archs = getattr(config, "architectures", None)
     for arch in [a for a in archs if isinstance(a, str)] if isinstance(archs, (list, tuple)) else ():
         for suffix, task in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
@@ -136,8 +151,14 @@ def _hf_source(name: str, config, task: str) -> Source:
             "masked-lm": transformers.AutoModelForMaskedLM,
             "seq2seq": transformers.AutoModelForSeq2SeqLM,
             "image-classification": transformers.AutoModelForImageClassification,
+            "speech-seq2seq": transformers.AutoModelForSpeechSeq2Seq,
+            "image-text-to-text": transformers.AutoModelForImageTextToText,
         }[task]
-        return auto.from_config(config)
+        try:
+            return auto.from_config(config)
+        except ValueError as err:
+            raise MemfitError(f"transformers has no {task} model for {config.model_type}: "
+                              f"{str(err).splitlines()[0][:120]}") from None
 
     check_config(config, name)
     return Source(name, build=checked_build(build, name, user=False), config=config, task=task)
