@@ -99,8 +99,8 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
-               detail: bool = False, prime: int | None = None):
-    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail`` as for ``trace``."""
+               detail: bool = False, prime: int | None = None, keep: bool = False):
+    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep`` as for ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
@@ -120,7 +120,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     with mode, reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

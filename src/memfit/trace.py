@@ -33,13 +33,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
-          prime: int | None = None):
+          prime: int | None = None, keep: bool = False):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device.
     ``detail``: also keep the live bytes after every event (``Replay.series``) and one row per
     kernel (``Replay.ops``, see ``accounting/ops.py``), and the allocator statistics on CUDA
-    (``Replay.allocator``), for the planner. ``prime``: the batch dimension is this prime; the
+    (``Replay.allocator``), for the planner. ``keep``: keep the ledger and its kernel scratch
+    (``Replay.ledger``, ``Replay.scratch``), for the depth fast path. ``prime``: the batch dimension is this prime; the
     series and rows also say which bytes scale with it.
     """
     device = model_device(model)
@@ -70,6 +71,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
                     context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
         result.allocator = stats
+    if keep:
+        result.ledger, result.scratch = ledger, scratch
     if detail:
         result.series = event_series(ledger, scratch, prime)
         result.ops = counter.rows
