@@ -19,6 +19,8 @@ deep model's index), but kernel scratch sites keep the shallow copy's names.
 
 from __future__ import annotations
 
+import math
+
 from memfit.accounting.replay import replay
 from memfit.accounting.synth import synthesise
 from memfit.categories import PHASES
@@ -37,17 +39,30 @@ SHALLOW = (2, 4)
 TEMPLATE_UNITS = 4
 
 
-def block_unit(source: Source) -> int:
-    """2 where the config alternates layer kinds (``layer_types``), else 1."""
+def block_unit(source: Source, recipe=None) -> int | None:
+    """Blocks per repeated unit: 2 where the config alternates layer kinds (``layer_types``), times
+    N with ``checkpointing=blocks:N`` (every N-th block is wrapped); None where the blocks follow no
+    period (``checkpointing=modules:...``), which the full trace handles."""
     types = getattr(source.config, "layer_types", None)
-    return 1 if not isinstance(types, list) or len(set(types)) <= 1 else 2
+    unit = 1 if not isinstance(types, list) or len(set(types)) <= 1 else 2
+    if recipe is not None:
+        kind, every = recipe.checkpoint_plan()
+        if kind == "modules":
+            return None
+        if kind == "blocks":
+            unit = math.lcm(unit, every)
+    return unit
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
                       gpu=None) -> Report:
-    depth, unit = source.depth, block_unit(source)
+    depth, unit = source.depth, block_unit(source, recipe)
+    if unit is None or depth % unit or depth <= TEMPLATE_UNITS * unit:
+        report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                               batch_size=batch_size, seq_len=seq_len, gpu=gpu)
+        return report
     blocks = TEMPLATE_UNITS * unit
-    shallow = source.shallow(blocks) if depth > blocks else source
+    shallow = source.shallow(blocks)
     small, result = fake_trace(shallow, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True)
     log = synthesise(result.ledger, depth=depth, unit=unit)

@@ -56,6 +56,7 @@ class Synthesis:
     sites: list
     units: int  # repeated units of the deep model, per stack
     unmatched: int = 0  # frees and donors whose record had no name in the deep model
+    dropped: list = field(default_factory=list)  # the shallow log's event numbers of those
     copies: dict = field(default_factory=dict)  # template unit -> full units it was written as
 
 
@@ -98,6 +99,7 @@ def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
     for number, (kind, index) in enumerate(ledger.events):
         if kind == FREE and parse(records[index].freed_in) is None and home[index] is not _INHERIT:
             labels[number] = home[index]
+    _absorb(ledger, labels, parse)
     template = _template_units(home)
     if depth % unit:
         raise ValueError(f"{depth} blocks do not split into units of {unit}")
@@ -127,6 +129,36 @@ def _labels(ledger, home, parse) -> list:
         else:
             after = labels[n]
     return labels
+
+
+def _absorb(ledger, labels, parse) -> None:
+    """A stretch of ops made outside any module inside another unit's stretch runs for that unit.
+
+    Autograd's own ops in a block's backward (a checkpoint unpacking the block's input, made from
+    the previous block's output) derive their owner from that input; they run between the events
+    of the block, and cutting its stretch there would write the copies of its two halves apart."""
+    records, events = ledger.records, ledger.events
+
+    def loose(number):
+        """Made, or freed, outside any module (optimizer steps are all loose: nothing to absorb)."""
+        kind, index = events[number]
+        if kind == ALLOC:
+            return records[index].module == OUTSIDE
+        return kind == FREE and parse(records[index].freed_in) is None
+
+    runs, number = [], 0
+    while number < len(labels):
+        end = number
+        while end < len(labels) and labels[end] == labels[number]:
+            end += 1
+        runs.append((number, end))
+        number = end
+    for at in range(1, len(runs) - 1):
+        (start, end), before, after = runs[at], labels[runs[at - 1][0]], labels[runs[at + 1][0]]
+        anchored = all(not all(loose(n) for n in range(*runs[side])) for side in (at - 1, at + 1))
+        if before == after and before != labels[start] and anchored and all(loose(n) for n in range(start, end)):
+            for n in range(start, end):
+                labels[n] = before
 
 
 def _template_units(home) -> dict:
@@ -160,7 +192,7 @@ def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesi
     records = ledger.records
     out_records, out_events = [], []
     live: dict = {}
-    unmatched = 0
+    dropped = []
 
     def name(index, context):
         """The deep model's name of template record ``index``, seen from ``context`` (stack, t, K)."""
@@ -175,14 +207,14 @@ def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesi
         return (stack, full, keys[index])
 
     def emit(number, context):
-        nonlocal unmatched
         kind, index = ledger.events[number]
         if kind == ALLOC:
             record = records[index]
             donor = None
             if record.donor is not None:  # its free comes later and releases nothing
                 donor = live.get(name(record.donor, context))
-                unmatched += donor is None
+                if donor is None:
+                    dropped.append(number)
             me = name(index, context)
             out_records.append(_renamed(record, donor, where[index], me, unit))
             live[me] = len(out_records) - 1
@@ -190,7 +222,7 @@ def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesi
         elif kind == FREE:
             me = live.pop(name(index, context), None)
             if me is None:
-                unmatched += 1
+                dropped.append(number)
             else:
                 out_events.append((FREE, me))
         else:
@@ -215,7 +247,7 @@ def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesi
         else:
             for n in range(start, end):
                 emit(n, None)
-    return Synthesis(out_records, out_events, ledger.marks, ledger.sites, units, unmatched, copies)
+    return Synthesis(out_records, out_events, ledger.marks, ledger.sites, units, len(dropped), dropped, copies)
 
 
 def _descending(runs, at) -> bool:
