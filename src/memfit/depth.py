@@ -28,6 +28,7 @@ from memfit.cuda import allocator_stats
 from memfit.estimate import fake_trace
 from memfit.models.source import Source
 from memfit.report import Report
+from memfit.trace import numel
 
 __all__ = ["estimate_by_depth", "SHALLOW", "TEMPLATE_UNITS", "block_unit"]
 
@@ -72,7 +73,7 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         stats = allocator_stats(log)
         cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
                     context_bytes=small.context_bytes, gpu=small.gpu)
-    parameters, trainable = _parameters(result.ledger, log, unit)
+    parameters, trainable = _parameters(result.ledger, log)
     notes = small.notes + [f"traced {blocks} of {depth} blocks and wrote the step's allocations out for all "
                            f"{depth} (fast=False or --full traces them all)"]
     if log.unmatched:
@@ -97,23 +98,14 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     )
 
 
-def _parameters(ledger, log, unit: int) -> tuple[int, int]:
+def _parameters(ledger, log) -> tuple[int, int]:
     """Logical weights and trainable weights of the deep model: each parameter of the shallow copy
-    counted once per full block its block was written as."""
-    from memfit.accounting.synth import _full_units, _parser
-    from memfit.trace import _numel
-
-    parse = _parser(ledger.blocks, unit)
-    stacks = {}
-    for name, module in ledger.model.named_modules():
-        where = parse(f"{type(ledger.model).__name__}.{name}" if name else None)
-        if where is not None:
-            stacks[where[0]] = max(stacks.get(where[0], 0), where[1] + 1)
+    counted once per block its block was written as."""
+    root = type(ledger.model).__name__
     total = trainable = 0
     for name, param in ledger.model.named_parameters():
-        owner = f"{type(ledger.model).__name__}.{name.rsplit('.', 1)[0]}" if "." in name else None
-        where = parse(owner)
-        times = 1 if where is None else len(_full_units(where[1], stacks[where[0]], log.units))
-        total += times * _numel(param)
-        trainable += times * _numel(param) if param.requires_grad else 0
+        owner = f"{root}.{name.rsplit('.', 1)[0]}" if "." in name else root
+        weights = log.copies(owner) * numel(param)
+        total += weights
+        trainable += weights if param.requires_grad else 0
     return total, trainable

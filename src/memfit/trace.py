@@ -23,7 +23,7 @@ from memfit.step import batch_tensors
 from memfit.techniques.lora import quant_state_tensors, quantize_base
 from memfit.units import format_size
 
-__all__ = ["trace", "model_device"]
+__all__ = ["trace", "model_device", "numel"]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -91,8 +91,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         method=method,
         modelled_bytes=result.scratch_at_peak,
         unprobed_ops=unprobed,
-        parameters=sum(_numel(p) for p in params),
-        trainable=sum(_numel(p) for p in params if p.requires_grad),
+        parameters=sum(numel(p) for p in params),
+        trainable=sum(numel(p) for p in params if p.requires_grad),
         settings={
             "recipe": recipe.to_dict(),
             "precision": recipe.precision,
@@ -105,7 +105,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     ), result
 
 
-def _numel(param) -> int:
+def numel(param) -> int:
     """Logical weights of a parameter: a 4-bit one stores two per byte (``quant_state.shape``)."""
     state = getattr(param, "quant_state", None)
     return param.numel() if state is None else int(torch.Size(state.shape).numel())

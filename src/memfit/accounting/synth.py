@@ -42,7 +42,7 @@ from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
 
 __all__ = ["Synthesis", "synthesise"]
 
-_INHERIT = "inherit"  # label of an event whose unit is read from its neighbours
+_INHERIT = "inherit"  # label of an event whose unit is read from the next event that has one
 
 
 @dataclass
@@ -55,9 +55,18 @@ class Synthesis:
     marks: list
     sites: list
     units: int  # repeated units of the deep model, per stack
-    unmatched: int = 0  # frees and donors whose record had no name in the deep model
-    dropped: list = field(default_factory=list)  # the shallow log's event numbers of those
-    copies: dict = field(default_factory=dict)  # template unit -> full units it was written as
+    dropped: list = field(default_factory=list)  # shallow-log events (frees, donors) with no record to name
+    parse: object = field(default=None, repr=False)  # module path -> (stack, unit, rest) or None
+    template: dict = field(default_factory=dict)  # stack -> units of the shallow copy
+
+    @property
+    def unmatched(self) -> int:
+        return len(self.dropped)
+
+    def copies(self, path: str) -> int:
+        """How many times what module ``path`` of the shallow copy holds is written in the deep model."""
+        where = self.parse(path)
+        return 1 if where is None else len(_full_units(where[1], self.template[where[0]], self.units))
 
 
 def _parser(blocks: list[str], unit: int):
@@ -85,6 +94,8 @@ def _parser(blocks: list[str], unit: int):
 
 def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
     """The log ``ledger`` (a trace of ``T * unit`` blocks per stack) would have at ``depth`` blocks."""
+    if depth % unit:
+        raise ValueError(f"{depth} blocks do not split into units of {unit}")
     parse = _parser(ledger.blocks, unit)
     records = ledger.records
     where = [parse(r.module if r.module != OUTSIDE else r.owner) for r in records]
@@ -93,17 +104,16 @@ def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
         if r.module == OUTSIDE and r.owner is None:
             home[i] = _INHERIT
     labels = _labels(ledger, home, parse)
-    for number, (kind, index) in enumerate(ledger.events):  # a made-from-nothing record's unit
-        if kind == ALLOC and home[index] == _INHERIT:
-            home[index] = labels[number]
     for number, (kind, index) in enumerate(ledger.events):
-        if kind == FREE and parse(records[index].freed_in) is None and home[index] is not _INHERIT:
+        if kind == ALLOC and home[index] is _INHERIT:  # a made-from-nothing record's unit
+            home[index] = labels[number]
+        elif kind == FREE and parse(records[index].freed_in) is None:  # freed outside every block
             labels[number] = home[index]
     _absorb(ledger, labels, parse)
     template = _template_units(home)
-    if depth % unit:
-        raise ValueError(f"{depth} blocks do not split into units of {unit}")
-    return _write(ledger, labels, home, where, _keys(records, home, where), template, depth // unit, unit)
+    log = _write(ledger, labels, home, where, _keys(records, home, where), template, depth // unit, unit)
+    log.parse, log.template = parse, template
+    return log
 
 
 def _labels(ledger, home, parse) -> list:
@@ -235,19 +245,17 @@ def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesi
             end += 1
         runs.append((number, end, labels[number]))
         number = end
-    copies = {}
     for at, (start, end, label) in enumerate(runs):
         if isinstance(label, tuple):
             stack, t = label
             fulls = _full_units(t, template[stack], units)
-            copies[label] = (fulls.start, fulls.stop)
             for full in (reversed(fulls) if _descending(runs, at) else fulls):
                 for n in range(start, end):
                     emit(n, (stack, t, full))
         else:
             for n in range(start, end):
                 emit(n, None)
-    return Synthesis(out_records, out_events, ledger.marks, ledger.sites, units, len(dropped), dropped, copies)
+    return Synthesis(out_records, out_events, ledger.marks, ledger.sites, units, dropped)
 
 
 def _descending(runs, at) -> bool:
