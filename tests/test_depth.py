@@ -30,3 +30,48 @@ def test_fast_path_agrees_with_full_trace(config, precision):
 def test_fast_path_is_chosen_for_deep_configs_only():
     assert memfit.estimate(_llama(8), seq_len=64).method == "depth"
     assert memfit.estimate(_llama(4), seq_len=64).method == "fake"
+
+
+def _trace(config, recipe, depth=None, **kwargs):
+    from memfit.estimate import _target, fake_trace
+    from memfit.models.source import resolve
+    from memfit.recipe import recipe_from
+
+    source = resolve(config)
+    recipe, factory = recipe_from(recipe, recipe.precision, recipe.optimizer)
+    source = source if depth is None else source.shallow(depth)
+    return fake_trace(source, None, recipe=recipe, loss_fn=None, optimizer=factory, steps=2, batch_size=2,
+                      seq_len=128, gpu=_target("cuda", "rtx-4090"), keep=True)[1]
+
+
+def test_written_log_is_the_full_trace_log():
+    """The 4-block log written out at 10 blocks is the 10-block trace's log, event for event."""
+    from memfit.accounting.ledger import ALLOC, FREE
+    from memfit.accounting.synth import synthesise
+
+    recipe = memfit.Recipe(precision="bf16-mixed")
+    full = _trace(_llama(10), recipe).ledger
+    log = synthesise(_trace(_llama(10), recipe, depth=4).ledger, depth=10)
+
+    def events(ledger):
+        return [(kind, ledger.records[i].nbytes, ledger.records[i].category, ledger.records[i].module)
+                if kind in (ALLOC, FREE) else (kind, i) for kind, i in ledger.events]
+    assert log.unmatched == 0
+    assert events(log) == events(full)
+
+
+@pytest.mark.parametrize("recipe", [
+    dict(precision="bf16-mixed", checkpointing="blocks", micro_batch_size=1, grad_accum_steps=2),
+    dict(precision="bf16-mixed", checkpointing="blocks:2", lora="lora:8", chunked_loss=4),
+])
+def test_fast_path_gives_the_allocator_figures_of_the_full_trace(recipe):
+    """Allocated and reserved peaks of the caching-allocator model, on a GPU target (issue 11)."""
+    kwargs = dict(seq_len=256, gpu="rtx-4090", recipe=memfit.Recipe(**recipe))
+    full = memfit.estimate(_llama(12), fast=False, **kwargs)
+    fast = memfit.estimate(_llama(12), fast=True, **kwargs)
+    assert fast.method == "depth" and full.method == "fake"
+    for field in ("peak_bytes", "reserved_bytes", "device_bytes"):
+        assert abs(getattr(fast, field) - getattr(full, field)) <= 0.01 * getattr(full, field), field
+    assert (fast.parameters, fast.trainable) == (full.parameters, full.trainable)
+    for phase, value in full.phase_peaks.items():
+        assert abs(fast.phase_peaks[phase] - value) <= 0.01 * value, phase

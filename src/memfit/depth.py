@@ -1,74 +1,111 @@
-"""The depth fast path: trace two shallow copies of a model, scale to its real depth.
+"""The depth fast path: trace a shallow copy of a model, write out its log at the real depth.
 
 A full fake trace costs ~0.3 s per block and step on 2 cores, so an 80-block model takes about
-a minute. The blocks of a decoder are identical, and each phase of the step peaks at the same
-place whatever the depth (end of forward, start of backward, the optimizer's largest tensor), so
-every phase peak and every category at it is affine in the number of blocks. Tracing ``SHALLOW``
-= (2, 4) blocks (even, so architectures alternating two kinds of layer stay whole) gives both
-points of each line; the line is read at the real depth. ``tests/test_depth.py`` checks this
-against a full trace.
+a minute. The blocks of a decoder are identical, so a copy with four blocks (the first, a second,
+a middle one and the last; four pairs where the model alternates two kinds of layer) holds every
+pattern of the deep model's step. ``accounting/synth.py`` writes the deep model's allocation log
+from the shallow one (the middle block repeated, references between neighbouring blocks kept),
+and the log is replayed exactly as a full trace's is: the replay gives the unrounded peak, its
+categories, the phase peaks and the timeline, and on a GPU the caching-allocator model gives
+``max_memory_allocated`` and ``max_memory_reserved``. The reserved-over-allocated gap is not a line
+in depth (which cached segment a request lands in depends on all before it), which is why the
+stream is replayed rather than two shallow traces' figures extrapolated, as this module did before.
 
-Left out: the timeline (it would be the shallow model's) and exact module paths past block 4.
+``tests/test_depth.py`` and ``bench/fast_vs_full.py`` check it against full traces.
+
+Left out: module paths past the fourth block name the block the record was written as (the
+deep model's index), but kernel scratch sites keep the shallow copy's names.
 """
 
 from __future__ import annotations
 
+import math
+
+from memfit.accounting.replay import replay
+from memfit.accounting.synth import synthesise
 from memfit.categories import PHASES
+from memfit.cuda import allocator_stats
 from memfit.estimate import fake_trace
 from memfit.models.source import Source
 from memfit.report import Report
+from memfit.trace import numel
 
-__all__ = ["estimate_by_depth", "SHALLOW"]
+__all__ = ["estimate_by_depth", "SHALLOW", "TEMPLATE_UNITS", "block_unit"]
 
+# The depths the planner traces to compose candidates (``compose.py``): even, so architectures
+# alternating two kinds of layer stay whole.
 SHALLOW = (2, 4)
+# Units (blocks, or pairs of blocks) of the copy the fast path traces: a first, a second, a
+# middle one (written out for every middle unit of the deep model) and the last.
+TEMPLATE_UNITS = 4
 
 
-def _line(low: int, high: int, depth: int) -> int:
-    a, b = SHALLOW
-    return low + (high - low) * (depth - a) // (b - a)
+def block_unit(source: Source, recipe=None) -> int | None:
+    """Blocks per repeated unit: 2 where the config alternates layer kinds (``layer_types``), times
+    N with ``checkpointing=blocks:N`` (every N-th block is wrapped); None where the blocks follow no
+    period (``checkpointing=modules:...``), which the full trace handles."""
+    types = getattr(source.config, "layer_types", None)
+    unit = 1 if not isinstance(types, list) or len(set(types)) <= 1 else 2
+    if recipe is not None:
+        kind, every = recipe.checkpoint_plan()
+        if kind == "modules":
+            return None
+        if kind == "blocks":
+            unit = math.lcm(unit, every)
+    return unit
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
                       gpu=None) -> Report:
-    depth = source.depth
-    (small, r_small), (big, r_big) = (
-        fake_trace(source.shallow(n), None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                   steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=gpu)
-        for n in SHALLOW
-    )
-    peaks = {key: _line(r_small.phase_peaks[key], value, depth)
-             for key, value in r_big.phase_peaks.items() if key in r_small.phase_peaks}
-    top = max(peaks, key=peaks.get)
-    cats_small, cats_big = r_small.phase_categories[top], r_big.phase_categories[top]
-    by_category = {k: _line(cats_small.get(k, 0), v, depth) for k, v in cats_big.items()}
+    depth, unit = source.depth, block_unit(source, recipe)
+    if unit is None or depth % unit or depth <= TEMPLATE_UNITS * unit:
+        report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                               batch_size=batch_size, seq_len=seq_len, gpu=gpu)
+        return report
+    blocks = TEMPLATE_UNITS * unit
+    shallow = source.shallow(blocks)
+    small, result = fake_trace(shallow, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                               batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True)
+    log = synthesise(result.ledger, depth=depth, unit=unit)
+    full = replay(log, result.scratch)
     cuda = {}
     if gpu is not None:
-        # The peak can sit in another phase in the shallow copies, so the allocator's figures are
-        # not lines themselves: what is affine is the rounding added to the unrounded peak and
-        # the reserved-over-allocated gap.
-        rounding = [r.peak_bytes - max(r.phase_peaks.values()) for r in (small, big)]
-        allocated = peaks[top] + max(0, _line(*rounding, depth))
-        gap = _line(small.reserved_bytes - small.peak_bytes, big.reserved_bytes - big.peak_bytes, depth)
-        cuda = dict(peak_bytes=allocated, reserved_bytes=allocated + max(0, gap),
-                    context_bytes=big.context_bytes, gpu=big.gpu)
+        stats = allocator_stats(log)
+        cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
+                    context_bytes=small.context_bytes, gpu=small.gpu)
+    parameters, trainable = _parameters(result.ledger, log)
+    notes = small.notes + [f"traced {blocks} of {depth} blocks and wrote the step's allocations out for all "
+                           f"{depth} (fast=False or --full traces them all)"]
+    if log.unmatched:
+        notes.append(f"{log.unmatched} free(s) of the shallow trace had no counterpart at full depth")
     return Report(
-        peak_bytes=cuda.pop("peak_bytes", peaks[top]),
-        by_category=by_category,
-        phase_peaks={p: max((v for (s, ph), v in peaks.items() if ph == p), default=0) for p in PHASES},
-        step_peaks=[max((v for (s, ph), v in peaks.items() if s == step and ph in PHASES), default=0)
+        peak_bytes=cuda.pop("peak_bytes", full.peak_bytes),
+        by_category=full.by_category,
+        phase_peaks={p: max((v for (s, ph), v in full.phase_peaks.items() if ph == p), default=0) for p in PHASES},
+        step_peaks=[max((v for (s, ph), v in full.phase_peaks.items() if s == step and ph in PHASES), default=0)
                     for step in range(steps)],
-        modules=big.modules,
-        timeline=[],
-        device=big.device,
+        modules=full.modules,
+        timeline=full.timeline,
+        device=small.device,
         method="depth",
-        modelled_bytes=_line(small.modelled_bytes, big.modelled_bytes, depth),
-        unprobed_ops=max(small.unprobed_ops, big.unprobed_ops),
-        parameters=_line(small.parameters, big.parameters, depth),
-        trainable=_line(small.trainable, big.trainable, depth),
-        settings={**big.settings, "depth": depth, "traced_depths": list(SHALLOW)},
-        notes=big.notes + [
-            f"traced {SHALLOW[0]} and {SHALLOW[1]} of {depth} blocks and scaled by depth; "
-            "modules are those of the 4-block trace and no timeline is kept (fast=False or --full gives both)"
-        ],
+        modelled_bytes=full.scratch_at_peak,
+        unprobed_ops=small.unprobed_ops,
+        parameters=parameters,
+        trainable=trainable,
+        settings={**small.settings, "depth": depth, "traced_depths": [blocks]},
+        notes=notes,
         **cuda,
     )
+
+
+def _parameters(ledger, log) -> tuple[int, int]:
+    """Logical weights and trainable weights of the deep model: each parameter of the shallow copy
+    counted once per block its block was written as."""
+    root = type(ledger.model).__name__
+    total = trainable = 0
+    for name, param in ledger.model.named_parameters():
+        owner = f"{root}.{name.rsplit('.', 1)[0]}" if "." in name else root
+        weights = log.copies(owner) * numel(param)
+        total += weights
+        trainable += weights if param.requires_grad else 0
+    return total, trainable

@@ -131,8 +131,8 @@ def _step_batch(batch_size: int | None, recipe: Recipe) -> int:
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
-               detail: bool = False, prime: int | None = None):
-    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail`` as for ``trace``."""
+               detail: bool = False, prime: int | None = None, keep: bool = False):
+    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep`` as for ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
@@ -166,7 +166,7 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans():
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

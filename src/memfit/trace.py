@@ -23,7 +23,7 @@ from memfit.step import batch_tensors
 from memfit.techniques.lora import quant_state_tensors, quantize_base
 from memfit.units import format_size
 
-__all__ = ["trace", "model_device"]
+__all__ = ["trace", "model_device", "numel"]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -33,13 +33,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
-          prime: int | None = None):
+          prime: int | None = None, keep: bool = False):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device.
     ``detail``: also keep the live bytes after every event (``Replay.series``) and one row per
     kernel (``Replay.ops``, see ``accounting/ops.py``), and the allocator statistics on CUDA
-    (``Replay.allocator``), for the planner. ``prime``: the batch dimension is this prime; the
+    (``Replay.allocator``), for the planner. ``keep``: keep the ledger and its kernel scratch
+    (``Replay.ledger``, ``Replay.scratch``), for the depth fast path. ``prime``: the batch dimension is this prime; the
     series and rows also say which bytes scale with it.
     """
     device = model_device(model)
@@ -70,6 +71,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
                     context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
         result.allocator = stats
+    if keep:
+        result.ledger, result.scratch = ledger, scratch
     if detail:
         result.series = event_series(ledger, scratch, prime)
         result.ops = counter.rows
@@ -88,8 +91,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         method=method,
         modelled_bytes=result.scratch_at_peak,
         unprobed_ops=unprobed,
-        parameters=sum(_numel(p) for p in params),
-        trainable=sum(_numel(p) for p in params if p.requires_grad),
+        parameters=sum(numel(p) for p in params),
+        trainable=sum(numel(p) for p in params if p.requires_grad),
         settings={
             "recipe": recipe.to_dict(),
             "precision": recipe.precision,
@@ -102,7 +105,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     ), result
 
 
-def _numel(param) -> int:
+def numel(param) -> int:
     """Logical weights of a parameter: a 4-bit one stores two per byte (``quant_state.shape``)."""
     state = getattr(param, "quant_state", None)
     return param.numel() if state is None else int(torch.Size(state.shape).numel())

@@ -55,6 +55,10 @@ class Record:
     donor: int | None = None  # the record whose memory this one reuses (in-place accumulation)
     donated: bool = False  # its memory went on in another record: its free releases nothing
     scaled: int = 0  # with ``Ledger.prime``: the bytes of it that scale with the batch
+    # Made outside any module (parameters, optimizer state, foreach temporaries, accumulated
+    # gradients): the module whose tensor it is or derives from. The depth fast path reads it.
+    owner: str | None = None
+    freed_in: str | None = None  # the module running when it was freed (``OUTSIDE`` if none)
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Ledger(TorchDispatchMode):
         of backward (two threads, two cuBLAS handles), kept for the rest of the run."""
         super().__init__()
         self.device = device
+        self.model = model
         self.cublas_workspace = cublas_workspace
         self._workspaces: set[str] = set()
         self.records: list[Record] = []
@@ -123,6 +128,8 @@ class Ledger(TorchDispatchMode):
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:
         self.phase, self.step = phase, step
+        if phase == "forward":
+            self._attribute_parameters()
         self.marks.append((phase, step))
         self.events.append((MARK, len(self.marks) - 1))
 
@@ -130,9 +137,23 @@ class Ledger(TorchDispatchMode):
         """Account a storage that exists before the step (parameters, buffers, the batch)."""
         index = self._track(tensor.untyped_storage(), category)
         if index is not None:
+            self.records[index].owner = self._modules.owner_of(tensor)
             if self.prime:
                 self.records[index].scaled = _scaled_bytes(tensor, self.prime)
             self.mark(tensor, category)
+
+    @property
+    def blocks(self) -> list[str]:
+        """Module names of the containers of repeated blocks (``Model.model.layers``)."""
+        return self._modules.blocks()
+
+    def _attribute_parameters(self) -> None:
+        """Give an owner to tensors of the model that the set-up made (LoRA adapters added by
+        ``apply`` after the parameters were registered)."""
+        for tensor, name in self._modules.owned_tensors():
+            index = self._ids.get(tensor.untyped_storage())
+            if index is not None and self.records[index].owner is None:
+                self.records[index].owner = name
 
     def note_offload(self, tensor: torch.Tensor) -> None:
         """A saved tensor left the device (activation offload): bytes over the host link."""
@@ -200,6 +221,7 @@ class Ledger(TorchDispatchMode):
     def _free(self, index: int) -> None:
         if self._open:
             self.events.append((FREE, index))
+            self.records[index].freed_in = self._module()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -210,8 +232,9 @@ class Ledger(TorchDispatchMode):
             self.counter.record(func, args, kwargs, out)
         returns = func._schema.returns
         flat_out = out if isinstance(out, (tuple, list)) else (out,)
-        self._modules.tag(out)
-        out_records, out_metas = [], []
+        if func.namespace != "prim":  # autograd asks prim.device of an output before it sets grad_fn
+            self._modules.tag(out)
+        out_records, out_metas, made = [], [], []
         born = func in _BORN  # torch.tensor(data) enters through lift_fresh, annotated as an alias
         for position, value in enumerate(flat_out):
             fresh = born or position >= len(returns) or returns[position].alias_info is None
@@ -219,10 +242,14 @@ class Ledger(TorchDispatchMode):
                 storage = tensor.untyped_storage()
                 if fresh:
                     index = self._track(storage, Category.TEMPORARIES)
+                    if index is not None:
+                        made.append((position, index))
                     if index is not None and self.prime:
                         self.records[index].scaled = _scaled_bytes(tensor, self.prime)
                 out_records.append(self._ids.get(storage) if fresh else None)
                 out_metas.append((tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
+        if made and self.records[made[0][1]].module == OUTSIDE:
+            self._derive_owners(args, kwargs, made, isinstance(out, (tuple, list)))
         if func.overloadpacket in _SOFTMAX and self.phase == "forward" and isinstance(out, torch.Tensor):
             self._note_attention(out)
         donor = self._accumulation_donor(func, args, kwargs)
@@ -241,6 +268,29 @@ class Ledger(TorchDispatchMode):
             module = self._module()
             nbytes = out.untyped_storage().nbytes()
             self.attention_matrices[module] = max(nbytes, self.attention_matrices.get(module, 0))
+
+    def _path(self, tensor) -> str | None:
+        """The module a tracked tensor belongs to: where it was made, else its owner."""
+        index = self._ids.get(tensor.untyped_storage())
+        if index is None:
+            return None
+        record = self.records[index]
+        return record.module if record.module != OUTSIDE else record.owner
+
+    def _derive_owners(self, args, kwargs, made, many: bool) -> None:
+        """Outputs made outside any module belong where their input does: the i-th output of a
+        foreach op to the i-th entry of its first list argument that has one, any other output
+        to its first tensor argument that has one (``zeros_like(param)``, ``grad + grad``)."""
+        lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a
+                 and all(isinstance(t, torch.Tensor) for t in a)]
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        fallback = next((p for p in map(self._path, flat) if p is not None), None)
+        for position, index in made:
+            owner = None
+            if many:
+                owner = next((p for p in (self._path(entries[position]) for entries in lists
+                                          if position < len(entries)) if p is not None), None)
+            self.records[index].owner = owner or fallback
 
     def _accumulation_donor(self, func, args, kwargs) -> int | None:
         """The gradient buffer a plain run would have added into in place, if this is that add.
@@ -290,10 +340,65 @@ class _ModuleStack:
     """Which module is running: its forward (a stack) or the backward of an op it ran."""
 
     def __init__(self, model):
-        root = type(model).__name__ if model is not None else ""
-        self.names = {id(m): f"{root}.{n}" if n else root for n, m in (model.named_modules() if model else ())}
+        self.model = model
+        self.names: dict[int, str] = {}
+        self._missed: set[int] = set()
+        self._owners: dict[int, str] | None = None
+        self._name_modules()
         self.stack: list[str] = []
         self.handles = []
+        self._pending: list = []  # weak references to the last op's outputs, to tag (``tag``)
+        self._pending_module = ""
+
+    def _name_modules(self) -> None:
+        model = self.model
+        root = type(model).__name__ if model is not None else ""
+        self.names = {id(m): f"{root}.{n}" if n else root for n, m in (model.named_modules() if model else ())}
+
+    def _name(self, module) -> str:
+        # Modules added after the ledger started (LoRA adapters that ``apply`` injects) get their
+        # path on first sight, so their records stay inside their block.
+        key = id(module)
+        if key not in self.names and key not in self._missed:
+            self._name_modules()
+            if key not in self.names:
+                self._missed.add(key)
+        return self.names.get(key, type(module).__name__)
+
+    def owned_tensors(self):
+        """(tensor, module name) for every parameter, buffer and 4-bit quantisation statistic."""
+        if self.model is None:
+            return
+        self._name_modules()
+        for module in self.model.modules():
+            name = self.names[id(module)]
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if isinstance(tensor, torch.Tensor):
+                    yield tensor, name
+            state = getattr(module._parameters.get("weight"), "quant_state", None)
+            while state is not None:
+                for tensor in (state.absmax, state.code, getattr(state, "offset", None)):
+                    if isinstance(tensor, torch.Tensor):
+                        yield tensor, name
+                state = getattr(state, "state2", None)
+
+    def owner_of(self, tensor) -> str | None:
+        if self._owners is None:  # built once, at the first registration (after quantisation)
+            self._owners = {id(t): name for t, name in self.owned_tensors()}
+        return self._owners.get(id(tensor))
+
+    def blocks(self) -> list[str]:
+        """The outermost ``ModuleList``s of two or more modules of one class: the repeated blocks."""
+        if self.model is None:
+            return []
+        found = []
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 \
+                    and len({type(m) for m in module}) == 1:
+                name = self.names.get(id(module))
+                if name and not any(name.startswith(f"{outer}.") for outer in found):
+                    found.append(name)
+        return found
 
     def __enter__(self):
         hooks = torch.nn.modules.module
@@ -306,9 +411,10 @@ class _ModuleStack:
             handle.remove()
 
     def _push(self, module, args):
-        self.stack.append(self.names.get(id(module), type(module).__name__))
+        self.stack.append(self._name(module))
 
     def _pop(self, module, args, out):
+        self.flush()
         if self.stack:
             self.stack.pop()
 
@@ -321,13 +427,23 @@ class _ModuleStack:
         return OUTSIDE
 
     def tag(self, out) -> None:
-        """Remember on each new autograd node the module whose forward made it."""
+        """Remember on each new autograd node the module whose forward made it.
+
+        Inside the dispatcher an op's outputs have no ``grad_fn`` yet (autograd sets it when the
+        op returns), so they are tagged at the next op or when the module returns."""
+        self.flush()
         if not self.stack:
             return
-        for tensor in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
-            node = tensor.grad_fn
+        self._pending = [weakref.ref(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,))]
+        self._pending_module = self.stack[-1]
+
+    def flush(self) -> None:
+        for ref in self._pending:
+            tensor = ref()
+            node = None if tensor is None else tensor.grad_fn
             if node is not None and "memfit_module" not in node.metadata:
-                node.metadata["memfit_module"] = self.stack[-1]
+                node.metadata["memfit_module"] = self._pending_module
+        self._pending = []
 
 
 def _tensors(value):

@@ -33,6 +33,8 @@ class Replay:
     allocator: object = None  # CUDA semantics: the allocator model's AllocatorStats
     offloaded_bytes: int = 0  # trace(detail=True): activation bytes moved off the device
     offloaded_scaled: int = 0  # with a prime batch: the part of it that scales with the batch
+    ledger: object = None  # trace(keep=True): the ledger replayed, and below the scratch of its sites
+    scratch: list | None = None
 
 
 def replay(ledger: Ledger, scratch: list[int]) -> Replay:

@@ -1,0 +1,281 @@
+"""The event log of a deep model, written from the log of a shallow copy of it.
+
+The depth fast path traces a copy of the model with ``T`` repeated blocks (units) and needs what
+the allocator model and the replay say for the real depth ``U``. Both are functions of the whole
+ordered stream of allocations and frees, and the caching allocator is not linear in depth (which
+segments a free block can serve depends on everything before it), so the stream itself is written
+out at full depth and replayed, rather than its figures extrapolated.
+
+Every event of the shallow log gets a *label*: the unit it runs for. An allocation's unit is that
+of its record (the block whose module made it, else the block of the tensor it derives from: the
+ledger's ``Record.owner``); a free's is the block running when it happened (``Record.freed_in``),
+else its record's; marks and everything else belong to no unit. Records made outside any module
+that derive from nothing (a per-parameter ``step`` counter) take the unit of the next event that
+has one. Then the log is cut into maximal runs of one label and written out in order:
+a run of no unit once, a run of the first units once, a run of the middle unit ``T - 2`` once for
+each of the full units ``T - 2 .. U - 2``, and a run of the last unit as unit ``U - 1``. Forward and
+backward are one run per block; an optimizer's foreach op over all parameters is one run per block
+within the op, so its copies come out in parameter order as they would in the deep model.
+
+A record is named by (stack, full unit, key), the key being its module path without the block
+index, its phase and step, and its rank among the records of that unit with the same path, phase
+and step. An event in unit ``t`` (written as full unit ``K``) that references a record of unit
+``r`` of the same stack references full unit ``K + r - t``: the previous block's hidden state, freed
+in the next block's forward, is the previous copy's. In-place accumulation (``Record.donor``) moves
+the donor's name to the new record, as the allocator model does with its block.
+
+Why by hand: nothing in torch writes an allocation trace for a model it did not run.
+``tests/test_depth.py`` checks the result against full traces, and ``bench/fast_vs_full.py``
+against full traces of catalog models.
+
+Known limitations: a free whose record cannot be named in the deep model (a shallow-model
+coincidence) is dropped and counted in ``Synthesis.unmatched``; blocks that differ from each other
+other than by alternating in pairs (``unit``) are written as copies of the middle one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
+
+__all__ = ["Synthesis", "synthesise"]
+
+_INHERIT = "inherit"  # label of an event whose unit is read from the next event that has one
+
+
+@dataclass
+class Synthesis:
+    """A ledger-shaped log (``records``, ``events``, ``marks``, ``sites``) of the deep model:
+    ``replay`` and ``cuda.allocator_stats`` take it as they take a ``Ledger``."""
+
+    records: list
+    events: list
+    marks: list
+    sites: list
+    units: int  # repeated units of the deep model, per stack
+    dropped: list = field(default_factory=list)  # shallow-log events (frees, donors) with no record to name
+    parse: object = field(default=None, repr=False)  # module path -> (stack, unit, rest) or None
+    template: dict = field(default_factory=dict)  # stack -> units of the shallow copy
+
+    @property
+    def unmatched(self) -> int:
+        return len(self.dropped)
+
+    def copies(self, path: str) -> int:
+        """How many times what module ``path`` of the shallow copy holds is written in the deep model."""
+        where = self.parse(path)
+        return 1 if where is None else len(_full_units(where[1], self.template[where[0]], self.units))
+
+
+def _parser(blocks: list[str], unit: int):
+    """path -> (stack, unit, (block within the unit, path below the block)), or None outside every block."""
+    prefixes = [(stack, stack + ".") for stack in blocks]
+    cache: dict = {}
+
+    def parse(path):
+        if path is None:
+            return None
+        if path in cache:
+            return cache[path]
+        found = None
+        for stack, prefix in prefixes:
+            if path.startswith(prefix):
+                index, _, tail = path[len(prefix):].partition(".")
+                if index.isdigit():
+                    block = int(index)
+                    found = (stack, block // unit, (block % unit, tail))
+                    break
+        cache[path] = found
+        return found
+    return parse
+
+
+def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
+    """The log ``ledger`` (a trace of ``T * unit`` blocks per stack) would have at ``depth`` blocks."""
+    if depth % unit:
+        raise ValueError(f"{depth} blocks do not split into units of {unit}")
+    parse = _parser(ledger.blocks, unit)
+    records = ledger.records
+    where = [parse(r.module if r.module != OUTSIDE else r.owner) for r in records]
+    home = [None if w is None else w[:2] for w in where]
+    for i, r in enumerate(records):
+        if r.module == OUTSIDE and r.owner is None:
+            home[i] = _INHERIT
+    labels = _labels(ledger, home, parse)
+    for number, (kind, index) in enumerate(ledger.events):
+        if kind == ALLOC and home[index] is _INHERIT:  # a made-from-nothing record's unit
+            home[index] = labels[number]
+        elif kind == FREE and parse(records[index].freed_in) is None:  # freed outside every block
+            labels[number] = home[index]
+    _absorb(ledger, labels, parse)
+    template = _template_units(home)
+    log = _write(ledger, labels, home, where, _keys(records, home, where), template, depth // unit, unit)
+    log.parse, log.template = parse, template
+    return log
+
+
+def _labels(ledger, home, parse) -> list:
+    records = ledger.records
+    labels = []
+    for kind, index in ledger.events:
+        if kind == ALLOC:
+            labels.append(home[index])
+        elif kind == FREE:
+            running = parse(records[index].freed_in)
+            labels.append(running[:2] if running is not None else home[index])
+        elif kind == SPIKE:
+            site = parse(ledger.sites[index].module)
+            labels.append(None if site is None else site[:2])
+        else:
+            labels.append(None)
+    # A label read from the next event that has one (a per-parameter step counter is made just
+    # before its parameter's moments).
+    after = None
+    for n in range(len(labels) - 1, -1, -1):
+        if labels[n] is _INHERIT:
+            labels[n] = after
+        else:
+            after = labels[n]
+    return labels
+
+
+def _absorb(ledger, labels, parse) -> None:
+    """A stretch of ops made outside any module inside another unit's stretch runs for that unit.
+
+    Autograd's own ops in a block's backward (a checkpoint unpacking the block's input, made from
+    the previous block's output) derive their owner from that input; they run between the events
+    of the block, and cutting its stretch there would write the copies of its two halves apart."""
+    records, events = ledger.records, ledger.events
+
+    def loose(number):
+        """Made, or freed, outside any module (optimizer steps are all loose: nothing to absorb)."""
+        kind, index = events[number]
+        if kind == ALLOC:
+            return records[index].module == OUTSIDE
+        return kind == FREE and parse(records[index].freed_in) is None
+
+    runs, number = [], 0
+    while number < len(labels):
+        end = number
+        while end < len(labels) and labels[end] == labels[number]:
+            end += 1
+        runs.append((number, end))
+        number = end
+    for at in range(1, len(runs) - 1):
+        (start, end), before, after = runs[at], labels[runs[at - 1][0]], labels[runs[at + 1][0]]
+        anchored = all(not all(loose(n) for n in range(*runs[side])) for side in (at - 1, at + 1))
+        if before == after and before != labels[start] and anchored and all(loose(n) for n in range(start, end)):
+            for n in range(start, end):
+                labels[n] = before
+
+
+def _template_units(home) -> dict:
+    units: dict = {}
+    for label in home:
+        if isinstance(label, tuple):
+            units[label[0]] = max(units.get(label[0], 0), label[1] + 1)
+    return units
+
+
+def _keys(records, home, where) -> list:
+    keys, seen = [None] * len(records), Counter()
+    for i, r in enumerate(records):
+        if isinstance(home[i], tuple):
+            path = where[i][2] if where[i] is not None and where[i][:2] == home[i] else r.module
+            base = (home[i], path, r.phase, r.step)
+            keys[i] = (path, r.phase, r.step, seen[base])
+            seen[base] += 1
+    return keys
+
+
+def _full_units(t: int, template: int, units: int) -> range:
+    if t < template - 2:
+        return range(t, t + 1)
+    if t == template - 2:
+        return range(t, units - 1)
+    return range(units - 1, units)
+
+
+def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesis:
+    records = ledger.records
+    out_records, out_events = [], []
+    live: dict = {}
+    dropped = []
+
+    def name(index, context):
+        """The deep model's name of template record ``index``, seen from ``context`` (stack, t, K)."""
+        label = home[index]
+        if not isinstance(label, tuple):
+            return ("x", index)
+        stack, r = label
+        if context is not None and context[0] == stack:
+            full = context[2] + r - context[1]
+        else:
+            full = _full_units(r, template[stack], units)[0]
+        return (stack, full, keys[index])
+
+    def emit(number, context):
+        kind, index = ledger.events[number]
+        if kind == ALLOC:
+            record = records[index]
+            donor = None
+            if record.donor is not None:  # its free comes later and releases nothing
+                donor = live.get(name(record.donor, context))
+                if donor is None:
+                    dropped.append(number)
+            me = name(index, context)
+            out_records.append(_renamed(record, donor, where[index], me, unit))
+            live[me] = len(out_records) - 1
+            out_events.append((ALLOC, len(out_records) - 1))
+        elif kind == FREE:
+            me = live.pop(name(index, context), None)
+            if me is None:
+                dropped.append(number)
+            else:
+                out_events.append((FREE, me))
+        else:
+            out_events.append((kind, index))
+
+    runs, number, events = [], 0, ledger.events
+    while number < len(events):
+        end = number
+        while end < len(events) and labels[end] == labels[number]:
+            end += 1
+        runs.append((number, end, labels[number]))
+        number = end
+    for at, (start, end, label) in enumerate(runs):
+        if isinstance(label, tuple):
+            stack, t = label
+            fulls = _full_units(t, template[stack], units)
+            for full in (reversed(fulls) if _descending(runs, at) else fulls):
+                for n in range(start, end):
+                    emit(n, (stack, t, full))
+        else:
+            for n in range(start, end):
+                emit(n, None)
+    return Synthesis(out_records, out_events, ledger.marks, ledger.sites, units, dropped)
+
+
+def _descending(runs, at) -> bool:
+    """Whether the blocks run last to first here (backward): the nearest run of another unit of the
+    same stack before this one has a higher unit, or, with none before, the nearest after a lower one."""
+    stack, t = runs[at][2]
+    for step in (-1, 1):
+        n = at + step
+        while 0 <= n < len(runs):
+            label = runs[n][2]
+            if isinstance(label, tuple) and label[0] == stack and label[1] != t:
+                return (label[1] > t) == (step == -1)
+            n += step
+    return False
+
+
+def _renamed(record, donor, where, me, unit):
+    """A copy of ``record`` for the deep model: the full block index in its module path, its donor."""
+    module = record.module
+    if where is not None and me[0] != "x" and module.startswith(where[0] + ".") and me[:1] == where[:1]:
+        offset, tail = where[2]
+        module = f"{where[0]}.{me[1] * unit + offset}" + (f".{tail}" if tail else "")
+    return replace(record, module=module, donor=donor)
