@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from memfit.categories import PHASES
 from memfit.estimate import fake_trace
+from memfit.fit import fit_reserved
 from memfit.models.source import Source
 from memfit.report import Report
 
@@ -29,7 +30,7 @@ def _line(low: int, high: int, depth: int) -> int:
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
-                      gpu=None) -> Report:
+                      gpu=None, budget: int | None = None) -> Report:
     depth = source.depth
     (small, r_small), (big, r_big) = (
         fake_trace(source.shallow(n), None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
@@ -49,8 +50,9 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         rounding = [r.peak_bytes - max(r.phase_peaks.values()) for r in (small, big)]
         allocated = peaks[top] + max(0, _line(*rounding, depth))
         gap = _line(small.reserved_bytes - small.peak_bytes, big.reserved_bytes - big.peak_bytes, depth)
-        cuda = dict(peak_bytes=allocated, reserved_bytes=allocated + max(0, gap),
-                    context_bytes=big.context_bytes, gpu=big.gpu)
+        # no event stream at full depth: the verdict is read off the reserved figure (fit_reserved)
+        verdict = fit_reserved(allocated, allocated + max(0, gap), gpu, budget)
+        cuda = dict(verdict.report_fields(), context_bytes=big.context_bytes, gpu=big.gpu)
     return Report(
         peak_bytes=cuda.pop("peak_bytes", peaks[top]),
         by_category=by_category,
@@ -69,6 +71,8 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         notes=big.notes + [
             f"traced {SHALLOW[0]} and {SHALLOW[1]} of {depth} blocks and scaled by depth; "
             "modules are those of the 4-block trace and no timeline is kept (fast=False or --full gives both)"
-        ],
+        ] + ([] if gpu is None else [
+            "the verdict compares the scaled reserved peak with the card; release-and-retry and expandable "
+            "segments are not replayed on the depth path (fast=False or --full replays them)"]),
         **cuda,
     )

@@ -34,7 +34,8 @@ FAST_MIN_DEPTH = 8
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
-             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None) -> Report:
+             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
+             budget=None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -52,6 +53,9 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                the report adds ``reserved_bytes``, ``context_bytes`` and ``device_bytes``).
     gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.gpus.gpu(...)``) for CUDA semantics:
                its workspace size and context; implies ``device="cuda"`` (default ``h100-sxm``).
+    budget     CUDA only: the memory the process may use (context included, bytes or "24GiB"),
+               enforced as ``torch.cuda.set_per_process_memory_fraction`` would; default the whole
+               card. The report's ``verdict`` says whether the step fits (``memfit/fit.py``).
     fast       trace two shallow copies and scale by depth (default: for configs with
                >= 8 blocks and no explicit batch); ``False`` forces the full trace.
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
@@ -61,6 +65,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
     target = _target(device, gpu)
+    budget = _budget(budget, target)
     if recipe.micro_batch_size:
         batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
     source = resolve(model)
@@ -70,9 +75,9 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
         from memfit.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
+                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget)
     report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
+                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget)
     return report
 
 
@@ -91,6 +96,21 @@ def _target(device, gpu):
     return gpu if isinstance(gpu, GPU) else lookup(gpu)
 
 
+def _budget(budget, target):
+    """A budget in bytes for a CUDA estimate (checked against the card by ``fit.limits``)."""
+    if budget is None:
+        return None
+    if target is None:
+        raise MemfitError("budget applies to CUDA estimates (the allocator under a memory fraction): "
+                          "pass gpu=... or device='cuda', or compare report.peak_bytes yourself")
+    from memfit.fit import limits
+    from memfit.units import parse_size
+
+    budget = parse_size(budget)
+    limits(target, budget)
+    return budget
+
+
 def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None) -> None:
     check_precision(precision)
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
@@ -99,7 +119,7 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
-               detail: bool = False, prime: int | None = None):
+               detail: bool = False, prime: int | None = None, budget: int | None = None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail`` as for ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
@@ -120,7 +140,8 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     with mode, reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime,
+                                   budget=budget)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,
