@@ -119,10 +119,7 @@ def limits(gpu, budget: int | None) -> tuple[int, int | None]:
     if budget > gpu.memory_bytes:
         raise MemfitError(f"budget {format_size(budget)} is more than the {gpu.name}'s {format_size(gpu.memory_bytes)}: "
                           "drop the budget or pick a bigger card")
-    if budget <= gpu.cuda_context_bytes:
-        raise MemfitError(f"budget {format_size(budget)} does not cover the {gpu.name}'s CUDA context "
-                          f"({format_size(gpu.cuda_context_bytes)}): give more")
-    allowed = budget - gpu.cuda_context_bytes
+    allowed = max(budget - gpu.cuda_context_bytes, 0)  # a budget below the context: nothing fits
     return min(physical, allowed), allowed
 
 

@@ -153,7 +153,7 @@ def verdict_line(report: Report) -> str:
     text = {FITS: "fits", EXPANDABLE: f"fits only with {EXPANDABLE_CONF}"}[report.verdict]
     text += f": reserved {format_size(report.reserved_bytes)} of {limit}"
     if report.retries:
-        text += f"; torch frees its cache and retries {report.retries} time(s) per run (slow: each syncs the GPU)"
+        text += f"; torch frees its cache and retries {report.retries} time(s) in these steps (slow: each syncs the GPU)"
     if report.tight:
         text += (f"; tight: {format_size(report.headroom_bytes)} left is less than the measured error "
                  f"({format_size(report.error_margin_bytes)})")
