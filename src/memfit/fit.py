@@ -72,8 +72,10 @@ class CudaFit:
     capacity_bytes  what the allocator may hold: card memory (or budget) less the CUDA context.
     budget_bytes    the budget asked for (context included), None for the whole card.
     allocated       ``max_memory_allocated`` in the run the verdict describes (unlimited run on OOM).
-    reserved        ``max_memory_reserved`` in that run: never above ``capacity_bytes`` (on OOM, what
-                    was reserved when it failed).
+    reserved        ``max_memory_reserved`` in that run (on OOM, what was reserved when it failed):
+                    never above the card's memory less its context, nor above ``capacity_bytes``
+                    except by torch's own overshoot of a memory fraction with expandable segments
+                    (the fraction is checked against the request, then whole 20 MiB pages are mapped).
     retries         cudaFree-and-retry rounds in that run (``num_alloc_retries``).
     missing_bytes   OOM only: more capacity that would let the step run without reaching the limit.
     error_margin_bytes  headroom the measured estimation error asks for (``error_margin``).
@@ -155,7 +157,11 @@ def fit(ledger, gpu, budget: int | None = None, *, garbage_collection_threshold:
     ``unlimited``: the default allocator's statistics with no limit, if already replayed."""
     capacity, allowed = limits(gpu, budget)
     gc = garbage_collection_threshold if allowed is not None else 0.0
-    knobs = dict(capacity=capacity, allowed_memory=allowed, garbage_collection_threshold=gc)
+    # the device's own limit and the fraction's are checked apart: torch checks the fraction with
+    # the request's alloc_size and then maps whole pages, so with expandable segments it can hold up
+    # to one page more than the fraction allows, never more than the device has
+    knobs = dict(capacity=gpu.memory_bytes - gpu.cuda_context_bytes, allowed_memory=allowed,
+                 garbage_collection_threshold=gc)
     if unlimited is None:
         unlimited, _ = replay(ledger)
     if unlimited.peak_reserved <= capacity and not gc:

@@ -148,8 +148,7 @@ def verdict_line(report: Report) -> str:
     limit = (f"{format_size(report.capacity_bytes)} the allocator may hold on the {report.gpu}"
              + (f" within a {format_size(report.budget_bytes)} budget" if report.budget_bytes is not None else ""))
     if report.verdict == OOM:
-        return (f"out of memory: {limit}, and the step needs {format_size(report.missing_bytes or 0)} more "
-                f"(even with {EXPANDABLE_CONF})")
+        return f"out of memory: {limit}, and the step needs {format_size(report.missing_bytes or 0)} more"
     text = {FITS: "fits", EXPANDABLE: f"fits only with {EXPANDABLE_CONF}"}[report.verdict]
     text += f": reserved {format_size(report.reserved_bytes)} of {limit}"
     if report.retries:
