@@ -46,7 +46,8 @@ class Report:
     by_category, phase_peaks and modules are in unrounded bytes.
 
     The CUDA figures are those of the allocator replayed under the card's limit (``memfit/fit.py``),
-    so ``reserved_bytes`` never exceeds ``capacity_bytes``; the verdict fields:
+    so ``reserved_bytes`` never exceeds the card's memory less its context (with a budget and
+    expandable segments torch itself can pass the budget by part of a 20 MiB page); the verdict fields:
     verdict         "fits", "fits_with_expandable_segments" (set
                     ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) or "out_of_memory".
     capacity_bytes  what the allocator may hold: the card's memory (or ``budget_bytes``) less the context.
