@@ -306,3 +306,94 @@ def test_expandable_segments_release_pages_under_capacity():
     a.malloc(3000)  # small pool wants a 2 MiB page: 42 MiB > 40 -> unmap the free page 1, retry
     assert (a.stats.reserved, a.stats.num_alloc_retries) == (22 * MiB, 1)
     a.free(keep)
+
+
+# ------------------------------------------------------------------------------------ memory fraction, gc
+
+
+def test_memory_fraction_checks_the_whole_alloc_size_even_with_expandable_segments():
+    # alloc_block refuses when total_allocated_memory + alloc_size > allowed_memory_maximum, before
+    # looking at expandable segments: a 30 MiB request has alloc_size 30 MiB, though growing the
+    # segment would map only one more 20 MiB page.
+    def run(**limit):
+        a = CachingAllocator(expandable_segments=True, **limit)
+        a.malloc(5 * MiB)  # page 0 (20 MiB), 15 MiB of it free
+        a.malloc(30 * MiB)  # needs the 15 MiB tail + one page: reserved 40 MiB
+        return a.stats
+
+    assert run(capacity=40 * MiB).peak_reserved == 40 * MiB  # the device itself: the page fits
+    with pytest.raises(SimulatedOutOfMemory) as err:
+        run(allowed_memory=40 * MiB)  # 20 + 30 > 40: refused; no whole free page to unmap; retry refused
+    assert err.value.stats.reserved == 20 * MiB and err.value.stats.num_alloc_retries == 1
+
+
+def _aging(threshold, allowed=100 * MiB):
+    """Four cached segments of different ages, then a request none of them serves."""
+    a = CachingAllocator(allowed_memory=allowed, garbage_collection_threshold=threshold)
+    h = a.malloc(12 * MiB)  # get_free_block call 1 on the large pool; segment A
+    a.free(h)  # A enters the free set at count 1
+    b = a.malloc(14 * MiB)  # call 2: A (12) too small; segment B
+    c = a.malloc(16 * MiB)  # call 3: segment C
+    a.free(b)
+    a.free(c)  # B and C enter at count 3
+    d = a.malloc(18 * MiB)  # call 4: nothing fits; reserved 42 MiB is not over the threshold yet
+    a.free(d)  # D enters at count 4
+    a.malloc(30 * MiB)  # call 5: ages A 4, B 2, C 2, D 1; reserved 60 MiB
+    return a.stats
+
+
+def test_garbage_collection_frees_old_segments_until_under_the_threshold():
+    # threshold 0.5 x 100 MiB = 50 MiB; 60 MiB reserved: 10 MiB to reclaim. Mean age 9/4 = 2.25:
+    # only A (age 4, 12 MiB) is that old, and freeing it reclaims enough. Then E takes 30 MiB.
+    s = _aging(0.5)
+    assert (s.reserved, s.num_device_free) == ((14 + 16 + 18 + 30) * MiB, 1)
+
+
+def test_garbage_collection_passes_again_with_the_mean_of_what_is_left():
+    # threshold 0.4 x 100 MiB = 40 MiB: 20 MiB to reclaim. Pass 1 (mean 2.25) frees A: 12 MiB.
+    # Pass 2: B, C, D have ages 2, 2, 1, mean 5/3: B and C go (a pass does not stop at the target):
+    # 42 MiB reclaimed; D stays. Then E.
+    s = _aging(0.4)
+    assert (s.reserved, s.num_device_free) == ((18 + 30) * MiB, 3)
+
+
+def test_garbage_collection_needs_a_memory_fraction():
+    # torch ignores garbage_collection_threshold unless set_per_process_memory_fraction was called
+    a = CachingAllocator(garbage_collection_threshold=0.4)
+    h = a.malloc(12 * MiB)
+    a.free(h)
+    a.malloc(30 * MiB)
+    assert (a.stats.reserved, a.stats.num_device_free) == (42 * MiB, 0)
+    assert _aging(0.0).num_device_free == 0  # threshold 0 is off
+    with pytest.raises(ValueError):
+        CachingAllocator(allowed_memory=MiB, garbage_collection_threshold=1.0)
+
+
+def test_garbage_collection_leaves_split_segments():
+    a = CachingAllocator(allowed_memory=60 * MiB, garbage_collection_threshold=0.3)
+    a.malloc(5 * MiB)  # a 20 MiB segment, split (15 MiB free): cannot be freed
+    a.free(a.malloc(16 * MiB))  # too big for the 15 MiB tail: a 16 MiB segment, then cached whole
+    a.malloc(18 * MiB)  # no block fits; 36 MiB > 0.3 x 60 = 18 MiB: only the 16 MiB segment can go,
+    # 16 MiB is short of the 18 MiB target but nothing else is freeable; then an 18 MiB segment
+    assert (a.stats.reserved, a.stats.num_device_free) == ((20 + 18) * MiB, 1)
+
+
+def _fragmenting():
+    """A 40 MiB segment reused for 12 MiB (28 MiB left, split), then 30 MiB: the default allocator
+    needs a new segment and cannot free the split one; expandable segments grow the free tail."""
+    return [("alloc", "x", 40 * MiB), ("free", "x"), ("alloc", "y", 12 * MiB), ("alloc", "z", 30 * MiB)]
+
+
+def test_fragmentation_out_of_memory_that_expandable_segments_avoid():
+    assert simulate(_fragmenting()).peak_reserved == 70 * MiB  # 40 + 30 with memory to spare
+    with pytest.raises(SimulatedOutOfMemory) as err:
+        simulate(_fragmenting(), capacity=64 * MiB)  # 40 + 30 > 64; the 40 MiB segment is split
+    assert (err.value.stats.reserved, err.value.stats.num_alloc_retries) == (40 * MiB, 1)
+    # expandable: 40 MiB = pages 0-1; y at the start, 28 MiB free up to the unmapped range; z takes
+    # those 28 MiB plus 2 MiB of page 2: reserved 60 MiB
+    s = simulate(_fragmenting(), capacity=64 * MiB, expandable_segments=True)
+    assert (s.peak_reserved, s.peak_allocated, s.num_alloc_retries) == (60 * MiB, 42 * MiB, 0)
+    # at 50 MiB: page 1 is wholly free and is unmapped on the retry, but z still needs pages 1-2
+    with pytest.raises(SimulatedOutOfMemory) as err:
+        simulate(_fragmenting(), capacity=50 * MiB, expandable_segments=True)
+    assert err.value.stats.num_device_free == 1 and err.value.stats.reserved == 20 * MiB

@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     _recipe_flags(est)
     est.add_argument("--steps", type=_positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
     est.add_argument("--budget", type=_size, default=None,
-                     help="bytes available, e.g. 24GiB, 24GB, 80G (default with --gpu: the card's memory)")
+                     help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the card, "
+                     "as set_per_process_memory_fraction enforces it (default: the whole card)")
     est.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="whose semantics to follow: cpu (default), or cuda (allocated, reserved, context)")
     est.add_argument("--gpu", default=None, help="a GPU of the catalog (rtx-4090, a100-80gb, h100-sxm, ...): "
@@ -135,16 +136,15 @@ def _estimate(args) -> int:
         from memfit.gpus import gpu
 
         card = gpu(args.gpu)
-        if args.budget is None:
-            args.budget = card.memory_bytes
+    cuda = card is not None or args.device == "cuda"  # the budget is the allocator's limit on the card
     with err.status(f"tracing {args.model} on fake tensors…"):
         report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss), recipe=_recipe(args),
                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                          fast=False if args.full else None, device="cuda" if card else args.device, gpu=card,
-                          moe_routing=args.moe_routing)
+                          fast=False if args.full else None, device="cuda" if cuda else args.device, gpu=card,
+                          moe_routing=args.moe_routing, budget=args.budget if cuda else None)
     if args.json:
         data = report.to_dict()
-        if args.budget is not None:
+        if args.budget is not None or report.verdict is not None:
             data["budget"] = verdict(report, args.budget)
         print(json.dumps(data, indent=2))
     else:

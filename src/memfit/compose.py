@@ -195,37 +195,47 @@ class Engine:
 
         return Plan(r, allocated, reserved, device, seconds, samples, tokens)
 
-    def verify(self, r: Recipe):
-        """The full estimate of ``r`` (depth fast path for deep configs), as ``estimate`` gives it."""
+    def verify(self, r: Recipe, budget: int | None = None):
+        """The full estimate of ``r`` (depth fast path for deep configs), as ``estimate`` gives it;
+        with ``budget``, the allocator replayed under it (``memfit/verdict.py``)."""
         from memfit.estimate import estimate
 
-        if r not in self._verified:
+        key = r if budget is None else (r, budget)
+        if key not in self._verified:
             self.traces += 1
             batch = self.batch() if callable(self.batch) else self.batch
             device = "cpu" if self.target is None else "cuda"
 
-            def full(recipe):
+            def full(recipe, budget=budget):
                 return estimate(self.source, batch, recipe=recipe, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                                device=device, gpu=self.target)
+                                device=device, gpu=self.target, budget=budget)
 
             k = r.grad_accum_steps
             if batch is None and k > 5:
                 # Micro-batches 2..k hold the same tensors but a few scalars (loss weights), so the
                 # peak grows by the same bytes with each: traced at 2 and 3, read at k
                 # (tests/test_plan.py checks it against k traced in full).
-                two, three = full(r.replace(grad_accum_steps=2)), full(r.replace(grad_accum_steps=3))
+                # on the whole card, where reserved is the step's own figure unless the card runs out
+                two, three = full(r.replace(grad_accum_steps=2), None), full(r.replace(grad_accum_steps=3), None)
 
                 def line(a, b):
                     return None if a is None else b + (b - a) * (k - 3)
 
-                self._verified[r] = dataclasses.replace(
-                    three, peak_bytes=line(two.peak_bytes, three.peak_bytes),
-                    reserved_bytes=line(two.reserved_bytes, three.reserved_bytes),
-                    settings={**three.settings, "recipe": r.to_dict()},
+                peak = line(two.peak_bytes, three.peak_bytes)
+                cuda = {}
+                if self.target is not None:  # the line's reserved figure, judged without events
+                    from memfit.verdict import fit_reserved
+
+                    def demand(report):  # on out of memory: what it held at the limit and what was missing
+                        return report.reserved_bytes + (report.missing_bytes or 0)
+
+                    cuda = fit_reserved(peak, line(demand(two), demand(three)), self.target, budget).report_fields()
+                self._verified[key] = dataclasses.replace(
+                    three, **{"peak_bytes": peak, **cuda}, settings={**three.settings, "recipe": r.to_dict()},
                     notes=three.notes + [f"accumulation traced over 2 and 3 micro-batches and read at {k}"])
             else:
-                self._verified[r] = full(r)
-        return self._verified[r]
+                self._verified[key] = full(r)
+        return self._verified[key]
 
 
 def _extrapolate(per_depth: dict, depths, depth) -> dict:

@@ -39,7 +39,8 @@ rules torch itself uses on CUDA:
   checkpointing saves are host memory on a GPU run, so they are not counted.
 * **The caching allocator.** Every request is rounded up to 512 bytes and served from cached
   segments (``accounting/cuda_allocator.py``): the replayed event stream gives
-  ``max_memory_allocated`` and ``max_memory_reserved``.
+  ``max_memory_allocated`` and ``max_memory_reserved``, under the card's memory less its context,
+  and the verdict (``cuda_figures``, ``fit.py``).
 
 Not modelled (measured where a GPU was lent; see README):
 
@@ -65,7 +66,8 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "allocator_stats"]
+__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "allocator_stats",
+           "cuda_figures"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
 
@@ -335,22 +337,20 @@ def cuda_semantics():
 
 
 def allocator_stats(ledger, *, expandable_segments: bool = False):
-    """Replay a CUDA-semantics ledger's allocations through the caching-allocator model."""
-    from memfit.accounting.cuda_allocator import CachingAllocator
-    from memfit.accounting.ledger import ALLOC, FREE
+    """Replay a CUDA-semantics ledger's allocations through the caching-allocator model, with no
+    memory limit (what a device with memory to spare would report)."""
+    from memfit.verdict import replay
 
-    allocator = CachingAllocator(expandable_segments=expandable_segments)
-    handles: dict[int, int] = {}
-    records = ledger.records
-    for kind, index in ledger.events:
-        if kind == ALLOC:
-            record = records[index]
-            if record.donor is not None:  # in-place accumulation: the donor's block, renamed
-                handles[index] = handles.pop(record.donor)
-            else:
-                handles[index] = allocator.malloc(record.nbytes)
-        elif kind == FREE:
-            if records[index].donated or index not in handles:
-                continue
-            allocator.free(handles.pop(index))
-    return allocator.stats
+    return replay(ledger, expandable_segments=expandable_segments)[0]
+
+
+def cuda_figures(ledger, gpu, budget: int | None = None, **knobs) -> dict:
+    """The ``Report`` keyword arguments of a step on ``gpu``: allocated, reserved and the verdict
+    (fits / fits only with expandable segments / out of memory), from replaying ``ledger`` (anything
+    with ``.records`` and ``.events``) under the card's memory less its CUDA context, or under
+    ``budget`` (bytes, context included, enforced as ``set_per_process_memory_fraction``).
+    ``knobs``: ``garbage_collection_threshold``. See ``memfit/verdict.py``."""
+    from memfit.verdict import cuda_fit
+
+    return dict(cuda_fit(ledger, gpu, budget, **knobs).report_fields(), context_bytes=gpu.cuda_context_bytes,
+                gpu=gpu.name)

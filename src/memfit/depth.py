@@ -24,11 +24,11 @@ import math
 from memfit.accounting.replay import replay
 from memfit.accounting.synth import synthesise
 from memfit.categories import PHASES
-from memfit.cuda import allocator_stats
 from memfit.estimate import fake_trace
 from memfit.models.source import Source
 from memfit.report import Report
 from memfit.trace import numel
+from memfit.verdict import cuda_fit
 
 __all__ = ["estimate_by_depth", "SHALLOW", "TEMPLATE_UNITS", "block_unit"]
 
@@ -56,11 +56,11 @@ def block_unit(source: Source, recipe=None) -> int | None:
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
-                      gpu=None) -> Report:
+                      gpu=None, budget: int | None = None) -> Report:
     depth, unit = source.depth, block_unit(source, recipe)
     if unit is None or depth % unit or depth <= TEMPLATE_UNITS * unit:
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
-                               batch_size=batch_size, seq_len=seq_len, gpu=gpu)
+                               batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget)
         return report
     blocks = TEMPLATE_UNITS * unit
     shallow = source.shallow(blocks)
@@ -70,9 +70,8 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     full = replay(log, result.scratch)
     cuda = {}
     if gpu is not None:
-        stats = allocator_stats(log)
-        cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
-                    context_bytes=small.context_bytes, gpu=small.gpu)
+        # the written log is replayed under the card's limit like a full trace's (``verdict.py``)
+        cuda = dict(cuda_fit(log, gpu, budget).report_fields(), context_bytes=small.context_bytes, gpu=small.gpu)
     parameters, trainable = _parameters(result.ledger, log)
     notes = small.notes + [f"traced {blocks} of {depth} blocks and wrote the step's allocations out for all "
                            f"{depth} (fast=False or --full traces them all)"]

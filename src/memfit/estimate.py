@@ -39,7 +39,7 @@ FAST_MIN_DEPTH = 8
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
-             moe_routing: str = "balanced") -> Report:
+             moe_routing: str = "balanced", budget=None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -59,8 +59,12 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                its workspace size and context; implies ``device="cuda"`` (default ``h100-sxm``).
     batch_size examples per optimizer step (default 1). With ``recipe.micro_batch_size`` it is
                micro_batch_size x grad_accum_steps; a different value is an error, not overridden.
-    fast       trace two shallow copies and scale by depth (default: for configs with
-               >= 8 blocks and no explicit batch); ``False`` forces the full trace.
+    budget     CUDA only: the memory the process may use (context included, bytes or "24GiB"),
+               enforced as ``torch.cuda.set_per_process_memory_fraction`` would; default the whole
+               card. The report's ``verdict`` says whether the step fits (``memfit/verdict.py``).
+    fast       trace a 4-block copy and write its allocation log out at full depth (``depth.py``;
+               default: for configs with >= 8 blocks and no explicit batch); ``False`` forces the
+               full trace.
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
                shorthands for two of its fields. With accumulation, ``batch`` is what one
                optimizer step consumes; a made batch has micro_batch_size x grad_accum_steps rows.
@@ -72,6 +76,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     recipe, factory = recipe_from(recipe, precision, optimizer)
     target = _target(device, gpu)
     check_gpu(recipe.precision, target)
+    budget = _budget(budget, target)
     batch_size = _step_batch(batch_size, recipe)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     if fast is None:
@@ -80,9 +85,9 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
         from memfit.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
+                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget)
     report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
+                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget)
     return report
 
 
@@ -99,6 +104,21 @@ def _target(device, gpu):
     if gpu is None:
         return lookup(DEFAULT_GPU) if kind == "cuda" else None
     return gpu if isinstance(gpu, GPU) else lookup(gpu)
+
+
+def _budget(budget, target):
+    """A budget in bytes for a CUDA estimate (checked against the card by ``verdict.limits``)."""
+    if budget is None:
+        return None
+    if target is None:
+        raise MemfitError("budget applies to CUDA estimates (the allocator under a memory fraction): "
+                          "pass gpu=... or device='cuda', or compare report.peak_bytes yourself")
+    from memfit.verdict import limits
+    from memfit.units import parse_size
+
+    budget = parse_size(budget)
+    limits(target, budget)
+    return budget
 
 
 def check_args(precision: str, steps: int, batch_size: int | None, seq_len: int | None) -> None:
@@ -131,17 +151,19 @@ def _step_batch(batch_size: int | None, recipe: Recipe) -> int:
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
-               detail: bool = False, prime: int | None = None, keep: bool = False):
+               detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep`` as for ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
     with quiet_fake_log():
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
-                           batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime)
+                           batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
+                           budget=budget)
 
 
-def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime):
+def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime,
+                keep, budget):
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)
@@ -166,7 +188,8 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans():
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep)
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep,
+                                   budget=budget)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

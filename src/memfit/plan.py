@@ -5,9 +5,10 @@ activation offload x chunked loss x optimizer (the user's, plus 8-bit states or 
 named in ``allow``) x optimizer-in-backward x micro-batch / accumulation (exact divisors of the
 global batch). Each candidate gets a predicted peak (allocated bytes, plus the CUDA context on a
 GPU) and a predicted step time (``cost.py``), and the fastest candidate whose prediction fits is
-checked with a full ``estimate``, which adds the caching allocator's reserved memory; a candidate
-whose full estimate does not fit is passed over, so a plan never exceeds its budget by the
-estimate's own account.
+checked with a full ``estimate``, which replays the caching allocator under the budget
+(``fit.py``); a candidate whose verdict is out of memory is passed over, so a plan never exceeds its
+budget by the estimate's own account. A plan that fits only with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` may be chosen, and says so.
 
 Tracing every candidate would take minutes for an 8B model, so candidates are composed from a
 few traces: ``compose.py``.
@@ -19,6 +20,7 @@ autotuner runs GPU trials, torch's ``activation_memory_budget`` is one knob of t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -57,6 +59,14 @@ class Plan:
     tokens_per_second: float | None
     verified: bool = False
     reasons: tuple[str, ...] = ()
+    verdict: str | None = None  # on a GPU, the full estimate's (``fit.py``): fits, or only with expandable segments
+
+    @property
+    def alloc_conf(self) -> str | None:
+        """The ``PYTORCH_CUDA_ALLOC_CONF`` setting this plan needs, if any."""
+        from memfit.verdict import EXPANDABLE
+
+        return "expandable_segments:True" if self.verdict == EXPANDABLE else None
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.to_dict(), "describe": self.recipe.describe(),
@@ -64,7 +74,8 @@ class Plan:
                 "device_bytes": self.device_bytes, "step_seconds": round(self.step_seconds, 6),
                 "samples_per_second": round(self.samples_per_second, 3),
                 "tokens_per_second": None if self.tokens_per_second is None else round(self.tokens_per_second, 1),
-                "verified": self.verified, "reasons": list(self.reasons)}
+                "verified": self.verified, "reasons": list(self.reasons), "verdict": self.verdict,
+                "alloc_conf": self.alloc_conf}
 
     def __str__(self) -> str:
         speed = (f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second is not None
@@ -164,9 +175,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     fitting = sorted((p for p in predicted if p.device_bytes <= budget_bytes), key=_rank)
     notes = list(engine.notes)
     chosen, report, rejected = None, None, 0
+    explicit = None if budget is None else budget_bytes
     for candidate in fitting[:MAX_CHECKS]:
-        full = engine.verify(candidate.recipe)
-        if full.device_bytes <= budget_bytes:
+        full = _checked(engine, candidate.recipe, explicit)
+        if _fits(full, budget_bytes):
             chosen, report = candidate, full
             break
         rejected += 1
@@ -179,16 +191,17 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         smallest = sorted(predicted, key=lambda p: (p.device_bytes, p.step_seconds))[:SMALLEST_CHECKS]
         # the smallest is checked for the answer's figure; the others only if they could be near
         smallest = smallest[:1] + [p for p in smallest[1:] if p.device_bytes <= 1.5 * budget_bytes]
-        checked = [(p, engine.verify(p.recipe)) for p in smallest if p not in fitting[:MAX_CHECKS]]
-        fits = sorted(((p, full) for p, full in checked if full.device_bytes <= budget_bytes),
+        checked = [(p, _checked(engine, p.recipe, explicit)) for p in smallest if p not in fitting[:MAX_CHECKS]]
+        fits = sorted(((p, full) for p, full in checked if _fits(full, budget_bytes)),
                       key=lambda pair: _rank(pair[0]))
         if not fits:
             raise _nothing_fits(engine, checked, budget_bytes, allowed)
         chosen, report = fits[0]
         notes.append("chosen among the smallest predicted recipes, checked in full")
     exact = Plan(chosen.recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, chosen.step_seconds,
-                 chosen.samples_per_second, chosen.tokens_per_second, verified=True)
-    exact = Plan(**{**exact.__dict__, "reasons": tuple(_reasons(exact, chosen, predicted, budget_bytes, engine))})
+                 chosen.samples_per_second, chosen.tokens_per_second, verified=True, verdict=report.verdict)
+    exact = Plan(**{**exact.__dict__, "reasons": tuple(_reasons(exact, chosen, predicted, budget_bytes, engine)
+                                                        + _caveats(report))})
     rest = [p for p in fitting if p.recipe != chosen.recipe and _rank(p) >= _rank(chosen)]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": optimizer, "allow": sorted(allowed), "traces": engine.traces,
@@ -197,6 +210,44 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                  gpu=None if target is None else target.name, candidates=len(predicted),
                  front=_front(predicted), seconds=time.perf_counter() - start, report=report,
                  settings=settings, notes=notes)
+
+
+def _checked(engine, recipe: Recipe, budget: int | None):
+    """The full estimate of ``recipe`` with its verdict under ``budget`` (None: the whole card).
+
+    The whole-card estimate is traced once per recipe; under a budget the allocator must be replayed
+    again only if its unlimited reserved peak does not fit below the budget (if it does, nothing
+    ever reaches the limit and the budgeted run is the same run)."""
+    full = engine.verify(recipe)
+    if budget is None or full.verdict is None:
+        return full
+    from memfit.verdict import FITS, fit_reserved, limits
+
+    if full.verdict == FITS and not full.retries and full.reserved_bytes <= limits(engine.target, budget)[0]:
+        return dataclasses.replace(full, **fit_reserved(full.peak_bytes, full.reserved_bytes, engine.target,
+                                                        budget).report_fields())
+    return engine.verify(recipe, budget)
+
+
+def _caveats(report) -> list[str]:
+    """What the verdict adds to a chosen plan: cudaFree-and-retry rounds, and a tight fit."""
+    out = []
+    if report.retries:
+        out.append(f"torch frees its cache and retries {report.retries} time(s) in the traced steps (each "
+                   "synchronises the GPU: slower than predicted)")
+    if report.tight:
+        out.append(f"tight: {format_size(report.headroom_bytes)} left is less than the measured estimation error "
+                   f"({format_size(report.error_margin_bytes)}); a little more budget, or the next plan, is safer")
+    return out
+
+
+def _fits(report, budget: int) -> bool:
+    """By the verdict on a GPU (``fit.py``), by the peak on the CPU."""
+    if report.verdict is not None:
+        from memfit.verdict import OOM
+
+        return report.verdict != OOM
+    return report.device_bytes <= budget
 
 
 _ENGINES: dict = {}  # the traces of recent plans: a budget sweep traces each graph once
@@ -333,13 +384,20 @@ def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engi
             out.append(f"micro_batch_size={r.micro_batch_size} x {r.grad_accum_steps} accumulation steps")
     out.append(f"fits with {format_size(budget - exact.device_bytes)} to spare of {format_size(budget)} by a full "
                f"estimate ({format_size(exact.device_bytes)}; composed prediction {format_size(chosen.device_bytes)})")
+    if exact.alloc_conf:
+        out.append(f"fits only with PYTORCH_CUDA_ALLOC_CONF={exact.alloc_conf}: the default allocator runs out "
+                   "(fragmentation); set it before the first CUDA allocation")
     return out
 
 
 def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFits:
-    best, full = min(checked, key=lambda pair: pair[1].device_bytes)
-    smallest = Plan(best.recipe, full.peak_bytes, full.reserved_bytes, full.device_bytes, best.step_seconds,
-                    best.samples_per_second, best.tokens_per_second, verified=True)
+    def needed(report):  # out of memory on a GPU: what it holds at the limit and what is missing
+        return report.device_bytes + (report.missing_bytes or 0)
+
+    best, full = min(checked, key=lambda pair: needed(pair[1]))
+    reserved = None if full.reserved_bytes is None else full.reserved_bytes + (full.missing_bytes or 0)
+    smallest = Plan(best.recipe, full.peak_bytes, reserved, needed(full), best.step_seconds,
+                    best.samples_per_second, best.tokens_per_second, verified=True, verdict=full.verdict)
     fixes = []
     if engine.seq_len and engine.source.task != "image-classification":
         fixes.append(f"a shorter sequence than {engine.seq_len}")

@@ -11,17 +11,32 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.categories import PHASES
-from memfit.report import Report
+from memfit.verdict import ERROR_SOURCE, EXPANDABLE, OOM
+from memfit.report import Report, verdict_line
 from memfit.units import format_size
 
 __all__ = ["report_view", "verdict", "plan_view"]
 
 
-def verdict(report: Report, budget: int) -> dict:
-    """Whether the step fits ``budget`` bytes, and by how much: the peak on the CPU; on a GPU what
-    the device needs (reserved by the caching allocator + CUDA context)."""
-    margin = budget - report.device_bytes
-    return {"budget_bytes": budget, "needed_bytes": report.device_bytes, "fits": margin >= 0, "margin_bytes": margin}
+def verdict(report: Report, budget: int | None = None) -> dict:
+    """Whether the step fits, and by how much.
+
+    On a GPU (``report.verdict`` set) what torch's allocator would do on the card, replayed under its
+    limit (``memfit/verdict.py``): ``verdict``, ``alloc_conf`` (the setting it needs, if any), ``retries``,
+    ``missing_bytes``, ``tight`` and the error margin; ``budget_bytes`` is the card's memory or the
+    budget the report was made for, ``margin_bytes`` what is left. On the CPU the peak against ``budget``.
+    """
+    if report.verdict is None:
+        margin = budget - report.device_bytes
+        return {"budget_bytes": budget, "needed_bytes": report.device_bytes, "fits": margin >= 0,
+                "margin_bytes": margin}
+    limit = report.capacity_bytes + (report.context_bytes or 0)
+    return {"verdict": report.verdict, "fits": report.verdict != OOM,
+            "alloc_conf": "expandable_segments:True" if report.verdict == EXPANDABLE else None,
+            "budget_bytes": limit, "needed_bytes": report.device_bytes, "margin_bytes": report.headroom_bytes,
+            "capacity_bytes": report.capacity_bytes, "retries": report.retries,
+            "missing_bytes": report.missing_bytes, "tight": report.tight,
+            "error_margin_bytes": report.error_margin_bytes, "error_margin_source": ERROR_SOURCE}
 
 
 def report_view(report: Report, name: str, budget: int | None = None) -> Group:
@@ -42,7 +57,13 @@ def report_view(report: Report, name: str, budget: int | None = None) -> Group:
         parts.append(Text(f"{report.gpu}: allocated {format_size(report.peak_bytes)}, reserved "
                           f"{format_size(report.reserved_bytes)} + CUDA context {format_size(report.context_bytes or 0)} "
                           f"= {format_size(report.device_bytes)} on the device"))
-    if budget is not None:
+    if report.verdict is not None:
+        style = "bold red" if report.verdict == OOM else ("yellow" if report.tight or report.retries
+                                                          or report.verdict == EXPANDABLE else "green")
+        parts.append(Text(verdict_line(report), style=style))
+        if report.tight:
+            parts.append(Text(f"margin: {ERROR_SOURCE}", style="dim"))
+    elif budget is not None:
         v = verdict(report, budget)
         word, style = ("fits", "green") if v["fits"] else ("does not fit", "bold red")
         what = "" if report.reserved_bytes is None else f"{format_size(v['needed_bytes'])} "
@@ -95,6 +116,9 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
                   f"{format_size(best.allocated_bytes)}{reserved}); predicted {best.step_seconds:.3g} s/step, {speed}")]
     if not best.recipe.is_exact:
         lines.append(Text(f"changes the math (allowed): {', '.join(best.recipe.approximations)}", style="yellow"))
+    if best.alloc_conf:
+        lines.append(Text(f"fits only with PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf}: set it before training",
+                          style="bold yellow"))
     lines.append(Text("why:"))
     lines += [Text(f"  - {reason}") for reason in best.reasons]
     table = Table(title=f"memory / speed front ({plans.candidates} candidates, {plans.seconds:.1f} s; predicted)",
@@ -109,5 +133,6 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
     lines.append(table)
     lines += [Text(f"note: {note}", style="dim") for note in plans.notes]
     if out:
-        lines.append(Text(f"recipe written to {out} (memfit estimate MODEL --recipe {out})"))
+        env = f"PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf} " if best.alloc_conf else ""
+        lines.append(Text(f"recipe written to {out} ({env}memfit estimate MODEL --recipe {out})"))
     return Group(*lines)

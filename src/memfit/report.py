@@ -44,6 +44,17 @@ class Report:
     gpu             the catalog GPU whose semantics were followed.
     ``device_bytes`` is what the device needs: reserved + context (``peak_bytes`` on the CPU).
     by_category, phase_peaks and modules are in unrounded bytes.
+
+    The CUDA figures are those of the allocator replayed under the card's limit (``memfit/verdict.py``),
+    so ``reserved_bytes`` never exceeds the card's memory less its context (with a budget and
+    expandable segments torch itself can pass the budget by part of a 20 MiB page); the verdict fields:
+    verdict         "fits", "fits_with_expandable_segments" (set
+                    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) or "out_of_memory".
+    capacity_bytes  what the allocator may hold: the card's memory (or ``budget_bytes``) less the context.
+    budget_bytes    the budget asked for, context included (``set_per_process_memory_fraction``).
+    retries         cudaFree-and-retry rounds torch would go through (each synchronises: slow).
+    missing_bytes   on "out_of_memory": more memory that would let the step run.
+    error_margin_bytes  headroom the measured estimation error asks for; ``tight`` when less is left.
     """
 
     peak_bytes: int
@@ -63,6 +74,13 @@ class Report:
     reserved_bytes: int | None = None
     context_bytes: int | None = None
     gpu: str | None = None
+    verdict: str | None = None
+    capacity_bytes: int | None = None
+    budget_bytes: int | None = None
+    retries: int | None = None
+    missing_bytes: int | None = None
+    error_margin_bytes: int | None = None
+    tight: bool | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -70,6 +88,13 @@ class Report:
         if self.reserved_bytes is None:
             return self.peak_bytes
         return self.reserved_bytes + (self.context_bytes or 0)
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        """``capacity_bytes - reserved_bytes``: what is left on the card (None without a verdict)."""
+        if self.capacity_bytes is None or self.reserved_bytes is None:
+            return None
+        return self.capacity_bytes - self.reserved_bytes
 
     @property
     def bytes_per_parameter(self) -> float:
@@ -90,6 +115,7 @@ class Report:
         ]
         data["bytes_per_parameter"] = round(self.bytes_per_parameter, 3)
         data["device_bytes"] = self.device_bytes
+        data["headroom_bytes"] = self.headroom_bytes
         return data
 
     def __str__(self) -> str:
@@ -101,6 +127,8 @@ class Report:
         if self.reserved_bytes is not None:
             lines.insert(1, f"{self.gpu}: reserved {format_size(self.reserved_bytes)} + CUDA context "
                             f"{format_size(self.context_bytes or 0)} = {format_size(self.device_bytes)} on the device")
+        if self.verdict is not None:
+            lines.insert(2, verdict_line(self))
         for name, nbytes in sorted(self.by_category.items(), key=lambda kv: -kv[1]):
             if nbytes:
                 lines.append(f"  {name:<16} {format_size(nbytes):>12}")
@@ -112,3 +140,21 @@ class Report:
                 lines.append(f"  {format_size(nbytes):>12}  {name}")
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def verdict_line(report: Report) -> str:
+    """One line saying what torch would do with the step on the card (``report.verdict``)."""
+    from memfit.verdict import EXPANDABLE, EXPANDABLE_CONF, FITS, OOM
+
+    limit = (f"{format_size(report.capacity_bytes)} the allocator may hold on the {report.gpu}"
+             + (f" within a {format_size(report.budget_bytes)} budget" if report.budget_bytes is not None else ""))
+    if report.verdict == OOM:
+        return f"out of memory: {limit}, and the step needs {format_size(report.missing_bytes or 0)} more"
+    text = {FITS: "fits", EXPANDABLE: f"fits only with {EXPANDABLE_CONF}"}[report.verdict]
+    text += f": reserved {format_size(report.reserved_bytes)} of {limit}"
+    if report.retries:
+        text += f"; torch frees its cache and retries {report.retries} time(s) in these steps (slow: each syncs the GPU)"
+    if report.tight:
+        text += (f"; tight: {format_size(report.headroom_bytes)} left is less than the measured error "
+                 f"({format_size(report.error_margin_bytes)})")
+    return text

@@ -16,7 +16,8 @@ from memfit.accounting.ops import OpCounter
 from memfit.accounting.replay import event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
-from memfit.cuda import allocator_stats, cuda_semantics
+from memfit.cuda import cuda_semantics
+from memfit.verdict import cuda_fit
 from memfit.report import Report
 from memfit.apply import run_steps
 from memfit.step import batch_tensors
@@ -33,10 +34,11 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
-          prime: int | None = None, keep: bool = False):
+          prime: int | None = None, keep: bool = False, budget: int | None = None):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
-    ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device.
+    ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device, and replay
+    the allocator under its memory, or under ``budget`` (bytes, context included; ``memfit/verdict.py``).
     ``detail``: also keep the live bytes after every event (``Replay.series``) and one row per
     kernel (``Replay.ops``, see ``accounting/ops.py``), and the allocator statistics on CUDA
     (``Replay.allocator``), for the planner. ``keep``: keep the ledger and its kernel scratch
@@ -67,10 +69,9 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     params = list(model.parameters())
     cuda = {}
     if gpu is not None:
-        stats = allocator_stats(ledger)
-        cuda = dict(peak_bytes=stats.peak_allocated, reserved_bytes=stats.peak_reserved,
-                    context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
-        result.allocator = stats
+        verdict = cuda_fit(ledger, gpu, budget)
+        cuda = dict(verdict.report_fields(), context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
+        result.allocator = verdict.unlimited  # the planner composes unlimited figures
     if keep:
         result.ledger, result.scratch = ledger, scratch
     if detail:

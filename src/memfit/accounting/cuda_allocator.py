@@ -26,10 +26,22 @@ which of several same-sized tensors a free releases. Function by function, with 
   512 B (small pool, and every pool with expandable segments) or more than 1 MiB (large pool);
   otherwise the whole block is handed out and counted as allocated.
 * ``free_block``: a freed block merges with free neighbours of its segment and goes back to the pool.
-  Segments stay cached; memory goes back to the device only when a new segment does not fit under
-  ``capacity``: first ``release_available_cached_blocks`` (oversize blocks, only when
-  ``max_split_size`` is set), then ``release_cached_blocks`` (every wholly free segment, large pool
-  then small), then one retry; after that, :class:`SimulatedOutOfMemory`.
+  Segments stay cached; memory goes back to the device only when a new segment does not fit:
+  ``alloc_block`` fails when ``reserved + alloc_size`` passes ``allowed_memory`` (torch's
+  ``allowed_memory_maximum``, set by ``set_per_process_memory_fraction``; checked with the whole
+  ``alloc_size`` even with expandable segments) or when the segment (or the pages to map) does not
+  fit the device's ``capacity`` (``cudaMalloc`` / ``cuMemCreate`` failing). Then
+  ``release_available_cached_blocks`` (oversize blocks, only when ``max_split_size`` is set), then
+  ``release_cached_blocks`` (every wholly free segment, large pool then small, and every free page
+  of an expandable segment: torch synchronises the device here, so each round is slow), then one
+  retry (``num_alloc_retries``); after that, :class:`SimulatedOutOfMemory`.
+* ``garbage_collect_cached_blocks``: only with ``allowed_memory`` set and
+  ``garbage_collection_threshold`` > 0, when no cached block serves a request and before
+  ``alloc_block``: if ``reserved`` is over threshold x ``allowed_memory``, wholly free (unsplit)
+  large-pool segments whose age is at least the mean age are ``cudaFree``-d, pass after pass, until
+  the excess is reclaimed or none is left. A block's age (``gc_count``) is the number of
+  ``get_free_block`` calls on its pool since it last entered the free set; calls are counted only
+  while garbage collection is on.
 * ``expandable_segments``: one segment per (pool, stream) with a virtual range far larger than the
   device, mapped in pages of 2 MiB (small pool) or 20 MiB (large pool, ``kLargeBuffer``) as needed:
   ``find_expandable_block`` / ``try_allocate_expandable_block`` / ``map_block`` grow the lowest
@@ -41,7 +53,7 @@ which of several same-sized tensors a free releases. Function by function, with 
 
 Not modelled (one stream is what a training step uses, and these need a real device or clock):
 ``record_stream`` and the CUDA events that delay a free, CUDA-graph private pools and mempools,
-``garbage_collection_threshold``, free-memory callbacks, IPC, and the driver's choice of virtual
+free-memory callbacks, IPC, other processes on the device, and the driver's choice of virtual
 addresses (segments are laid out at increasing addresses, which only matters as a tie-break between
 equal-sized free blocks).
 """
@@ -222,7 +234,8 @@ class _Segment:
 
 
 class _Block:
-    __slots__ = ("allocated", "mapped", "next", "pool", "prev", "ptr", "requested", "segment", "size", "stream")
+    __slots__ = ("allocated", "gc_base", "mapped", "next", "pool", "prev", "ptr", "requested", "segment", "size",
+                 "stream")
 
     def __init__(self, ptr, size, stream, pool, segment=None, mapped=True):
         self.ptr, self.size, self.stream, self.pool = ptr, size, stream, pool
@@ -231,6 +244,7 @@ class _Block:
         self.mapped = mapped
         self.prev = self.next = None
         self.segment = segment  # _Segment for expandable segments, else None
+        self.gc_base = 0  # the pool's get_free_block count when this block entered the free set
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -247,17 +261,20 @@ class _Block:
 class _SortedBlocks:
     """``std::set<Block*>`` with a key function: a sorted list of keys plus a map to the blocks."""
 
-    __slots__ = ("blocks", "by_size", "keys")
+    __slots__ = ("blocks", "by_size", "calls", "keys")
 
     def __init__(self, by_size: bool):
         self.keys: list[tuple] = []
         self.blocks: dict[tuple, _Block] = {}
         self.by_size = by_size
+        self.calls = 0  # torch's get_free_blocks_call_count (counted only while garbage collection is on)
 
     def key(self, b: _Block) -> tuple:
         return (b.stream, b.size, b.ptr) if self.by_size else (b.stream, b.ptr)
 
     def insert(self, b: _Block) -> None:
+        """``insert_into_blocks``: entering the free set restarts the block's age."""
+        b.gc_base = self.calls
         k = self.key(b)
         bisect.insort(self.keys, k)
         self.blocks[k] = b
@@ -295,19 +312,29 @@ class CachingAllocator:
     Knobs mirror ``PYTORCH_CUDA_ALLOC_CONF`` (all off by default, like torch):
 
     * ``expandable_segments``: ``expandable_segments:True``.
-    * ``capacity``: bytes of device memory the allocator may hold (``None``: unlimited). A new segment
-      or page that would take ``reserved`` over it fails like ``cudaMalloc`` does, which triggers the
-      release-and-retry path and, failing that, :class:`SimulatedOutOfMemory`.
+    * ``capacity``: bytes of device memory the allocator may hold (``None``: unlimited), the card's
+      memory less the CUDA context. A new segment or page that would take ``reserved`` over it fails
+      like ``cudaMalloc`` does, which triggers the release-and-retry path and, failing that,
+      :class:`SimulatedOutOfMemory`.
+    * ``allowed_memory``: ``torch.cuda.set_per_process_memory_fraction(f)``'s limit in bytes (f x the
+      device's total memory); ``alloc_block`` refuses when ``reserved + alloc_size`` would pass it.
+    * ``garbage_collection_threshold``: ``garbage_collection_threshold:T``, 0 < T < 1; torch ignores it
+      unless a memory fraction is set, and so does this model (``allowed_memory=None``).
     * ``max_split_size``: ``max_split_size_mb`` in bytes; at least 20 MiB, as torch requires.
     * ``roundup_power2_divisions``: an int, or a ``{MiB: divisions, ">": divisions}`` mapping.
     """
 
     def __init__(self, *, expandable_segments: bool = False, capacity: int | None = None,
-                 max_split_size: int | None = None, roundup_power2_divisions=None):
+                 max_split_size: int | None = None, roundup_power2_divisions=None,
+                 allowed_memory: int | None = None, garbage_collection_threshold: float = 0.0):
         if max_split_size is not None and max_split_size < kLargeBuffer:
             raise ValueError("max_split_size must be at least 20 MiB (torch: max_split_size_mb >= 20)")
+        if not 0.0 <= garbage_collection_threshold < 1.0:
+            raise ValueError("garbage_collection_threshold must be in (0, 1), as torch requires")
         self.expandable = bool(expandable_segments)
         self.capacity = capacity
+        self.allowed_memory = allowed_memory
+        self._gc_threshold = garbage_collection_threshold if allowed_memory is not None else 0.0
         self.max_split_size = _UNLIMITED if max_split_size is None else int(max_split_size)
         self._divisions = _parse_divisions(roundup_power2_divisions)
         self._small, self._large = _Pool(True), _Pool(False)
@@ -337,6 +364,8 @@ class CachingAllocator:
         alloc_size = get_allocation_size(rounded)
         block = self._get_free_block(pool, stream, rounded)
         if block is None:
+            if self._gc_threshold > 0:
+                self._garbage_collect_cached_blocks()
             block = (
                 self._alloc_block(pool, stream, rounded, alloc_size)
                 or (self._release_available_cached_blocks(pool, stream, rounded)
@@ -447,6 +476,8 @@ class CachingAllocator:
     # get_free_block
     def _get_free_block(self, pool: _Pool, stream: int, size: int) -> _Block | None:
         blocks = pool.blocks
+        if self._gc_threshold > 0:  # block reuse is tracked only while garbage collection is on
+            blocks.calls += 1
         i = blocks.lower_bound((stream, size, 0))
         if i == len(blocks) or blocks.keys[i][0] != stream:
             return None
@@ -480,6 +511,8 @@ class CachingAllocator:
     def _alloc_block(self, pool: _Pool, stream: int, size: int, alloc_size: int, retry: bool = False):
         if retry:
             self.num_alloc_retries += 1
+        if self.allowed_memory is not None and self.reserved + alloc_size > self.allowed_memory:
+            return None  # the memory fraction: checked with alloc_size, expandable segments too
         if self.expandable:
             return self._try_allocate_expandable_block(pool, stream, size)
         if not self._fits(alloc_size):
@@ -543,6 +576,31 @@ class CachingAllocator:
                 dst.next.prev = dst
         dst.size += src.size
         return src.size
+
+    # garbage_collect_cached_blocks
+    def _garbage_collect_cached_blocks(self) -> None:
+        threshold = int(self._gc_threshold * self.allowed_memory)
+        if self.reserved <= threshold:
+            return
+        target, reclaimed = self.reserved - threshold, 0
+        blocks = self._large.blocks
+
+        def freeable():
+            return [b for b in (blocks.blocks[k] for k in blocks.keys) if not b.is_split() and b.segment is None]
+
+        ages = {b: blocks.calls - b.gc_base for b in freeable()}
+        total_age, count = sum(ages.values()), len(ages)
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            mean_age = total_age / count
+            freed = False
+            for b in freeable():  # free every block at least as old as the mean, past the target too
+                if ages[b] >= mean_age:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= ages[b]
+                    count -= 1
+                    self._release_block(b)
 
     # release_available_cached_blocks
     def _release_available_cached_blocks(self, pool: _Pool, stream: int, size: int) -> bool:
