@@ -109,7 +109,7 @@ def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
             home[index] = labels[number]
         elif kind == FREE and parse(records[index].freed_in) is None:  # freed outside every block
             labels[number] = home[index]
-    _absorb(ledger, labels, parse)
+    _absorb(ledger, labels, home, parse)
     template = _template_units(home)
     log = _write(ledger, labels, home, where, _keys(records, home, where), template, depth // unit, unit)
     log.parse, log.template = parse, template
@@ -141,7 +141,7 @@ def _labels(ledger, home, parse) -> list:
     return labels
 
 
-def _absorb(ledger, labels, parse) -> None:
+def _absorb(ledger, labels, home, parse) -> None:
     """A stretch of ops made outside any module inside another unit's stretch runs for that unit.
 
     Autograd's own ops in a block's backward (a checkpoint unpacking the block's input, made from
@@ -156,6 +156,15 @@ def _absorb(ledger, labels, parse) -> None:
             return records[index].module == OUTSIDE
         return kind == FREE and parse(records[index].freed_in) is None
 
+    def between(number, before):
+        """A record of the block before ``before``, freed by the stack's parent module once ``before``
+        has run (activation offload moves it out then): it belongs to ``before``'s stretch."""
+        kind, index = events[number]
+        if kind != FREE or home[index] != (before[0], before[1] - 1):
+            return False
+        freed_in = records[index].freed_in
+        return freed_in is not None and freed_in != OUTSIDE and parse(freed_in) is None
+
     runs, number = [], 0
     while number < len(labels):
         end = number
@@ -167,6 +176,9 @@ def _absorb(ledger, labels, parse) -> None:
         (start, end), before, after = runs[at], labels[runs[at - 1][0]], labels[runs[at + 1][0]]
         anchored = all(not all(loose(n) for n in range(*runs[side])) for side in (at - 1, at + 1))
         if before == after and before != labels[start] and anchored and all(loose(n) for n in range(start, end)):
+            for n in range(start, end):
+                labels[n] = before
+        elif isinstance(before, tuple) and all(between(n, before) for n in range(start, end)):
             for n in range(start, end):
                 labels[n] = before
 
