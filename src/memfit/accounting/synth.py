@@ -11,11 +11,15 @@ of its record (the block whose module made it, else the block of the tensor it d
 ledger's ``Record.owner``); a free's is the block running when it happened (``Record.freed_in``),
 else its record's; marks and everything else belong to no unit. Records made outside any module
 that derive from nothing (a per-parameter ``step`` counter) take the unit of the next event that
-has one. Then the log is cut into maximal runs of one label and written out in order:
+has one. Two kinds of event are moved into the stretch of the block they run in: autograd's own
+ops between a block's ops (a checkpoint unpacking the block's input, derived from the previous
+block's output), and a block's activations freed by the stack's parent once the next block has run
+(activation offload). Then the log is cut into maximal runs of one label and written out in order:
 a run of no unit once, a run of the first units once, a run of the middle unit ``T - 2`` once for
-each of the full units ``T - 2 .. U - 2``, and a run of the last unit as unit ``U - 1``. Forward and
-backward are one run per block; an optimizer's foreach op over all parameters is one run per block
-within the op, so its copies come out in parameter order as they would in the deep model.
+each of the full units ``T - 2 .. U - 2`` (last to first where the blocks around it run that way,
+as in backward), and a run of the last unit as unit ``U - 1``. Forward and backward are one run
+per block; an optimizer's foreach op over all parameters is one run per block within the op, so
+its copies come out in parameter order as they would in the deep model.
 
 A record is named by (stack, full unit, key), the key being its module path without the block
 index, its phase and step, and its rank among the records of that unit with the same path, phase
@@ -30,7 +34,10 @@ against full traces of catalog models.
 
 Known limitations: a free whose record cannot be named in the deep model (a shallow-model
 coincidence) is dropped and counted in ``Synthesis.unmatched``; blocks that differ from each other
-other than by alternating in pairs (``unit``) are written as copies of the middle one.
+other than by a period (``unit``: alternating layer kinds, ``checkpointing=blocks:N``) are written
+as copies of the middle one; a few small set-up tensors whose count depends on the depth itself
+(peft's, 8 and 64 bytes) are those of the shallow copy; frees the garbage collector makes in an
+arbitrary order come out in block order.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
+from memfit.accounting.ledger import ALLOC, FREE, OUTSIDE, SPIKE
 
 __all__ = ["Synthesis", "synthesise"]
 
