@@ -11,11 +11,15 @@ of its record (the block whose module made it, else the block of the tensor it d
 ledger's ``Record.owner``); a free's is the block running when it happened (``Record.freed_in``),
 else its record's; marks and everything else belong to no unit. Records made outside any module
 that derive from nothing (a per-parameter ``step`` counter) take the unit of the next event that
-has one. Then the log is cut into maximal runs of one label and written out in order:
+has one. Two kinds of event are moved into the stretch of the block they run in: autograd's own
+ops between a block's ops (a checkpoint unpacking the block's input, derived from the previous
+block's output), and a block's activations freed by the stack's parent once the next block has run
+(activation offload). Then the log is cut into maximal runs of one label and written out in order:
 a run of no unit once, a run of the first units once, a run of the middle unit ``T - 2`` once for
-each of the full units ``T - 2 .. U - 2``, and a run of the last unit as unit ``U - 1``. Forward and
-backward are one run per block; an optimizer's foreach op over all parameters is one run per block
-within the op, so its copies come out in parameter order as they would in the deep model.
+each of the full units ``T - 2 .. U - 2`` (last to first where the blocks around it run that way,
+as in backward), and a run of the last unit as unit ``U - 1``. Forward and backward are one run
+per block; an optimizer's foreach op over all parameters is one run per block within the op, so
+its copies come out in parameter order as they would in the deep model.
 
 A record is named by (stack, full unit, key), the key being its module path without the block
 index, its phase and step, and its rank among the records of that unit with the same path, phase
@@ -30,7 +34,10 @@ against full traces of catalog models.
 
 Known limitations: a free whose record cannot be named in the deep model (a shallow-model
 coincidence) is dropped and counted in ``Synthesis.unmatched``; blocks that differ from each other
-other than by alternating in pairs (``unit``) are written as copies of the middle one.
+other than by a period (``unit``: alternating layer kinds, ``checkpointing=blocks:N``) are written
+as copies of the middle one; a few small set-up tensors whose count depends on the depth itself
+(peft's, 8 and 64 bytes) are those of the shallow copy; frees the garbage collector makes in an
+arbitrary order come out in block order.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
+from memfit.accounting.ledger import ALLOC, FREE, OUTSIDE, SPIKE
 
 __all__ = ["Synthesis", "synthesise"]
 
@@ -109,7 +116,7 @@ def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
             home[index] = labels[number]
         elif kind == FREE and parse(records[index].freed_in) is None:  # freed outside every block
             labels[number] = home[index]
-    _absorb(ledger, labels, parse)
+    _absorb(ledger, labels, home, parse)
     template = _template_units(home)
     log = _write(ledger, labels, home, where, _keys(records, home, where), template, depth // unit, unit)
     log.parse, log.template = parse, template
@@ -141,7 +148,7 @@ def _labels(ledger, home, parse) -> list:
     return labels
 
 
-def _absorb(ledger, labels, parse) -> None:
+def _absorb(ledger, labels, home, parse) -> None:
     """A stretch of ops made outside any module inside another unit's stretch runs for that unit.
 
     Autograd's own ops in a block's backward (a checkpoint unpacking the block's input, made from
@@ -156,6 +163,15 @@ def _absorb(ledger, labels, parse) -> None:
             return records[index].module == OUTSIDE
         return kind == FREE and parse(records[index].freed_in) is None
 
+    def between(number, before):
+        """A record of the block before ``before``, freed by the stack's parent module once ``before``
+        has run (activation offload moves it out then): it belongs to ``before``'s stretch."""
+        kind, index = events[number]
+        if kind != FREE or home[index] != (before[0], before[1] - 1):
+            return False
+        freed_in = records[index].freed_in
+        return freed_in is not None and freed_in != OUTSIDE and parse(freed_in) is None
+
     runs, number = [], 0
     while number < len(labels):
         end = number
@@ -167,6 +183,9 @@ def _absorb(ledger, labels, parse) -> None:
         (start, end), before, after = runs[at], labels[runs[at - 1][0]], labels[runs[at + 1][0]]
         anchored = all(not all(loose(n) for n in range(*runs[side])) for side in (at - 1, at + 1))
         if before == after and before != labels[start] and anchored and all(loose(n) for n in range(start, end)):
+            for n in range(start, end):
+                labels[n] = before
+        elif isinstance(before, tuple) and all(between(n, before) for n in range(start, end)):
             for n in range(start, end):
                 labels[n] = before
 
