@@ -24,6 +24,7 @@ and composes every candidate from them:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -71,6 +72,20 @@ class Engine:
             numbers = [v for v in vars(source.config).values() if isinstance(v, int)] + [seq_len or 1]
             self.prime = next(p for p in PRIMES if all(n % p for n in numbers if n))
         self._todo = self._done = 0
+
+    @functools.cached_property
+    def has_blocks(self) -> bool:
+        """Whether checkpointing finds repeated blocks to wrap (a config model's are its layers)."""
+        from memfit.techniques.checkpointing import find_blocks
+
+        if self.source.module is not None:
+            return bool(find_blocks(self.source.module))
+        if self.depth:
+            return True
+        import torch
+
+        with torch.device("meta"):
+            return bool(find_blocks(self.source.build()))
 
     def _graph_key(self, r: Recipe):
         level = "off" if r.checkpointing.startswith("blocks:") else r.checkpointing
