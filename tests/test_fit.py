@@ -47,7 +47,7 @@ def test_fit_on_a_config_answers_the_edge_and_keeps_accumulation():
     assert found.micro_batch_size > 4 and found.grad_accum_steps == 2 and found.device == "cuda"
     assert found.global_batch_size == 2 * found.micro_batch_size
     assert found.tokens_per_step == found.global_batch_size * 128
-    assert found.predicted_micro_batch_size is not None and found.traces > 0
+    assert found.predicted_micro_batch_size is not None
     _edges(found, lambda n: estimate(_config(), recipe=recipe.replace(micro_batch_size=n), seq_len=128, gpu=GPU))
     # more budget never gives a smaller micro-batch
     more = fit(_config(), gpu=GPU, budget=_context() + 200 * MIB, recipe=recipe, seq_len=128)

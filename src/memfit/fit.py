@@ -5,8 +5,9 @@ of the micro-batch, so the peak of any micro-batch size is read from one or two 
 largest size predicted to fit is found by bisection on those predictions, without tracing. The
 prediction leaves out the caching allocator's reserved memory, so the answer is then *verified*
 by full ``estimate`` calls: the candidate, and the size one above it. A full estimate that
-disagrees with the prediction corrects it (by the bytes it was off) and the search goes on, down
-or up, until a size fits by a full estimate and the next size up does not. ``Fit.estimates``
+disagrees with the prediction rescales it, then a line through the full estimates either side of
+the edge points to the next size to try (bisection if that keeps missing), down or up, until a
+size fits by a full estimate and the next size up does not. ``Fit.estimates``
 says how many full estimates that took.
 
 What the answer means: by ``estimate``'s own account (allocated + reserved + CUDA context on a
@@ -57,8 +58,8 @@ class Fit:
     next_bytes: int | None
     predicted_micro_batch_size: int | None  # from the composed traces, before verification
     tokens_per_example: int | None  # sequence length for token models, else None
-    estimates: int  # full estimates the verification took
-    traces: int  # planner traces the prediction took
+    estimates: int  # full estimates the verification consulted (a repeated call finds them kept)
+    traces: int  # planner traces the prediction took (0 when a recent plan or fit had made them)
     seconds: float
     device: str  # "cuda" or "cpu"
     gpu: str | None
@@ -171,6 +172,7 @@ class _Search:
         self.seq_len, self.loss_fn, self.limit, self.progress = seq_len, loss_fn, limit, progress
         self.recipe = recipe.replace(micro_batch_size=1)
         self.engine = None
+        self.traces = 0
         self.full: dict[int, object] = {}  # micro-batch -> full estimate
         self.notes: list[str] = []
         self._done = 0
@@ -184,12 +186,13 @@ class _Search:
             self.notes.append("attention / offload_optimizer are outside the planner's traces: searched by full "
                               "estimates only")
             return None
-        from memfit.compose import Engine
+        from memfit.plan import _cached_engine  # the planner's traces of the same config, if any
 
         batch = None if self.example is None else _grown(self.example, PROBE)()
-        self.engine = Engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer, PROBE,
-                             self._traced)
+        self.engine = _cached_engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer, PROBE,
+                                     self._traced)
         self.engine.prepare([r])
+        self.traces = self.engine.traces
         if self.predicted_bytes(1) > self.budget:
             return 1  # the full estimate of 1 says whether anything fits
         lo, hi = 1, 2  # lo fits by prediction; find hi that does not, then bisect
@@ -220,6 +223,10 @@ class _Search:
 
         if n not in self.full:
             r = self.recipe.replace(micro_batch_size=n)
+            if self.example is None and self.engine is not None:
+                self.full[n] = self.engine.verify(r)  # kept by the engine for the next call
+                self._report()
+                return self.full[n]
             batch = None if self.example is None else _grown(self.example, n * r.grad_accum_steps)
             self.full[n] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
                                     device="cpu" if self.target is None else "cuda", gpu=self.target)
@@ -246,20 +253,23 @@ class _Search:
         return lo
 
     def _next_guess(self, n: int, lo: int, hi: int) -> int:
-        """Where to look next: the prediction corrected by how far it was off at ``n`` (the first
-        few times), else the midpoint, or doubling while no size is known not to fit."""
-        if self.engine is not None and len(self.full) <= 3:
-            error = self.estimate(n).device_bytes - self.predicted_bytes(n)
-            a, b = lo + 1, hi - 1  # the largest m in [a, b] with prediction + error within budget
-            if self.predicted_bytes(a) + error > self.budget:
-                return a
-            while b > a:
-                mid = (a + b + 1) // 2
-                a, b = (mid, b) if self.predicted_bytes(mid) + error <= self.budget else (a, mid - 1)
-            return a
-        if hi > self.limit:
-            return min(lo * 2, self.limit)
-        return (lo + hi) // 2
+        """Where to look next: where a line through the full estimates crosses the budget (a
+        secant), clamped to the sizes not yet settled; bisection once secants keep missing."""
+        guess = self._secant(n, lo, hi) if len(self.full) <= 4 else None
+        if guess is None:
+            guess = lo * 2 if hi > self.limit else (lo + hi) // 2
+        return max(lo + 1, min(hi - 1, self.limit, guess))
+
+    def _secant(self, n: int, lo: int, hi: int) -> int | None:
+        if lo in self.full and hi in self.full:  # the line through the two sizes either side
+            x, y = lo, self.full[lo].device_bytes
+            slope = (self.full[hi].device_bytes - y) / (hi - lo)
+        elif self.engine is not None:  # the prediction's slope, through the estimate at n
+            x, y = n, self.full[n].device_bytes
+            slope = self.predicted_bytes(n + 1) - self.predicted_bytes(n)
+        else:
+            return None
+        return None if slope <= 0 else int(x + (self.budget - y) // slope)
 
     def _nothing_fits(self) -> NoBatchFits:
         from memfit.gpus import CATALOG
@@ -289,7 +299,7 @@ class _Search:
                    device_bytes=report.device_bytes, allocated_bytes=report.peak_bytes,
                    reserved_bytes=report.reserved_bytes, next_bytes=None if above is None else above.device_bytes,
                    predicted_micro_batch_size=predicted, tokens_per_example=self._tokens_per_example(),
-                   estimates=len(self.full), traces=0 if self.engine is None else self.engine.traces,
+                   estimates=len(self.full), traces=self.traces,
                    seconds=seconds, device="cpu" if self.target is None else "cuda",
                    gpu=None if self.target is None else self.target.name, model=self.source.name, report=report,
                    notes=tuple(notes))
