@@ -56,8 +56,13 @@ def test_fit_on_a_config_answers_the_edge_and_keeps_accumulation():
 
 def test_fit_on_a_custom_module_grows_its_batch():
     model, example = _gpt(), gpt_batch(batch=2, seq=64)
-    found = fit(model, example, loss_fn=lm_loss, gpu=GPU, budget=_context() + 40 * MIB)
+    seen = []
+    found = fit(model, example, loss_fn=lm_loss, gpu=GPU, budget=_context() + 40 * MIB,
+                progress=lambda done, total: seen.append((done, total)))
     assert found.tokens_per_step == found.micro_batch_size * 64
+    # progress counts traces and estimates, never backwards, and ends complete
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert seen[-1] == (found.traces + found.estimates,) * 2 and all(t is None or d <= t for d, t in seen)
 
     def full(n):
         return estimate(model, gpt_batch(batch=n, seq=64), loss_fn=lm_loss, recipe=Recipe(micro_batch_size=n),
@@ -152,3 +157,16 @@ def test_plan_without_repeated_blocks_leaves_checkpointing_out():
     assert all(p.recipe.checkpointing == "off" for p in list(plans) + plans.front)
     assert any("no repeated blocks" in reason for reason in plans.best.reasons)
     assert plans.best.device_bytes == estimate(model, batch, loss_fn=classify, recipe=plans.best.recipe).peak_bytes
+
+
+@pytest.mark.parametrize("recipe, traces", [(Recipe(), 2), (Recipe(grad_accum_steps=2, micro_batch_size=2), 1)])
+def test_estimate_progress_ticks_each_phase_and_ends_at_its_total(recipe, traces):
+    """One tick per forward, backward (per micro-batch) and optimizer phase of each step, and one per
+    replay: two traces on the depth path (gpt2's 12 blocks), one for a module."""
+    seen = []
+    if traces == 2:
+        estimate("gpt2", seq_len=32, recipe=recipe, progress=lambda d, t: seen.append((d, t)))
+    else:
+        estimate(_gpt(), gpt_batch(batch=4), loss_fn=lm_loss, recipe=recipe, progress=lambda d, t: seen.append((d, t)))
+    total = traces * (2 * (2 * recipe.grad_accum_steps + 1) + 1)
+    assert seen == [(d, total) for d in range(total + 1)]

@@ -162,10 +162,11 @@ def _estimate(args) -> int:
         card = gpu(args.gpu)
         if args.budget is None:
             args.budget = card.memory_bytes
-    with _progress(f"tracing {args.model} on fake tensors"):
+    with _progress(f"tracing {args.model} on fake tensors") as update:
         report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss), recipe=_recipe(args),
                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                          fast=False if args.full else None, device="cuda" if card else args.device, gpu=card)
+                          fast=False if args.full else None, device="cuda" if card else args.device, gpu=card,
+                          progress=update)
     if args.json:
         data = report.to_dict()
         if args.budget is not None:

@@ -29,11 +29,11 @@ def _line(low: int, high: int, depth: int) -> int:
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
-                      gpu=None) -> Report:
+                      gpu=None, tick=None) -> Report:
     depth = source.depth
     (small, r_small), (big, r_big) = (
         fake_trace(source.shallow(n), None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                   steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=gpu)
+                   steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=gpu, tick=tick)
         for n in SHALLOW
     )
     peaks = {key: _line(r_small.phase_peaks[key], value, depth)

@@ -24,7 +24,7 @@ from memfit.models.source import Source, resolve
 from memfit.precision import check_precision, weight_dtype
 from memfit.recipe import Recipe, recipe_from
 from memfit.report import Report
-from memfit.trace import trace
+from memfit.trace import phases, trace
 
 __all__ = ["estimate"]
 
@@ -34,7 +34,8 @@ FAST_MIN_DEPTH = 8
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
-             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None) -> Report:
+             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
+             progress=None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -57,6 +58,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
                shorthands for two of its fields. With accumulation, ``batch`` is what one
                optimizer step consumes; a made batch has micro_batch_size x grad_accum_steps rows.
+    progress   ``progress(done, total)``, called as each phase of each trace (forward, backward,
+               optimizer of every step, then the replay) begins.
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
@@ -66,14 +69,30 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     source = resolve(model)
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+    tick = _ticker(progress, (2 if fast else 1) * phases(recipe, steps))
     if fast:
         from memfit.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
+                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, tick=tick)
     report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target)
+                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, tick=tick)
     return report
+
+
+def _ticker(progress, total: int):
+    """A ``tick()`` that reports ``progress(done, total)``; None without a progress callable."""
+    if progress is None:
+        return None
+    done = 0
+    progress(done, total)
+
+    def tick():
+        nonlocal done
+        done = min(done + 1, total)
+        progress(done, total)
+
+    return tick
 
 
 DEFAULT_GPU = "h100-sxm"
@@ -99,7 +118,7 @@ def check_args(precision: str, steps: int, batch_size: int, seq_len: int | None)
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
-               detail: bool = False, prime: int | None = None):
+               detail: bool = False, prime: int | None = None, tick=None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail`` as for ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
@@ -120,7 +139,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     with mode, reads:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
-                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime)
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, tick=tick)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

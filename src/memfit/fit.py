@@ -126,6 +126,9 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
                      progress)
     predicted = search.predict_answer()
     n = search.verify_from(predicted or 1)
+    if progress:
+        done = search._done + len(search.full)
+        progress(done, done)
     return search.result(n, predicted, time.perf_counter() - start)
 
 
