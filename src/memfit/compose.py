@@ -43,14 +43,17 @@ PRIMES = (1009, 1013, 1019, 1021, 1031)
 class Engine:
     """The traces of one model, batch and step, and every candidate composed from them."""
 
-    def __init__(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
+    def __init__(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress,
+                 speed: Speed | None = None):
         from memfit.depth import SHALLOW
         from memfit.estimate import FAST_MIN_DEPTH
 
         self.source, self.batch, self.target, self.seq_len = source, batch, target, seq_len
         self.loss_fn, self.optimizer, self.global_batch_size = loss_fn, optimizer, global_batch_size
         self.progress = progress
-        self.speed = Speed.host() if target is None else Speed.from_gpu(target)
+        # the cost model: the target's, or this CPU's (measured, seconds); a caller that reads no
+        # times (``fit``) passes any
+        self.speed = speed or (Speed.host() if target is None else Speed.from_gpu(target))
         self.depth = source.depth
         self.causal_lm = source.task == "causal-lm" and loss_fn is None
         self.notes: list[str] = []

@@ -189,11 +189,19 @@ class _Search:
             self.notes.append("attention / offload_optimizer are outside the planner's traces: searched by full "
                               "estimates only")
             return None
+        from memfit.compose import Engine
+        from memfit.cost import Speed
+        from memfit.estimate import DEFAULT_GPU, _target
         from memfit.plan import _cached_engine  # the planner's traces of the same config, if any
 
         batch = None if self.example is None else _grown(self.example, PROBE)()
-        self.engine = _cached_engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer, PROBE,
-                                     self._traced)
+        if self.target is None:
+            # fit reads bytes, never times: the CPU's speed (seconds to measure) is not needed
+            self.engine = Engine(self.source, batch, None, self.seq_len, self.loss_fn, r.optimizer, PROBE,
+                                 self._traced, speed=Speed.from_gpu(_target("cuda", DEFAULT_GPU)))
+        else:
+            self.engine = _cached_engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer,
+                                         PROBE, self._traced)
         self.engine.prepare([r])
         self.traces = self.engine.traces
         if self.predicted_bytes(1) > self.budget:
@@ -278,15 +286,19 @@ class _Search:
         from memfit.gpus import CATALOG
 
         needed = self.estimate(1).device_bytes
-        fixes = ["techniques chosen for you (memfit plan MODEL --allow lora,qlora,adamw8bit)"]
+        where = f"--gpu {self.target.name}" if self.target is not None else f"--device cpu --budget {self.budget}"
+        if self.seq_len and self.source.config is not None:
+            where += f" --seq-len {self.seq_len}"
+        fixes = [f"the techniques plan picks (memfit plan {self.source.name} {where} --allow lora,qlora,adamw8bit)"]
         if self.seq_len and self.source.config is not None and self.source.task != "image-classification":
             fixes.append(f"a shorter sequence than {self.seq_len}")
         if self.target is not None:
             bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= needed), key=lambda g: g.memory_bytes)
             if bigger:
                 fixes.append(f"a bigger card ({bigger[0].name}, {format_size(bigger[0].memory_bytes)})")
-        return NoBatchFits(f"nothing fits {format_size(self.budget)}: micro-batch 1 of {self.recipe.describe()} "
-                           f"needs {format_size(needed)}; try " + ", or ".join(fixes), needed, self.budget)
+        recipe = self.recipe.replace(micro_batch_size=None).describe()
+        return NoBatchFits(f"nothing fits {format_size(self.budget)}: micro-batch 1 ({recipe}) needs "
+                           f"{format_size(needed)}; try " + ", or ".join(fixes), needed, self.budget)
 
     # -- the answer --------------------------------------------------------------------------------
     def result(self, n: int, predicted: int | None, seconds: float) -> Fit:
