@@ -96,6 +96,7 @@ def test_nothing_fits_is_one_line_naming_what_would():
     (dict(seq_len=128), "needs a budget"),
     (dict(budget="1GiB", gpu=GPU, device="cpu"), "conflict"),
     (dict(budget="1GiB", limit=0), "limit"),
+    (dict(budget="1GiB", recipe=Recipe(micro_batch_size=2)), "leave it unset"),
 ])
 def test_bad_input_is_one_line(kwargs, needle):
     with pytest.raises(MemfitError, match=needle):
@@ -115,15 +116,18 @@ def test_cli_fit_and_estimate_max_batch_size_agree(tmp_path, capsys):
     assert fitted["device_bytes"] == estimated["device_bytes"] <= fitted["budget_bytes"] < fitted["next"]["device_bytes"]
     api = fit(_config(), gpu=GPU, budget=budget, recipe=Recipe(precision="bf16-mixed"), seq_len=128)
     assert api.micro_batch_size == fitted["micro_batch_size"]
-    # the human view names the answer, the budget and the next size up
-    assert main(["fit", *common[:-1]]) == 0
+    # the human view names the answer, the budget and the next size up; --out writes the recipe
+    assert main(["fit", *common[:-1], "--out", str(tmp_path / "r.yaml")]) == 0
     out = capsys.readouterr().out
     assert f"micro-batch {api.micro_batch_size + 1} would need" in out and "tokens per optimizer step" in out
+    assert Recipe.load(str(tmp_path / "r.yaml")) == api.recipe
     # nothing fits: exit 1 and a JSON answer; a searched field given as a flag: exit 2
     assert main(["fit", str(path), "--gpu", GPU, "--budget", "1MiB", "--seq-len", "128", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
     assert main(["fit", str(path), "--gpu", GPU, "--micro-batch-size", "4"]) == 2
     assert "drop --micro-batch-size" in capsys.readouterr().err
+    assert main(["estimate", str(path), "--gpu", GPU, "--max-batch-size", "--batch-size", "4"]) == 2
+    assert "drop --batch-size" in capsys.readouterr().err
 
 
 def test_cli_fit_custom_module(capsys):

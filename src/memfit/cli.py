@@ -106,6 +106,7 @@ def _fit_parser(sub) -> None:
     fit.add_argument("--batch", default=None, help="package.module:function returning an example batch (for factory "
                      "models; grown along dim 0 to each size tried)")
     fit.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
+    fit.add_argument("--out", default=None, help="write the recipe with the micro-batch found to this .yaml/.json file")
     fit.add_argument("--json", action="store_true", help="print the answer as JSON")
 
 
@@ -153,6 +154,8 @@ def _estimate(args) -> int:
     from memfit.render import report_view, verdict
 
     if args.max_batch_size:
+        if args.batch_size != 1:
+            raise MemfitError("--batch-size and --max-batch-size conflict: --max-batch-size finds it; drop --batch-size")
         args.device = "cuda" if args.gpu is not None else args.device
         return _fit(args)
     card = None
@@ -217,10 +220,14 @@ def _fit(args) -> int:
             else:
                 print(f"memfit: {err}", file=sys.stderr)
             return 1
+    if getattr(args, "out", None):
+        found.recipe.save(args.out)
     if args.json:
         print(json.dumps(found.to_dict(), indent=2))
     else:
         Console().print(fit_view(found, args.model))
+        if getattr(args, "out", None):
+            Console().print(f"recipe written to {args.out} (memfit estimate {args.model} --recipe {args.out})")
     return 0
 
 

@@ -126,9 +126,7 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
                      progress)
     predicted = search.predict_answer()
     n = search.verify_from(predicted or 1)
-    if progress:
-        done = search._done + len(search.full)
-        progress(done, done)
+    search.finish()
     return search.result(n, predicted, time.perf_counter() - start)
 
 
@@ -142,6 +140,8 @@ class _Search:
 
         check_args(precision, 1, 1, seq_len)
         recipe, factory = recipe_from(recipe, precision, optimizer)
+        if recipe.micro_batch_size is not None:
+            raise MemfitError("fit searches micro_batch_size: leave it unset in the recipe")
         if factory is not None:
             raise MemfitError("fit takes the optimizer by name (adamw, adafactor, ...), not a callable")
         if not isinstance(limit, int) or limit < 1:
@@ -221,6 +221,11 @@ class _Search:
     def _traced(self, done, total):
         self._done, self._total = done, total + 2  # and at least two full estimates
         self._report()
+
+    def finish(self):
+        if self.progress:
+            done = self._done + len(self.full)
+            self.progress(done, done)
 
     def _report(self):
         if self.progress:
