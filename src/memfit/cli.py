@@ -7,6 +7,7 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -180,22 +181,17 @@ def _estimate(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
 def _progress(description: str):
     """A bar on stderr (``--json`` output stays clean): a spinner and the elapsed time, and the count
-    done of the total once the work reports one through the callable this yields."""
-    import contextlib
-
+    done of the total once the work reports one through the ``update(done, total)`` this yields."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    @contextlib.contextmanager
-    def bar():
-        with Progress(SpinnerColumn(), TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=True) as shown:
-            task = shown.add_task(description, total=None)
-            yield lambda done, total: shown.update(task, completed=done, total=total)
-
-    return bar()
+    with Progress(SpinnerColumn(), TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as shown:
+        task = shown.add_task(description, total=None)
+        yield lambda done, total: shown.update(task, completed=done, total=total)
 
 
 def _fit(args) -> int:
