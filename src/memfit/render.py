@@ -120,9 +120,9 @@ def fit_view(found, name: str) -> Group:
                 f"= global batch {found.global_batch_size}", style="bold")
     lines = [head, Text(f"recipe: {found.recipe.replace(micro_batch_size=None).describe()}")]
     reserved = "" if found.reserved_bytes is None else f", reserved {format_size(found.reserved_bytes)}"
+    spare = format_size(found.budget_bytes - found.device_bytes)
     lines.append(Text(f"needs {format_size(found.device_bytes)} of {format_size(found.budget_bytes)} (allocated "
-                      f"{format_size(found.allocated_bytes)}{reserved}): {format_size(found.budget_bytes - found.device_bytes)} "
-                      "to spare", style="green"))
+                      f"{format_size(found.allocated_bytes)}{reserved}): {spare} to spare", style="green"))
     if found.next_bytes is None:
         lines.append(Text(f"micro-batch {found.micro_batch_size + 1} not tried: the search stops there"))
     else:
