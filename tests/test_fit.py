@@ -176,3 +176,13 @@ def test_estimate_progress_ticks_each_phase_and_ends_at_its_total(recipe, traces
         estimate(_gpt(), gpt_batch(batch=4), loss_fn=lm_loss, recipe=recipe, progress=lambda d, t: seen.append((d, t)))
     total = traces * (2 * (2 * recipe.grad_accum_steps + 1) + 1)
     assert seen == [(d, total) for d in range(total + 1)]
+
+
+def test_fit_outside_the_planners_traces_searches_by_full_estimates():
+    """attention= is not in the planner's graph key: no prediction, doubling then bisection with full
+    estimates, and the same edge."""
+    recipe = Recipe(attention="eager")
+    found = fit(_config(), gpu=GPU, budget=_context() + 30 * MIB, recipe=recipe, seq_len=64)
+    assert found.predicted_micro_batch_size is None and found.traces == 0
+    assert any("full estimates only" in note for note in found.notes)
+    _edges(found, lambda n: estimate(_config(), recipe=recipe.replace(micro_batch_size=n), seq_len=64, gpu=GPU))
