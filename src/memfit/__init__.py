@@ -15,6 +15,7 @@ from memfit.apply import apply  # noqa: E402
 from memfit.categories import Category  # noqa: E402
 from memfit.errors import MemfitError
 from memfit.estimate import estimate
+from memfit.fit import Fit, NoBatchFits, fit
 from memfit.measure import measure
 from memfit.plan import NothingFits, Plan, Plans, plan
 from memfit.recipe import Recipe
@@ -22,7 +23,8 @@ from memfit.report import Report
 from memfit.units import format_size, parse_size
 
 __all__ = [
-    "Category", "MemfitError", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply", "estimate", "measure",
+    "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
+    "estimate", "fit", "measure",
     "parse_size", "plan", "format_size",
 ]
 __version__ = "0.1.0"

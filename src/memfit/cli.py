@@ -7,6 +7,7 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -68,17 +69,24 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
                      help="mixture-of-experts only: tokens spread evenly over the experts (default), or all on the "
                           "same top-k experts (worst case for CPU bf16 kernel scratch)")
+    est.add_argument("--max-batch-size", action="store_true",
+                     help="instead: the largest micro-batch of this recipe that fits the budget (as `memfit fit`)")
     est.add_argument("--json", action="store_true", help="print the report as JSON")
+    _fit_parser(sub)
     pl = sub.add_parser("plan", help="the fastest recipe that fits a budget, and why")
-    pl.add_argument("model", help="catalog name (see `memfit models`) or a config.json path")
+    pl.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or package.module:function")
     pl.add_argument("--gpu", default=None, help="the card to plan for (rtx-4090, a100-80gb, ...): its memory is "
                     "the budget and its speeds the cost model; see `memfit gpus`")
     pl.add_argument("--budget", type=_size, default=None, help="bytes available, e.g. 24GiB (default: the --gpu's memory)")
     pl.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
                     help="plan for a GPU (cuda, default; speeds of --gpu or h100-sxm) or for this CPU")
     pl.add_argument("--seq-len", type=_positive, default=None, help="tokens per example (default: the model's, at most 2048)")
-    pl.add_argument("--global-batch-size", type=_positive, default=8,
-                    help="examples per optimizer step, split into micro-batch x accumulation (default 8)")
+    pl.add_argument("--global-batch-size", type=_positive, default=None,
+                    help="examples per optimizer step, split into micro-batch x accumulation "
+                    "(default 8; with --batch, the batch's rows)")
+    pl.add_argument("--batch", default=None, help="package.module:function returning the global batch (for "
+                    "factory models; dim 0 is split into micro-batches)")
+    pl.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
     pl.add_argument("--allow", default="", help="techniques that change the math, allowed by name: "
                     "lora, qlora, adamw8bit, paged_adamw8bit, bf16 (comma-separated)")
     pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
@@ -89,6 +97,24 @@ def _parser() -> argparse.ArgumentParser:
     gpus = sub.add_parser("gpus", help="list the GPU catalog")
     gpus.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
+
+
+def _fit_parser(sub) -> None:
+    fit = sub.add_parser("fit", help="the largest micro-batch of a recipe that fits a card or a budget")
+    fit.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or package.module:function")
+    fit.add_argument("--gpu", default=None, help="the card (rtx-4090, a100-80gb, ...): its memory is the budget and "
+                     "its CUDA semantics are followed; see `memfit gpus`")
+    fit.add_argument("--budget", type=_size, default=None, help="bytes available, e.g. 24GiB (default: the --gpu's memory)")
+    fit.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                     help="follow CUDA semantics (default; h100-sxm's without --gpu) or the CPU's")
+    fit.add_argument("--seq-len", type=_positive, default=None, help="tokens per example (default: the model's, at most 2048)")
+    fit.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
+    _recipe_flags(fit)
+    fit.add_argument("--batch", default=None, help="package.module:function returning an example batch (for factory "
+                     "models; grown along dim 0 to each size tried)")
+    fit.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
+    fit.add_argument("--out", default=None, help="write the recipe with the micro-batch found to this .yaml/.json file")
+    fit.add_argument("--json", action="store_true", help="print the answer as JSON")
 
 
 def _recipe_flags(parser) -> None:
@@ -130,18 +156,22 @@ def _estimate(args) -> int:
     from memfit.estimate import estimate
     from memfit.render import report_view, verdict
 
-    err = Console(stderr=True)
+    if args.max_batch_size:
+        if args.batch_size is not None:
+            raise MemfitError("--batch-size and --max-batch-size conflict: --max-batch-size finds it; drop --batch-size")
+        args.device = "cuda" if args.gpu is not None else args.device
+        return _fit(args)
     card = None
     if args.gpu is not None:
         from memfit.gpus import gpu
 
         card = gpu(args.gpu)
     cuda = card is not None or args.device == "cuda"  # the budget is the allocator's limit on the card
-    with err.status(f"tracing {args.model} on fake tensors…"):
+    with _progress(f"tracing {args.model} on fake tensors") as update:
         report = estimate(args.model, _import(args.batch), loss_fn=_import(args.loss), recipe=_recipe(args),
                           steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                           fast=False if args.full else None, device="cuda" if cuda else args.device, gpu=card,
-                          moe_routing=args.moe_routing, budget=args.budget if cuda else None)
+                          moe_routing=args.moe_routing, budget=args.budget if cuda else None, progress=update)
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:
@@ -152,9 +182,56 @@ def _estimate(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _progress(description: str):
+    """A bar on stderr (``--json`` output stays clean): a spinner and the elapsed time, and the count
+    done of the total once the work reports one through the ``update(done, total)`` this yields."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as shown:
+        task = shown.add_task(description, total=None)
+        yield lambda done, total: shown.update(task, completed=done, total=total)
+
+
+def _fit(args) -> int:
+    from rich.console import Console
+
+    from memfit.fit import NoBatchFits, fit
+    from memfit.render import fit_view
+
+    recipe = _recipe(args)
+    if recipe.micro_batch_size is not None:
+        raise MemfitError("fit searches the micro-batch size: drop --micro-batch-size (or micro_batch_size in --recipe)")
+    if args.device == "cpu" and args.gpu is not None:
+        raise MemfitError("--gpu and --device cpu conflict: drop one")
+    if getattr(args, "out", None) is not None:
+        _check_out(args.out)
+    with _progress(f"fitting {args.model}") as update:
+        try:
+            found = fit(args.model, _import(args.batch), gpu=args.gpu, budget=args.budget, recipe=recipe,
+                        seq_len=args.seq_len, loss_fn=_import(args.loss), device=args.device, progress=update)
+        except NoBatchFits as err:
+            if args.json:
+                print(json.dumps({"fits": False, "message": str(err), "needed_bytes": err.needed_bytes,
+                                  "budget_bytes": err.budget_bytes}, indent=2))
+            else:
+                print(f"memfit: {err}", file=sys.stderr)
+            return 1
+    if getattr(args, "out", None):
+        found.recipe.save(args.out)
+    if args.json:
+        print(json.dumps(found.to_dict(), indent=2))
+    else:
+        Console().print(fit_view(found, args.model))
+        if getattr(args, "out", None):
+            Console().print(f"recipe written to {args.out} (memfit estimate {args.model} --recipe {args.out})")
+    return 0
+
+
 def _plan(args) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memfit.plan import NothingFits, plan
     from memfit.render import plan_view
@@ -163,14 +240,13 @@ def _plan(args) -> int:
         raise MemfitError("--gpu and --device cpu conflict: drop one")
     if args.out is not None:
         _check_out(args.out)
-    with Progress(TextColumn("planning {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(args.model, total=None)
+    batch = _import(args.batch)
+    gbs = args.global_batch_size if args.global_batch_size is not None or batch is not None else 8
+    with _progress(f"planning {args.model}") as update:
         try:
-            plans = plan(args.model, budget=args.budget, gpu=args.gpu, device=args.device,
-                         global_batch_size=args.global_batch_size, seq_len=args.seq_len, allow=args.allow,
-                         optimizer=args.optimizer, progress=lambda done, total: bar.update(task, completed=done,
-                                                                                         total=total))
+            plans = plan(args.model, batch, budget=args.budget, gpu=args.gpu, device=args.device,
+                         global_batch_size=gbs, seq_len=args.seq_len, allow=args.allow,
+                         optimizer=args.optimizer, loss_fn=_import(args.loss), progress=update)
         except NothingFits as err:
             if args.json:
                 print(json.dumps({"fits": False, "message": str(err), "smallest": err.smallest.to_dict()}, indent=2))
@@ -249,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             # (fan_in_fan_out for GPT-2's Conv1D, CPU kernels) or about the user's config's
             # spelling (deprecated keys); on stderr they would bury the table or the error line
             warnings.filterwarnings("ignore", module=r"(peft|bitsandbytes|transformers)(\.|$)")
-            return {"estimate": _estimate, "plan": _plan, "models": _models, "gpus": _gpus}[args.command](args)
+            return {"estimate": _estimate, "fit": _fit, "plan": _plan, "models": _models,
+                    "gpus": _gpus}[args.command](args)
     except MemfitError as err:
         print(f"memfit: error: {err}", file=sys.stderr)
         return 2

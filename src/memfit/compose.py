@@ -24,6 +24,7 @@ and composes every candidate from them:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -42,14 +43,17 @@ PRIMES = (1009, 1013, 1019, 1021, 1031)
 class Engine:
     """The traces of one model, batch and step, and every candidate composed from them."""
 
-    def __init__(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
+    def __init__(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress,
+                 speed: Speed | None = None):
         from memfit.depth import SHALLOW
         from memfit.estimate import FAST_MIN_DEPTH
 
         self.source, self.batch, self.target, self.seq_len = source, batch, target, seq_len
         self.loss_fn, self.optimizer, self.global_batch_size = loss_fn, optimizer, global_batch_size
         self.progress = progress
-        self.speed = Speed.host() if target is None else Speed.from_gpu(target)
+        # the cost model: the target's, or this CPU's (measured, seconds); a caller that reads no
+        # times (``fit``) passes any
+        self.speed = speed or (Speed.host() if target is None else Speed.from_gpu(target))
         self.depth = source.depth
         self.causal_lm = source.task == "causal-lm" and loss_fn is None
         self.notes: list[str] = []
@@ -71,6 +75,20 @@ class Engine:
             numbers = [v for v in vars(source.config).values() if isinstance(v, int)] + [seq_len or 1]
             self.prime = next(p for p in PRIMES if all(n % p for n in numbers if n))
         self._todo = self._done = 0
+
+    @functools.cached_property
+    def has_blocks(self) -> bool:
+        """Whether checkpointing finds repeated blocks to wrap (a config model's are its layers)."""
+        from memfit.techniques.checkpointing import find_blocks
+
+        if self.source.module is not None:
+            return bool(find_blocks(self.source.module))
+        if self.depth:
+            return True
+        import torch
+
+        with torch.device("meta"):
+            return bool(find_blocks(self.source.build()))
 
     def _graph_key(self, r: Recipe):
         level = "off" if r.checkpointing.startswith("blocks:") else r.checkpointing

@@ -28,7 +28,7 @@ from memfit.models.source import Source, resolve
 from memfit.precision import check_gpu, check_precision, weight_dtype
 from memfit.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
 from memfit.report import Report
-from memfit.trace import trace
+from memfit.trace import phases, trace
 
 __all__ = ["estimate"]
 
@@ -39,7 +39,7 @@ FAST_MIN_DEPTH = 8
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
-             moe_routing: str = "balanced", budget=None) -> Report:
+             moe_routing: str = "balanced", budget=None, progress=None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -71,6 +71,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     moe_routing  how a mixture-of-experts router splits tokens, which fake tensors cannot know:
                ``balanced`` (tokens x top_k / experts each) or ``worst`` (all tokens on the same
                top_k experts). Only CPU kernel scratch depends on it (``cpu_kernels.py``).
+    progress   ``progress(done, total)``, called as each phase of each trace (forward, backward,
+               optimizer of every step, then the replay) begins.
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
@@ -81,14 +83,31 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+    tick = _ticker(progress, phases(recipe, steps))  # one trace either way (depth.py traces one copy)
     if fast:
         from memfit.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget)
+                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget,
+                                 tick=tick)
     report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget)
+                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick)
     return report
+
+
+def _ticker(progress, total: int):
+    """A ``tick()`` that reports ``progress(done, total)``; None without a progress callable."""
+    if progress is None:
+        return None
+    done = 0
+    progress(done, total)
+
+    def tick():
+        nonlocal done
+        done = min(done + 1, total)
+        progress(done, total)
+
+    return tick
 
 
 DEFAULT_GPU = "h100-sxm"
@@ -151,19 +170,21 @@ def _step_batch(batch_size: int | None, recipe: Recipe) -> int:
 
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
-               detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None):
-    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep`` as for ``trace``."""
+               detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None,
+               tick=None):
+    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
+    ``trace``."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
     with quiet_fake_log():
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
-                           budget=budget)
+                           budget=budget, tick=tick)
 
 
 def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime,
-                keep, budget):
+                keep, budget, tick):
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)
@@ -189,7 +210,7 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep,
-                                   budget=budget)
+                                   budget=budget, tick=tick)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

@@ -38,6 +38,8 @@ ALLOWABLE = ("lora", "qlora", "adamw8bit", "paged_adamw8bit", "bf16")
 EVERY = (2, 3, 4, 6, 8, 16)
 LORA_RANK = 16
 CHUNKS = 8
+NO_BLOCKS = ("checkpointing left out of the search: the model has no repeated blocks to checkpoint "
+             "(name modules yourself with checkpointing=modules:a,b)")
 MAX_CHECKS = 8  # full estimates tried, fastest first, before giving up on the predictions
 SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 
@@ -121,7 +123,8 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
 
     model       as for :func:`memfit.estimate` (catalog name, config, nn.Module, factory).
-    batch       for a model without a config: the global batch (dim 0 is split into micro-batches).
+    batch       for a model without a config: the global batch (dim 0 is split into micro-batches), or
+                a zero-argument callable returning it.
     budget      bytes or a size like ``"24GiB"``; default: the ``gpu``'s memory.
     gpu         a catalog GPU (``"rtx-4090"``): CUDA semantics and its speeds. Default ``h100-sxm``
                 for speeds when only ``budget`` is given; ``device="cpu"`` plans for the CPU.
@@ -155,7 +158,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     else:
         budget_bytes = parse_size(budget)
     source = resolve(model)
-    if batch is not None and not callable(batch):
+    if callable(batch):  # made once: its rows are the global batch
+        batch = batch()
+    if batch is not None:
         from memfit.step import _rows
 
         rows = _rows(batch)
@@ -200,8 +205,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         notes.append("chosen among the smallest predicted recipes, checked in full")
     exact = Plan(chosen.recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, chosen.step_seconds,
                  chosen.samples_per_second, chosen.tokens_per_second, verified=True, verdict=report.verdict)
-    exact = Plan(**{**exact.__dict__, "reasons": tuple(_reasons(exact, chosen, predicted, budget_bytes, engine)
-                                                        + _caveats(report))})
+    reasons = _reasons(exact, chosen, predicted, budget_bytes, engine) + _caveats(report)
+    if not engine.has_blocks:
+        reasons.append(NO_BLOCKS)
+    exact = Plan(**{**exact.__dict__, "reasons": tuple(reasons)})
     rest = [p for p in fitting if p.recipe != chosen.recipe and _rank(p) >= _rank(chosen)]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": optimizer, "allow": sorted(allowed), "traces": engine.traces,
@@ -304,7 +311,8 @@ def _space(engine, allowed: set[str], optimizer: str) -> list[Recipe]:
     bf16_ok = target is None or target.bf16  # pure bf16 needs bf16 units (sm80+)
     precisions = ["fp32", low] + (["bf16"] if "bf16" in allowed and bf16_ok else [])
     depth = engine.depth or 0
-    levels = ["off", "selective", "blocks"] + [f"blocks:{n}" for n in EVERY if n < depth]
+    levels = ["off", "selective", "blocks"] + [f"blocks:{n}" for n in EVERY if n < depth] if engine.has_blocks \
+        else ["off"]
     chunked = [0, CHUNKS] if engine.causal_lm else [0]
     optimizers = [optimizer] + [o for o in ("adamw8bit", "paged_adamw8bit") if o in allowed and o != optimizer]
     loras = ["off"] + [f"{k}:{LORA_RANK}" for k in ("lora", "qlora") if k in allowed]

@@ -15,7 +15,7 @@ from memfit.verdict import ERROR_SOURCE, EXPANDABLE, OOM
 from memfit.report import Report, verdict_line
 from memfit.units import format_size
 
-__all__ = ["report_view", "verdict", "plan_view"]
+__all__ = ["report_view", "verdict", "plan_view", "fit_view"]
 
 
 def verdict(report: Report, budget: int | None = None) -> dict:
@@ -135,4 +135,28 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
     if out:
         env = f"PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf} " if best.alloc_conf else ""
         lines.append(Text(f"recipe written to {out} ({env}memfit estimate MODEL --recipe {out})"))
+    return Group(*lines)
+
+
+def fit_view(found, name: str) -> Group:
+    """The largest micro-batch, its bytes against the budget, and what the next size up needs."""
+    where = found.gpu or "this CPU"
+    head = Text(f"{name} on {where}: micro-batch {found.micro_batch_size} x {found.grad_accum_steps} accumulation "
+                f"= global batch {found.global_batch_size}", style="bold")
+    lines = [head, Text(f"recipe: {found.recipe.replace(micro_batch_size=None).describe()}")]
+    reserved = "" if found.reserved_bytes is None else f", reserved {format_size(found.reserved_bytes)}"
+    spare = format_size(found.budget_bytes - found.device_bytes)
+    lines.append(Text(f"needs {format_size(found.device_bytes)} of {format_size(found.budget_bytes)} (allocated "
+                      f"{format_size(found.allocated_bytes)}{reserved}): {spare} to spare", style="green"))
+    if found.next_bytes is None:
+        lines.append(Text(f"micro-batch {found.micro_batch_size + 1} not tried: the search stops there"))
+    else:
+        lines.append(Text(f"micro-batch {found.micro_batch_size + 1} would need {format_size(found.next_bytes)}, "
+                          f"{format_size(found.next_bytes - found.budget_bytes)} over"))
+    if found.tokens_per_step is not None:
+        lines.append(Text(f"{found.tokens_per_step:,} tokens per optimizer step"))
+    predicted = ("" if found.predicted_micro_batch_size is None
+                 else f"; composed prediction {found.predicted_micro_batch_size} from {found.traces} traces")
+    lines.append(Text(f"checked by {found.estimates} full estimate(s){predicted}, {found.seconds:.1f} s", style="dim"))
+    lines += [Text(f"note: {note}", style="dim") for note in found.notes]
     return Group(*lines)

@@ -34,7 +34,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
-          prime: int | None = None, keep: bool = False, budget: int | None = None):
+          prime: int | None = None, keep: bool = False, budget: int | None = None, tick=None):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device, and replay
@@ -43,7 +43,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     kernel (``Replay.ops``, see ``accounting/ops.py``), and the allocator statistics on CUDA
     (``Replay.allocator``), for the planner. ``keep``: keep the ledger and its kernel scratch
     (``Replay.ledger``, ``Replay.scratch``), for the depth fast path. ``prime``: the batch dimension is this prime; the
-    series and rows also say which bytes scale with it.
+    series and rows also say which bytes scale with it. ``tick()`` is called as each phase
+    (forward, backward, optimizer) begins and once when the replay is done: ``phases(recipe, steps)``.
     """
     device = model_device(model)
     if recipe.lora_plan()[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
@@ -51,6 +52,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     ledger = Ledger(device=device, model=model,
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
     ledger.prime = prime
+    ledger.on_phase = tick
     for param in list(model.parameters()) + quant_state_tensors(model):
         ledger.register(param, Category.PARAMETERS)
     for buf in model.buffers():
@@ -66,6 +68,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         ledger.close()
     scratch, unprobed = measure_scratch(ledger)
     result = replay(ledger, scratch)
+    if tick is not None:
+        tick()
     params = list(model.parameters())
     cuda = {}
     if gpu is not None:
@@ -104,6 +108,12 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None),
         **cuda,
     ), result
+
+
+def phases(recipe, steps: int) -> int:
+    """How often ``trace`` ticks: forward and backward of each micro-batch and the optimizer, per
+    step, and the replay."""
+    return steps * (2 * recipe.grad_accum_steps + 1) + 1
 
 
 def numel(param) -> int:

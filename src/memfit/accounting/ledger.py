@@ -123,6 +123,7 @@ class Ledger(TorchDispatchMode):
         self.offloaded_scaled = 0  # with ``prime``: the part of it that scales with the batch
         self.prime: int | None = None  # the batch has this prime number of rows (the planner)
         self.counter = None  # an ``ops.OpCounter`` while one is attached (the planner)
+        self.on_phase = None  # called with no arguments as each phase begins (a progress bar)
 
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:
@@ -131,6 +132,8 @@ class Ledger(TorchDispatchMode):
             self._attribute_parameters()
         self.marks.append((phase, step))
         self.events.append((MARK, len(self.marks) - 1))
+        if self.on_phase is not None:
+            self.on_phase()
 
     def register(self, tensor: torch.Tensor, category: Category) -> None:
         """Account a storage that exists before the step (parameters, buffers, the batch)."""
