@@ -33,8 +33,11 @@ DEMO = dict(BF16, checkpointing="blocks", chunked_loss=8, micro_batch_size=8, gr
 # (name, model, recipe fields, gpu or None for CPU semantics, seq_len, batch_size)
 CASES = [
     ("demo 8b qlora", "llama-3.1-8b", DEMO, "rtx-4090", 2048, 1),
+    ("demo plan pick, 3 micro-batches", "llama-3.1-8b",
+     dict(BF16, checkpointing="blocks:2", micro_batch_size=1, grad_accum_steps=3, lora="qlora:16"), "rtx-4090", 2048, 1),
     ("1b bf16 s2048", "llama-3.2-1b", BF16, "rtx-4090", 2048, 1),
     ("3b accum 1x2", "llama-3.2-3b", dict(micro_batch_size=1, grad_accum_steps=2), "h100-sxm", 2048, 1),
+    ("3b bf16 accum 1x2", "llama-3.2-3b", dict(BF16, micro_batch_size=1, grad_accum_steps=2), "h100-sxm", 2048, 1),
     ("1b fp32 plain", "llama-3.2-1b", {}, "a100", 512, 2),
     ("1b ckpt blocks", "llama-3.2-1b", dict(BF16, checkpointing="blocks"), "h100-sxm", 1024, 2),
     ("1b ckpt every-2nd", "llama-3.2-1b", dict(BF16, checkpointing="blocks:2"), "rtx-4090", 1024, 2),
