@@ -375,13 +375,22 @@ def _short_line(text: str) -> str | None:
     return None
 
 
+OUTCOMES: dict[str, int] = {}  # how the passing cases ended: a result, an error line, an exit status
+
+
+def _outcome(name: str) -> None:
+    OUTCOMES[name] = OUTCOMES.get(name, 0) + 1
+
+
 def _api(call) -> str | None:
     """Run ``call``; None when it passed, else why it failed."""
     err_text = io.StringIO()
     try:
         with contextlib.redirect_stderr(err_text), contextlib.redirect_stdout(io.StringIO()):
             call()
+        _outcome("api result")
     except MemfitError as err:
+        _outcome("api MemfitError")
         problem = _short_line(str(err))
         if problem:
             return f"MemfitError message is {problem}: {str(err)[:300]!r}"
@@ -415,6 +424,7 @@ def _cli(argv) -> str | None:
 
 
 def _judge_cli(status, stderr: str, argv) -> str | None:
+    _outcome(f"cli exit {status}")
     if "Traceback" in stderr:
         return f"traceback on stderr: {stderr[-300:]!r}"
     if status == 0:
@@ -470,6 +480,7 @@ def fuzz(seed: int, cases: int, *, kinds: set[str] | None = None, only: set[int]
     """Run ``cases`` cases from ``seed``; returns counts and the failures."""
     counts: dict[str, dict[str, int]] = {}
     failures = []
+    OUTCOMES.clear()
     old = signal.signal(signal.SIGALRM, _alarm)
     for name in TORCH_LOGGERS:
         logging.getLogger(name).addHandler(TORCH_LOG)
@@ -507,6 +518,7 @@ def fuzz(seed: int, cases: int, *, kinds: set[str] | None = None, only: set[int]
             logging.getLogger(name).removeHandler(TORCH_LOG)
     total = sum(c["cases"] for c in counts.values())
     return {"seed": seed, "cases": total, "failures": len(failures), "by_kind": counts,
+            "outcomes": dict(sorted(OUTCOMES.items())),
             "seconds": round(time.perf_counter() - start, 1), "max_message": MAX_MESSAGE, "failed": failures}
 
 
