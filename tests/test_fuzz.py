@@ -15,15 +15,10 @@ import fuzz  # noqa: E402
 
 
 def test_fuzz_subset_has_no_failures():
-    # plans are left to the full run: their first traces take seconds each
-    result = fuzz.fuzz(seed=11, cases=260, kinds={"recipe", "recipe_load", "estimate", "cli_estimate", "cli_misc"})
-    assert result["cases"] >= 150
-    assert result["failures"] == 0, [f["problem"] for f in result["failed"]]
-
-
-def test_fuzz_a_few_plans():
-    result = fuzz.fuzz(seed=5, cases=40, kinds={"plan", "cli_plan"})
-    assert result["cases"] >= 5
+    # plans are left to the full run (bench/fuzz.py): a plan's first traces take 10 s or more
+    result = fuzz.fuzz(seed=11, cases=500, kinds={"recipe", "recipe_load", "estimate", "cli_estimate", "cli_misc"})
+    assert result["cases"] >= 350
+    assert result["outcomes"].get("api result", 0) and result["outcomes"].get("api MemfitError", 0)
     assert result["failures"] == 0, [f["problem"] for f in result["failed"]]
 
 

@@ -79,7 +79,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     target = _target(device, gpu)
     check_gpu(recipe.precision, target)
     budget = _budget(budget, target)
-    batch_size = _step_batch(batch_size, recipe)
+    batch_size = step_batch(batch_size, recipe)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
@@ -153,7 +153,7 @@ MAX_STEPS = 64
 MAX_SEQ = 1 << 24
 
 
-def _step_batch(batch_size: int | None, recipe: Recipe) -> int:
+def step_batch(batch_size: int | None, recipe: Recipe) -> int:
     """Examples per optimizer step. The rule: batch_size = micro_batch_size x grad_accum_steps when
     the recipe sets a micro-batch; a batch_size that disagrees is an error naming the fix."""
     if not recipe.micro_batch_size:

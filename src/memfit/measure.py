@@ -9,7 +9,7 @@ independent truth that grades both is the allocator (``memfit.truth``), not this
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.estimate import check_args
+from memfit.estimate import step_batch, check_args
 from memfit.models.source import resolve
 from memfit.recipe import Recipe, recipe_from
 from memfit.report import Report
@@ -19,7 +19,7 @@ __all__ = ["measure"]
 
 
 def measure(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
-            steps: int = 2, batch_size: int = 1, seq_len: int | None = None,
+            steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
             recipe: Recipe | None = None) -> Report:
     """Run ``steps`` real training steps and account every live storage.
 
@@ -28,8 +28,7 @@ def measure(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: st
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
-    if recipe.micro_batch_size:
-        batch_size = recipe.micro_batch_size * recipe.grad_accum_steps
+    batch_size = step_batch(batch_size, recipe)
     source = resolve(model)
     module = source.build()
     if batch is None:
