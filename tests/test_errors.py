@@ -109,7 +109,7 @@ def test_plan_for_a_card_without_bf16_never_picks_it():
 
     class Engine:  # what _space reads
         target = __import__("memfit.gpus", fromlist=["gpu"]).gpu("t4")
-        depth, causal_lm, global_batch_size = 2, True, 2
+        depth, causal_lm, global_batch_size, has_blocks = 2, True, 2, True
 
     space = _space(Engine, {"bf16", "lora"}, "adamw")
     assert space and not [r for r in space if "bf16" in r.precision]

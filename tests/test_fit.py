@@ -165,16 +165,17 @@ def test_plan_without_repeated_blocks_leaves_checkpointing_out():
     assert plans.best.device_bytes == full.device_bytes <= plans.budget
 
 
-@pytest.mark.parametrize("recipe, traces", [(Recipe(), 2), (Recipe(grad_accum_steps=2, micro_batch_size=2), 1)])
-def test_estimate_progress_ticks_each_phase_and_ends_at_its_total(recipe, traces):
-    """One tick per forward, backward (per micro-batch) and optimizer phase of each step, and one per
-    replay: two traces on the depth path (gpt2's 12 blocks), one for a module."""
+@pytest.mark.parametrize("recipe, path", [(Recipe(), "depth"), (Recipe(grad_accum_steps=2, micro_batch_size=2), "module")])
+def test_estimate_progress_ticks_each_phase_and_ends_at_its_total(recipe, path):
+    """One tick per forward, backward (per micro-batch) and optimizer phase of each step, and one for the
+    replay: one trace on the depth path too (gpt2's 12 blocks: a 4-block copy written out at depth)."""
     seen = []
-    if traces == 2:
-        estimate("gpt2", seq_len=32, recipe=recipe, progress=lambda d, t: seen.append((d, t)))
+    if path == "depth":
+        report = estimate("gpt2", seq_len=32, recipe=recipe, progress=lambda d, t: seen.append((d, t)))
+        assert report.method == "depth"
     else:
         estimate(_gpt(), gpt_batch(batch=4), loss_fn=lm_loss, recipe=recipe, progress=lambda d, t: seen.append((d, t)))
-    total = traces * (2 * (2 * recipe.grad_accum_steps + 1) + 1)
+    total = 2 * (2 * recipe.grad_accum_steps + 1) + 1
     assert seen == [(d, total) for d in range(total + 1)]
 
 
