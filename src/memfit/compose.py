@@ -242,18 +242,28 @@ class Engine:
                 peak = line(two.peak_bytes, three.peak_bytes)
                 cuda = {}
                 if self.target is not None:  # the line's reserved figure, judged without events
-                    from memfit.verdict import fit_reserved
+                    from memfit.verdict import FITS, fit_reserved
 
                     def demand(report):  # on out of memory: what it held at the limit and what was missing
                         return report.reserved_bytes + (report.missing_bytes or 0)
 
                     cuda = fit_reserved(peak, line(demand(two), demand(three)), self.target, budget).report_fields()
-                self._verified[key] = dataclasses.replace(
-                    three, **{"peak_bytes": peak, **cuda}, settings={**three.settings, "recipe": r.to_dict()},
-                    notes=three.notes + [f"accumulation traced over 2 and 3 micro-batches and read at {k}"])
+                if cuda and (cuda["verdict"] != FITS or cuda["tight"]) and k <= FULL_ACCUMULATION:
+                    # Near or past the limit the line cannot say what torch does there (free and
+                    # retry, expandable segments): up to FULL_ACCUMULATION micro-batches are traced
+                    # and replayed; past that the line's verdict stands (a plan then reads it as tight).
+                    self._verified[key] = full(r)
+                else:
+                    self._verified[key] = dataclasses.replace(
+                        three, **{"peak_bytes": peak, **cuda}, settings={**three.settings, "recipe": r.to_dict()},
+                        notes=three.notes + [f"accumulation traced over 2 and 3 micro-batches and read at {k}"])
             else:
                 self._verified[key] = full(r)
         return self._verified[key]
+
+
+# Accumulation steps up to which a verdict near the limit is traced in full rather than read off a line.
+FULL_ACCUMULATION = 16
 
 
 def _extrapolate(per_depth: dict, depths, depth) -> dict:

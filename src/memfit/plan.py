@@ -181,12 +181,29 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     notes = list(engine.notes)
     chosen, report, rejected = None, None, 0
     explicit = None if budget is None else budget_bytes
-    for candidate in fitting[:MAX_CHECKS]:
+    # First the candidates predicted to fit with the measured error to spare, fastest first: the
+    # first that fits cleanly by a full estimate (no retry, no expandable segments, not tight) wins.
+    # One that fits only on those terms is kept as the fallback; then the rest, as before.
+    fallback, tried = None, set()
+    roomy = [p for p in fitting if p.device_bytes + _margin(p.device_bytes, target) <= budget_bytes]
+    for candidate in roomy[:MAX_CHECKS]:
+        full = _checked(engine, candidate.recipe, explicit)
+        tried.add(candidate.recipe)
+        if _fits(full, budget_bytes) and _clean(full):
+            chosen, report = candidate, full
+            break
+        if _fits(full, budget_bytes) and fallback is None:
+            fallback = (candidate, full)
+    for candidate in ([] if chosen is not None or fallback is not None else fitting[:MAX_CHECKS]):
         full = _checked(engine, candidate.recipe, explicit)
         if _fits(full, budget_bytes):
             chosen, report = candidate, full
             break
         rejected += 1
+    if chosen is None and fallback is not None:
+        chosen, report = fallback
+        notes.append("no recipe fits with the measured error to spare by a full estimate: this one fits on the "
+                     "terms its reasons give")
     if rejected:
         notes.append(f"{rejected} faster candidate(s) predicted to fit were over budget by a full estimate")
     if chosen is None:
@@ -246,6 +263,24 @@ def _caveats(report) -> list[str]:
         out.append(f"tight: {format_size(report.headroom_bytes)} left is less than the measured estimation error "
                    f"({format_size(report.error_margin_bytes)}); a little more budget, or the next plan, is safer")
     return out
+
+
+def _margin(nbytes: int, target) -> int:
+    """The measured estimation error a plan should leave free on a GPU (``verdict.error_margin``)."""
+    if target is None:
+        return 0
+    from memfit.verdict import error_margin
+
+    return error_margin(nbytes)
+
+
+def _clean(report) -> bool:
+    """Fits as the allocator is set by default, with no cudaFree-and-retry and the error to spare."""
+    if report.verdict is None:
+        return True
+    from memfit.verdict import FITS
+
+    return report.verdict == FITS and not report.retries and not report.tight
 
 
 def _fits(report, budget: int) -> bool:
