@@ -115,7 +115,7 @@ def test_depth_fast_path_agrees_with_full_trace(tmp_path, family, keys):
     assert fast.peak_bytes == full.peak_bytes
 
 
-@pytest.mark.parametrize("family, keys", DEEP[:3])
+@pytest.mark.parametrize("family, keys", DEEP)
 def test_written_log_is_the_full_trace_log_on_cpu(tmp_path, family, keys):
     """Event for event (kernel scratch sites aside: they keep the shallow copy's). Mamba's conv
     fallback calls a fresh activation module that is no submodule of the model, and CPU AdamW
