@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from memfit.accounting.ledger import ALLOC, FREE, OUTSIDE, SPIKE
+from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
 
 __all__ = ["Synthesis", "synthesise"]
 
@@ -174,15 +174,24 @@ def _absorb(ledger, labels, home, parse) -> None:
         freed_in = records[index].freed_in
         return freed_in is not None and freed_in != OUTSIDE and parse(freed_in) is None
 
+    phases, phase = [], None
+    for kind, index in events:
+        if kind == MARK:
+            phase = ledger.marks[index][0]
+        phases.append(phase)
+
     def neighbour(number, around):
         """A loose free of a record of the unit next to ``around``, between two stretches of ``around``:
         a per-parameter optimizer loop (``foreach=False``, the CPU default) frees the previous
         parameter's temporary when the next parameter's replaces it, so the last one of a block
         is freed among the first ops of the next block. It belongs to that block's stretch
         (written per copy, it names the previous copy's record); cut there, the stretch's two
-        halves would be written apart. Optimizer ops are all loose, so the rule above skips them."""
+        halves would be written apart. Optimizer ops are all loose, so the rule above skips them.
+        Only in the optimizer phase: elsewhere a loose free is the garbage collector's, at no fixed
+        point (moving those made the fast path's figure vary from run to run with selective
+        checkpointing on a GPU target)."""
         kind, index = events[number]
-        if kind != FREE or not loose(number) or not isinstance(around, tuple):
+        if kind != FREE or phases[number] != "optimizer" or not loose(number) or not isinstance(around, tuple):
             return False
         label = home[index]
         return isinstance(label, tuple) and label[0] == around[0] and abs(label[1] - around[1]) == 1
