@@ -25,7 +25,7 @@ class ModuleStack:
     def __init__(self, model):
         self.model = model
         self.names: dict[int, str] = {}
-        self._missed: set[int] = set()
+        self._missed = weakref.WeakSet()  # modules seen that are not the model's (weak: ids are reused)
         self._owners: dict[int, str] | None = None
         self._name_modules()
         self.stack: list[str] = []
@@ -42,11 +42,20 @@ class ModuleStack:
         # Modules added after the ledger started (LoRA adapters that ``apply`` injects) get their
         # path on first sight, so their records stay inside their block.
         key = id(module)
-        if key not in self.names and key not in self._missed:
+        if key not in self.names and module not in self._missed:
             self._name_modules()
             if key not in self.names:
-                self._missed.add(key)
-        return self.names.get(key, type(module).__name__)
+                self._missed.add(module)
+        name = self.names.get(key)
+        if name is not None:
+            return name
+        # A module that is no submodule of the model, called inside one of its modules (Mamba's
+        # conv fallback calls a fresh ``ACT2FN[activation]`` each time): named below the module
+        # that called it, so what it makes stays in that module's block (the depth fast path,
+        # ``synth.py``, cuts the log by block and writes a block-less stretch once).
+        parent = self.current()
+        kind = type(module).__name__
+        return kind if parent == OUTSIDE else f"{parent}.({kind})"
 
     def owned_tensors(self):
         """(tensor, module name) for every parameter, buffer and 4-bit quantisation statistic."""

@@ -11,10 +11,12 @@ of its record (the block whose module made it, else the block of the tensor it d
 ledger's ``Record.owner``); a free's is the block running when it happened (``Record.freed_in``),
 else its record's; marks and everything else belong to no unit. Records made outside any module
 that derive from nothing (a per-parameter ``step`` counter) take the unit of the next event that
-has one. Two kinds of event are moved into the stretch of the block they run in: autograd's own
+has one. Three kinds of event are moved into the stretch of the block they run in: autograd's own
 ops between a block's ops (a checkpoint unpacking the block's input, derived from the previous
-block's output), and a block's activations freed by the stack's parent once the next block has run
-(activation offload). Then the log is cut into maximal runs of one label and written out in order:
+block's output), a block's activations freed by the stack's parent once the next block has run
+(activation offload), and the free of a neighbouring block's temporary among a block's optimizer
+ops (a per-parameter loop, CPU AdamW's default, frees the previous parameter's temporary when the
+next one's replaces it). Then the log is cut into maximal runs of one label and written out in order:
 a run of no unit once, a run of the first units once, a run of the middle unit ``T - 2`` once for
 each of the full units ``T - 2 .. U - 2`` (last to first where the blocks around it run that way,
 as in backward), and a run of the last unit as unit ``U - 1``. Forward and backward are one run
@@ -45,7 +47,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from memfit.accounting.ledger import ALLOC, FREE, OUTSIDE, SPIKE
+from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
 
 __all__ = ["Synthesis", "synthesise"]
 
@@ -172,6 +174,28 @@ def _absorb(ledger, labels, home, parse) -> None:
         freed_in = records[index].freed_in
         return freed_in is not None and freed_in != OUTSIDE and parse(freed_in) is None
 
+    phases, phase = [], None
+    for kind, index in events:
+        if kind == MARK:
+            phase = ledger.marks[index][0]
+        phases.append(phase)
+
+    def neighbour(number, around):
+        """A loose free of a record of the unit next to ``around``, between two stretches of ``around``:
+        a per-parameter optimizer loop (``foreach=False``, the CPU default) frees the previous
+        parameter's temporary when the next parameter's replaces it, so the last one of a block
+        is freed among the first ops of the next block. It belongs to that block's stretch
+        (written per copy, it names the previous copy's record); cut there, the stretch's two
+        halves would be written apart. Optimizer ops are all loose, so the rule above skips them.
+        Only in the optimizer phase: elsewhere a loose free is the garbage collector's, at no fixed
+        point (moving those made the fast path's figure vary from run to run with selective
+        checkpointing on a GPU target)."""
+        kind, index = events[number]
+        if kind != FREE or phases[number] != "optimizer" or not loose(number) or not isinstance(around, tuple):
+            return False
+        label = home[index]
+        return isinstance(label, tuple) and label[0] == around[0] and abs(label[1] - around[1]) == 1
+
     runs, number = [], 0
     while number < len(labels):
         end = number
@@ -183,6 +207,9 @@ def _absorb(ledger, labels, home, parse) -> None:
         (start, end), before, after = runs[at], labels[runs[at - 1][0]], labels[runs[at + 1][0]]
         anchored = all(not all(loose(n) for n in range(*runs[side])) for side in (at - 1, at + 1))
         if before == after and before != labels[start] and anchored and all(loose(n) for n in range(start, end)):
+            for n in range(start, end):
+                labels[n] = before
+        elif before == after and all(neighbour(n, before) for n in range(start, end)):
             for n in range(start, end):
                 labels[n] = before
         elif isinstance(before, tuple) and all(between(n, before) for n in range(start, end)):
