@@ -58,7 +58,7 @@ def block_unit(source: Source, recipe=None) -> int | None:
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
                       gpu=None, budget: int | None = None, tick=None) -> Report:
     depth, unit = source.depth, block_unit(source, recipe)
-    if unit is None or depth % unit or depth <= TEMPLATE_UNITS * unit:
+    if unit is None or not depth or depth % unit or depth <= TEMPLATE_UNITS * unit:
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=tick)
         return report

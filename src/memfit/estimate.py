@@ -84,7 +84,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
     tick = _ticker(progress, phases(recipe, steps))  # one trace either way (depth.py traces one copy)
-    if fast:
+    if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,

@@ -7,6 +7,8 @@ serves (kernel scratch included), and the peak is the highest running sum of tho
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -19,7 +21,12 @@ __all__ = ["allocator_peak", "true_peak", "resident_bytes"]
 
 
 def allocator_peak(fn) -> int:
-    """Highest bytes allocated above the level at entry while ``fn()`` runs on CPU."""
+    """Highest bytes allocated above the level at entry while ``fn()`` runs on CPU.
+
+    Garbage left by earlier work (tensors in reference cycles) is collected first: freed while
+    ``fn()`` runs, its storages would count as negative and lower the peak by whatever the
+    process happened to hold, which made the truth depend on what ran before it."""
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return span(allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree()))[0]
