@@ -33,6 +33,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.recipe import Recipe, recipe_from
 from memfit.units import format_size, parse_size
+from memfit.verdict import OOM
 
 __all__ = ["fit", "Fit", "NoBatchFits", "LIMIT"]
 
@@ -157,6 +158,9 @@ class _Search:
             self.budget = self.target.memory_bytes
         else:
             self.budget = parse_size(budget)
+        # on a GPU a budget is the process's share of the card, judged by the verdict as torch would
+        # enforce it (``verdict.py``); without one, the whole card
+        self.limit_budget = None if budget is None or self.target is None else self.budget
         self.source = resolve(model)
         if callable(batch):
             batch = batch()
@@ -240,17 +244,29 @@ class _Search:
         if n not in self.full:
             r = self.recipe.replace(micro_batch_size=n)
             if self.example is None and self.engine is not None:
-                self.full[n] = self.engine.verify(r)  # kept by the engine for the next call
+                self.full[n] = self.engine.verify(r, self.limit_budget)  # kept by the engine for the next call
                 self._report()
                 return self.full[n]
             batch = None if self.example is None else _grown(self.example, n * r.grad_accum_steps)
             self.full[n] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                                    device="cpu" if self.target is None else "cuda", gpu=self.target)
+                                    device="cpu" if self.target is None else "cuda", gpu=self.target,
+                                    budget=self.limit_budget)
             self._report()
         return self.full[n]
 
     def fits(self, n: int) -> bool:
-        return self.estimate(n).device_bytes <= self.budget
+        """By the verdict on a GPU (``verdict.py``: what torch would do under the limit), by the peak on
+        the CPU."""
+        report = self.estimate(n)
+        if report.verdict is not None:
+            return report.verdict != OOM
+        return report.device_bytes <= self.budget
+
+    def need(self, n: int) -> int:
+        """What the step at ``n`` asks of the device: on out of memory, what was held plus what was
+        missing (the figure capped at the limit would hide how far over it is)."""
+        report = self.estimate(n)
+        return report.device_bytes + ((report.missing_bytes or 0) if report.verdict == OOM else 0)
 
     def verify_from(self, guess: int) -> int:
         """The largest n that fits by a full estimate with n + 1 not fitting (or n = limit)."""
@@ -278,10 +294,10 @@ class _Search:
 
     def _secant(self, n: int, lo: int, hi: int) -> int | None:
         if lo in self.full and hi in self.full:  # the line through the two sizes either side
-            x, y = lo, self.full[lo].device_bytes
-            slope = (self.full[hi].device_bytes - y) / (hi - lo)
+            x, y = lo, self.need(lo)
+            slope = (self.need(hi) - y) / (hi - lo)
         elif self.engine is not None:  # the prediction's slope, through the estimate at n
-            x, y = n, self.full[n].device_bytes
+            x, y = n, self.need(n)
             slope = self.predicted_bytes(n + 1) - self.predicted_bytes(n)
         else:
             return None
@@ -290,7 +306,7 @@ class _Search:
     def _nothing_fits(self) -> NoBatchFits:
         from memfit.gpus import CATALOG
 
-        needed = self.estimate(1).device_bytes
+        needed = self.need(1)
         where = f"--gpu {self.target.name}" if self.target is not None else f"--device cpu --budget {self.budget}"
         if self.seq_len and self.source.config is not None:
             where += f" --seq-len {self.seq_len}"
@@ -317,7 +333,7 @@ class _Search:
         return Fit(recipe=self.recipe.replace(micro_batch_size=n), micro_batch_size=n,
                    grad_accum_steps=self.recipe.grad_accum_steps, budget_bytes=self.budget,
                    device_bytes=report.device_bytes, allocated_bytes=report.peak_bytes,
-                   reserved_bytes=report.reserved_bytes, next_bytes=None if above is None else above.device_bytes,
+                   reserved_bytes=report.reserved_bytes, next_bytes=None if above is None else self.need(n + 1),
                    predicted_micro_batch_size=predicted, tokens_per_example=self._tokens_per_example(),
                    estimates=len(self.full), traces=self.traces,
                    seconds=seconds, device="cpu" if self.target is None else "cuda",

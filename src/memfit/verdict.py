@@ -178,10 +178,12 @@ def cuda_fit(ledger, gpu, budget: int | None = None, *, garbage_collection_thres
             stats = expandable_stats  # the run the user is told to make; on OOM, the default one
     missing = None
     if verdict == OOM:
-        expandable, _ = replay(ledger, expandable_segments=True)
+        expandable, beyond = replay(ledger, expandable_segments=True)
         # the default allocator below its unlimited peak never reaches the limit; expandable
         # segments under a memory fraction are checked with whole alloc_sizes, so only without one
-        need = unlimited.peak_reserved if allowed is not None else min(unlimited.peak_reserved, expandable.peak_reserved)
+        # (and only if a request fit the segment's address range at all)
+        need = (unlimited.peak_reserved if allowed is not None or beyond is not None
+                else min(unlimited.peak_reserved, expandable.peak_reserved))
         missing = max(need - capacity, 0)
     allocated = unlimited.peak_allocated if verdict == OOM else stats.peak_allocated
     margin = error_margin(stats.peak_reserved)

@@ -694,6 +694,8 @@ class CachingAllocator:
             return None
         while candidate.size < size:
             nxt = candidate.next
+            if nxt is None:  # larger than the segment's whole address range: cudaMalloc would fail too
+                return None
             if not self._map_block(nxt, min(size - candidate.size, nxt.size)):
                 return None
             candidate = nxt

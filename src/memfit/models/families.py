@@ -56,6 +56,7 @@ def position_limit(config, task: str | None = None) -> tuple[int, str] | None:
 
 def check_seq_len(config, task: str | None, seq_len: int, name: str) -> None:
     """Refuse a made batch longer than the model's position table (one line naming the limit)."""
+    name = name.split("[", 1)[0]  # the model, not the depth fast path's shallow copy of it
     limit = position_limit(config, task)
     if limit is not None and seq_len > limit[0]:
         raise MemfitError(f"{name} has {limit[0]} positions ({limit[1]}), so seq_len={seq_len} cannot run: "
