@@ -33,7 +33,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.recipe import Recipe, recipe_from
 from memfit.units import format_size, parse_size
-from memfit.verdict import OOM
+from memfit.verdict import FITS, OOM
 
 __all__ = ["fit", "Fit", "NoBatchFits", "LIMIT"]
 
@@ -259,7 +259,7 @@ class _Search:
         the CPU."""
         report = self.estimate(n)
         if report.verdict is not None:
-            return report.verdict != OOM
+            return report.verdict == FITS  # runs with torch's default allocator settings (retries allowed)
         return report.device_bytes <= self.budget
 
     def need(self, n: int) -> int:
