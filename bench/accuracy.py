@@ -3,7 +3,7 @@
     python bench/accuracy.py        # prints the table, writes bench/results/accuracy-cpu.json
 
 Truth is ``torch.profiler`` with ``profile_memory=True`` on a real run of the same steps with
-nobody watching (``memfit.truth.true_peak``); the estimate runs on fake tensors.
+nobody watching (``memfit.estimator.truth.true_peak``); the estimate runs on fake tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import memfit  # noqa: E402
 from memfit.models.zoo import CASES  # noqa: E402
-from memfit.truth import true_peak  # noqa: E402
+from memfit.estimator.truth import true_peak  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "accuracy-cpu.json")
 

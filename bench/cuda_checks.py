@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
 from memfit import Recipe  # noqa: E402
-from memfit.apply import apply  # noqa: E402
+from memfit.techniques.apply import apply  # noqa: E402
 
 RECIPES = {
     "plain": Recipe(),

@@ -75,8 +75,8 @@ def _to_cuda(batch):
 
 
 def _run(build, batch, loss, opt, prec):
-    from memfit.apply import run_steps
-    from memfit.recipe import Recipe
+    from memfit.techniques.apply import run_steps
+    from memfit.techniques.recipe import Recipe
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -55,7 +55,7 @@ def _case(key):
 
 def estimate_all(only=None) -> None:
     import memfit
-    from memfit.gpus import gpu
+    from memfit.hardware.gpus import gpu
 
     card = gpu(GPU)
     runs = []
@@ -83,7 +83,7 @@ def measure_one(key: str, allowed: int) -> None:
     """One capped run in this fresh process; prints JSON (the allocator's stats, and oom)."""
     from cuda_gap import _to_cuda
 
-    from memfit.apply import run_steps
+    from memfit.techniques.apply import run_steps
 
     _, build, batch, loss, recipe = _case(key)
     total = torch.cuda.get_device_properties(0).total_memory

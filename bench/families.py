@@ -4,7 +4,7 @@ a 1B-class member.
     python bench/families.py            # prints both tables, writes bench/results/families-cpu.json
     python bench/families.py --tiny     # only the tiny-size errors
 
-The tiny cases are the configs of ``tests/test_families.py`` (truth: ``memfit.truth.true_peak``,
+The tiny cases are the configs of ``tests/test_families.py`` (truth: ``memfit.estimator.truth.true_peak``,
 the allocator's own events). The timed cases are catalog models estimated with ``fast=False``
 (every block traced, as ``memfit estimate NAME --full``), batch 1 at the sequence given below.
 The machine's 2 cores may be shared, so process CPU time is recorded beside wall time.
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import memfit  # noqa: E402
 from memfit.models.source import resolve  # noqa: E402
-from memfit.truth import true_peak  # noqa: E402
+from memfit.estimator.truth import true_peak  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "families-cpu.json")
 

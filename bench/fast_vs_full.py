@@ -25,7 +25,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 
 import memfit  # noqa: E402
-from memfit.recipe import Recipe  # noqa: E402
+from memfit.techniques.recipe import Recipe  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fast-vs-full.json")
 BF16 = {"precision": "bf16-mixed"}

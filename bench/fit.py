@@ -26,7 +26,7 @@ import transformers as tf  # noqa: E402
 import memfit  # noqa: E402
 from memfit import Recipe  # noqa: E402
 from memfit.models.source import resolve  # noqa: E402
-from memfit.truth import true_peak  # noqa: E402
+from memfit.estimator.truth import true_peak  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 2**20
@@ -44,7 +44,7 @@ BUDGETS_MIB = (160, 200, 300)
 
 
 def catalog_rows() -> list[dict]:
-    from memfit.plan import _ENGINES
+    from memfit.planner.plan import _ENGINES
 
     rows = []
     for model, gpu, seq, recipe in CATALOG:

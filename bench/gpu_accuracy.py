@@ -65,7 +65,7 @@ def cases():
     """(key, build, make_batch, loss_fn, Recipe) for every case, nothing built yet."""
     from memfit.models.source import resolve
     from memfit.models.zoo import CASES
-    from memfit.recipe import Recipe
+    from memfit.techniques.recipe import Recipe
 
     for name, prec, opt in ZOO:
         build, batch, loss = CASES[name]
@@ -97,7 +97,7 @@ def measure_one(key: str) -> None:
     """Run one case on the GPU in this (fresh) process; print its allocator stats as JSON."""
     from cuda_gap import _to_cuda  # bench/ is this script's directory, first on sys.path
 
-    from memfit.apply import run_steps
+    from memfit.techniques.apply import run_steps
 
     _, build, batch, loss, recipe = next(c for c in cases() if c[0] == key)
     torch.manual_seed(0)

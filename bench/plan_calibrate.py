@@ -18,10 +18,10 @@ import statistics
 import transformers as tf
 
 from memfit import Recipe
-from memfit.cost import EFFICIENCY
-from memfit.estimate import _target
+from memfit.planner.cost import EFFICIENCY
+from memfit.estimator.estimate import _target
 from memfit.models.source import resolve
-from memfit.compose import Engine
+from memfit.planner.compose import Engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

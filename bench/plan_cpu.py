@@ -30,10 +30,10 @@ import transformers as tf  # noqa: E402
 
 import memfit  # noqa: E402
 from memfit import Recipe  # noqa: E402
-from memfit.apply import apply  # noqa: E402
-from memfit.cost import Speed  # noqa: E402
+from memfit.techniques.apply import apply  # noqa: E402
+from memfit.planner.cost import Speed  # noqa: E402
 from memfit.models.source import resolve  # noqa: E402
-from memfit.truth import true_peak  # noqa: E402
+from memfit.estimator.truth import true_peak  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GLOBAL, SEQ = 16, 256

@@ -42,7 +42,7 @@ PLANS = [  # (model, gpu, seq_len, global batch, allow)
 
 def plans() -> None:
     rows = []
-    from memfit.plan import _ENGINES
+    from memfit.planner.plan import _ENGINES
 
     for model, gpu, seq, gbs, allow in PLANS:
         _ENGINES.clear()  # cold: no traces kept from the row before

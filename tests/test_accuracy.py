@@ -4,7 +4,7 @@ import pytest
 
 import memfit
 from memfit.models.zoo import CASES
-from memfit.truth import true_peak
+from memfit.estimator.truth import true_peak
 
 TOLERANCE = 0.005  # the bar; observed error is under 0.003%
 

@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
-from memfit.cuda import cpu_only_autocast_ops, cuda_attention_kernel, cuda_semantics
-from memfit.gpus import gpu
+from memfit.hardware.cuda import cpu_only_autocast_ops, cuda_attention_kernel, cuda_semantics
+from memfit.hardware.gpus import gpu
 from memfit.models.zoo import CASES
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results")

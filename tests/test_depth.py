@@ -33,9 +33,9 @@ def test_fast_path_is_chosen_for_deep_configs_only():
 
 
 def _trace(config, recipe, depth=None, **kwargs):
-    from memfit.estimate import _target, fake_trace
+    from memfit.estimator.estimate import _target, fake_trace
     from memfit.models.source import resolve
-    from memfit.recipe import recipe_from
+    from memfit.techniques.recipe import recipe_from
 
     source = resolve(config)
     recipe, factory = recipe_from(recipe, recipe.precision, recipe.optimizer)

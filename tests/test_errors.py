@@ -95,7 +95,7 @@ def _tiny_llama():
 @pytest.mark.parametrize("card", ["t4", "v100-16gb", "v100-32gb"])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
 def test_bf16_on_a_card_without_it_is_refused(card, precision):
-    from memfit.gpus import gpu
+    from memfit.hardware.gpus import gpu
 
     assert not gpu(card).bf16 and gpu(card).compute_capability < (8, 0)
     with pytest.raises(MemfitError, match=f"precision={precision} needs bfloat16.*fp16-mixed") as err:
@@ -105,15 +105,15 @@ def test_bf16_on_a_card_without_it_is_refused(card, precision):
 
 
 def test_plan_for_a_card_without_bf16_never_picks_it():
-    from memfit.plan import _space
+    from memfit.planner.plan import _space
 
     class Engine:  # what _space reads
-        target = __import__("memfit.gpus", fromlist=["gpu"]).gpu("t4")
+        target = __import__("memfit.hardware.gpus", fromlist=["gpu"]).gpu("t4")
         depth, causal_lm, global_batch_size, has_blocks = 2, True, 2, True
 
     space = _space(Engine, {"bf16", "lora"}, "adamw")
     assert space and not [r for r in space if "bf16" in r.precision]
-    Engine.target = __import__("memfit.gpus", fromlist=["gpu"]).gpu("a100")
+    Engine.target = __import__("memfit.hardware.gpus", fromlist=["gpu"]).gpu("a100")
     assert {r.precision for r in _space(Engine, {"bf16"}, "adamw")} == {"fp32", "bf16-mixed", "bf16"}
 
 
@@ -206,7 +206,7 @@ def test_sizes_that_overflow_64_bits_are_one_line():
 def test_plan_with_a_huge_global_batch_answers_at_once():
     import time
 
-    from memfit.plan import _divisors
+    from memfit.planner.plan import _divisors
 
     start = time.perf_counter()
     assert _divisors(10**12)[:4] == [1, 2, 4, 5] and len(_divisors(10**12)) == 169

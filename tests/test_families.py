@@ -13,7 +13,7 @@ import memfit
 from memfit.errors import MemfitError
 from memfit.models.catalog import CATALOG
 from memfit.models.source import resolve
-from memfit.truth import true_peak
+from memfit.estimator.truth import true_peak
 
 TOLERANCE = 0.005
 
@@ -122,8 +122,8 @@ def test_written_log_is_the_full_trace_log_on_cpu(tmp_path, family, keys):
     loops over parameters (``foreach=False``), freeing a block's last temporary in the next block."""
     from memfit.accounting.ledger import ALLOC, FREE, SPIKE
     from memfit.accounting.synth import synthesise
-    from memfit.estimate import fake_trace
-    from memfit.recipe import recipe_from
+    from memfit.estimator.estimate import fake_trace
+    from memfit.techniques.recipe import recipe_from
 
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS[family], **{key: 8 for key in keys}}))
     source = resolve(str(tmp_path / "config.json"))

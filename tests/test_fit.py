@@ -10,9 +10,9 @@ import transformers as tf
 
 from memfit import Fit, MemfitError, NoBatchFits, Recipe, estimate, fit, plan
 from memfit.cli import main
-from memfit.estimate import _target
+from memfit.estimator.estimate import _target
 from memfit.models.zoo import GPT, MLP, classify, gpt_batch, lm_loss
-from memfit.truth import true_peak
+from memfit.estimator.truth import true_peak
 
 GPU = "rtx-4090"
 MIB = 2**20

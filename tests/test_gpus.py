@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memfit.errors import MemfitError
-from memfit.gpus import ALIASES, CATALOG, GPU, gpu, gpu_names
+from memfit.hardware.gpus import ALIASES, CATALOG, GPU, gpu, gpu_names
 
 REQUIRED = {"rtx-3090", "rtx-4090", "rtx-5090", "a6000", "a10g", "l4", "l40s", "t4", "v100-16gb", "v100-32gb",
             "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200"}

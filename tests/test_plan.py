@@ -8,10 +8,10 @@ import transformers as tf
 
 from memfit import MemfitError, NothingFits, Recipe, estimate, plan
 from memfit.cli import main
-from memfit.estimate import _target
+from memfit.estimator.estimate import _target
 from memfit.models.source import resolve
-from memfit.compose import Engine as _Engine
-from memfit.plan import _space
+from memfit.planner.compose import Engine as _Engine
+from memfit.planner.plan import _space
 
 GPU = "rtx-4090"
 

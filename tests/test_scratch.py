@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import memfit
 from memfit.models.zoo import CNN, LSTMNet, classify
-from memfit.truth import allocator_peak, true_peak
+from memfit.estimator.truth import allocator_peak, true_peak
 
 
 def test_convolution_scratch_is_counted_and_needed():

@@ -7,9 +7,9 @@ import transformers as tf
 
 import memfit
 from memfit import Recipe
-from memfit.apply import apply
+from memfit.techniques.apply import apply
 from memfit.models.zoo import CASES, GPT, lm_loss
-from memfit.truth import true_peak
+from memfit.estimator.truth import true_peak
 
 TOLERANCE = 0.005
 

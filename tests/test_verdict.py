@@ -1,4 +1,4 @@
-"""The verdict (memfit/verdict.py): the caching allocator replayed under a card's limit, as torch runs it.
+"""The verdict (memfit/estimator/verdict.py): the caching allocator replayed under a card's limit, as torch runs it.
 
 Evidence of three kinds, named in each test: rules worked by hand from c10/cuda/CUDACachingAllocator.cpp
 (release-and-retry, expandable segments, the memory-fraction check); the recorded H100 allocator
@@ -20,9 +20,9 @@ import memfit
 from memfit.accounting.cuda_allocator import CachingAllocator, SimulatedOutOfMemory, round_size
 from memfit.accounting.ledger import ALLOC, FREE
 from memfit.errors import MemfitError
-from memfit.verdict import (EXPANDABLE, FITS, OOM, RESERVED_ERROR_P90, SMALL_RUN_ERROR_P90, error_margin, cuda_fit,
+from memfit.estimator.verdict import (EXPANDABLE, FITS, OOM, RESERVED_ERROR_P90, SMALL_RUN_ERROR_P90, error_margin, cuda_fit,
                             fit_reserved)
-from memfit.gpus import gpu
+from memfit.hardware.gpus import gpu
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results")
 MiB, GiB = 1 << 20, 1 << 30

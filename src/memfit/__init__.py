@@ -11,15 +11,15 @@ import os
 # measure kernel scratch. A user who wants them sets KINETO_LOG_LEVEL themselves.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-from memfit.apply import apply  # noqa: E402
+from memfit.techniques.apply import apply  # noqa: E402
 from memfit.categories import Category  # noqa: E402
 from memfit.errors import MemfitError
-from memfit.estimate import estimate
-from memfit.fit import Fit, NoBatchFits, fit
-from memfit.measure import measure
-from memfit.plan import NothingFits, Plan, Plans, plan
-from memfit.recipe import Recipe
-from memfit.report import Report
+from memfit.estimator.estimate import estimate
+from memfit.planner.fit import Fit, NoBatchFits, fit
+from memfit.estimator.measure import measure
+from memfit.planner.plan import NothingFits, Plan, Plans, plan
+from memfit.techniques.recipe import Recipe
+from memfit.report.report import Report
 from memfit.units import format_size, parse_size
 
 __all__ = [

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_unflatten
 
 from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.accounting.ledger import MATMULS
-from memfit.cpu_kernels import probe_operands
+from memfit.hardware.cpu_kernels import probe_operands
 
 __all__ = ["measure_scratch", "PROBE_LIMIT", "FLOP_LIMIT"]
 

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError, shown
-from memfit.precision import PRECISIONS
+from memfit.techniques.precision import PRECISIONS
 
 __all__ = ["Recipe", "recipe_from", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS"]
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.errors import MemfitError
-from memfit.recipe import Recipe, recipe_from
+from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.units import format_size, parse_size
-from memfit.verdict import FITS, OOM
+from memfit.estimator.verdict import FITS, OOM
 
 __all__ = ["fit", "Fit", "NoBatchFits", "LIMIT"]
 
@@ -136,7 +136,7 @@ class _Search:
 
     def __init__(self, model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
                  progress):
-        from memfit.estimate import DEFAULT_GPU, _target, check_args
+        from memfit.estimator.estimate import DEFAULT_GPU, _target, check_args
         from memfit.models.source import resolve
 
         check_args(precision, 1, 1, seq_len)
@@ -171,7 +171,7 @@ class _Search:
             raise MemfitError("seq_len and batch conflict: the batch's shape sets the sequence; drop seq_len")
         self.example = batch
         if batch is not None:
-            from memfit.step import _rows
+            from memfit.techniques.step import _rows
 
             _rows(batch)  # a batch with no batch dimension is one line here, not mid-search
         if seq_len is None and self.source.config is not None:
@@ -193,10 +193,10 @@ class _Search:
             self.notes.append("attention / offload_optimizer are outside the planner's traces: searched by full "
                               "estimates only")
             return None
-        from memfit.compose import Engine
-        from memfit.cost import Speed
-        from memfit.estimate import DEFAULT_GPU, _target
-        from memfit.plan import _cached_engine  # the planner's traces of the same config, if any
+        from memfit.planner.compose import Engine
+        from memfit.planner.cost import Speed
+        from memfit.estimator.estimate import DEFAULT_GPU, _target
+        from memfit.planner.plan import _cached_engine  # the planner's traces of the same config, if any
 
         batch = None if self.example is None else _grown(self.example, PROBE)()
         if self.target is None:
@@ -239,7 +239,7 @@ class _Search:
 
     # -- full estimates ----------------------------------------------------------------------------
     def estimate(self, n: int):
-        from memfit.estimate import estimate
+        from memfit.estimator.estimate import estimate
 
         if n not in self.full:
             r = self.recipe.replace(micro_batch_size=n)
@@ -304,7 +304,7 @@ class _Search:
         return None if slope <= 0 else int(x + (self.budget - y) // slope)
 
     def _nothing_fits(self) -> NoBatchFits:
-        from memfit.gpus import CATALOG
+        from memfit.hardware.gpus import CATALOG
 
         needed = self.need(1)
         where = f"--gpu {self.target.name}" if self.target is not None else f"--device cpu --budget {self.budget}"
@@ -345,7 +345,7 @@ class _Search:
             if self.source.task == "image-classification" or not self.seq_len:
                 return None
             return self.seq_len
-        from memfit.step import batch_tensors
+        from memfit.techniques.step import batch_tensors
 
         first = batch_tensors(self.example)[0]  # token ids: a 2-D integer tensor (rows x sequence)
         return first.shape[1] if first.dim() == 2 and not first.is_floating_point() else None

@@ -11,8 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.categories import PHASES
-from memfit.verdict import ERROR_SOURCE, EXPANDABLE, OOM
-from memfit.report import Report, verdict_line
+from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, verdict_line
 from memfit.units import format_size
 
 __all__ = ["report_view", "verdict", "plan_view", "fit_view"]
@@ -22,7 +21,7 @@ def verdict(report: Report, budget: int | None = None) -> dict:
     """Whether the step fits, and by how much.
 
     On a GPU (``report.verdict`` set) what torch's allocator would do on the card, replayed under its
-    limit (``memfit/verdict.py``): ``verdict``, ``alloc_conf`` (the setting it needs, if any), ``retries``,
+    limit (``memfit/estimator/verdict.py``): ``verdict``, ``alloc_conf`` (the setting it needs, if any), ``retries``,
     ``missing_bytes``, ``tight`` and the error margin; ``budget_bytes`` is the card's memory or the
     budget the report was made for, ``margin_bytes`` what is left. On the CPU the peak against ``budget``.
     """
@@ -40,7 +39,7 @@ def verdict(report: Report, budget: int | None = None) -> dict:
 
 
 def report_view(report: Report, name: str, budget: int | None = None) -> Group:
-    from memfit.recipe import Recipe
+    from memfit.techniques.recipe import Recipe
 
     recipe = Recipe.from_dict(report.settings["recipe"])
     title = (f"{name}: {recipe.describe()}, {report.parameters / 1e9:.3f}B params "

@@ -25,9 +25,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from memfit.compose import Engine
+from memfit.planner.compose import Engine
 from memfit.errors import MemfitError, shown
-from memfit.recipe import Recipe
+from memfit.techniques.recipe import Recipe
 from memfit.units import format_size, parse_size
 
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE"]
@@ -66,7 +66,7 @@ class Plan:
     @property
     def alloc_conf(self) -> str | None:
         """The ``PYTORCH_CUDA_ALLOC_CONF`` setting this plan needs, if any."""
-        from memfit.verdict import EXPANDABLE
+        from memfit.estimator.verdict import EXPANDABLE
 
         return "expandable_segments:True" if self.verdict == EXPANDABLE else None
 
@@ -135,11 +135,11 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
 
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
-    from memfit.estimate import DEFAULT_GPU, _target
+    from memfit.estimator.estimate import DEFAULT_GPU, _target
     from memfit.models.source import resolve
 
-    from memfit.estimate import MAX_SEQ
-    from memfit.recipe import MAX_BATCH
+    from memfit.estimator.estimate import MAX_SEQ
+    from memfit.techniques.recipe import MAX_BATCH
 
     start = time.perf_counter()
     allowed = _allowed(allow)
@@ -161,7 +161,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     if callable(batch):  # made once: its rows are the global batch
         batch = batch()
     if batch is not None:
-        from memfit.step import _rows
+        from memfit.techniques.step import _rows
 
         rows = _rows(batch)
         if global_batch_size not in (None, rows):
@@ -245,7 +245,7 @@ def _checked(engine, recipe: Recipe, budget: int | None):
     full = engine.verify(recipe)
     if budget is None or full.verdict is None:
         return full
-    from memfit.verdict import FITS, fit_reserved, limits
+    from memfit.estimator.verdict import FITS, fit_reserved, limits
 
     if full.verdict == FITS and not full.retries and full.reserved_bytes <= limits(engine.target, budget)[0]:
         return dataclasses.replace(full, **fit_reserved(full.peak_bytes, full.reserved_bytes, engine.target,
@@ -269,7 +269,7 @@ def _margin(nbytes: int, target) -> int:
     """The measured estimation error a plan should leave free on a GPU (``verdict.error_margin``)."""
     if target is None:
         return 0
-    from memfit.verdict import error_margin
+    from memfit.estimator.verdict import error_margin
 
     return error_margin(nbytes)
 
@@ -278,7 +278,7 @@ def _clean(report) -> bool:
     """Fits as the allocator is set by default, with no cudaFree-and-retry and the error to spare."""
     if report.verdict is None:
         return True
-    from memfit.verdict import FITS
+    from memfit.estimator.verdict import FITS
 
     return report.verdict == FITS and not report.retries and not report.tight
 
@@ -286,7 +286,7 @@ def _clean(report) -> bool:
 def _fits(report, budget: int) -> bool:
     """By the verdict on a GPU (``fit.py``), by the peak on the CPU."""
     if report.verdict is not None:
-        from memfit.verdict import OOM
+        from memfit.estimator.verdict import OOM
 
         return report.verdict != OOM
     return report.device_bytes <= budget
@@ -448,7 +448,7 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
     if missing:
         fixes.append(f"allowing {','.join(missing)} (--allow)")
     if engine.target is not None:
-        from memfit.gpus import CATALOG
+        from memfit.hardware.gpus import CATALOG
 
         bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= smallest.device_bytes),
                         key=lambda g: g.memory_bytes)

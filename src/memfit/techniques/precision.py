@@ -46,7 +46,7 @@ def check_capability(precision: str, device_type: str) -> None:
 
 
 def check_gpu(precision: str, gpu) -> None:
-    """Refuse a precision a catalog GPU (``memfit.gpus.GPU``) cannot run: bf16 needs sm_80+."""
+    """Refuse a precision a catalog GPU (``memfit.hardware.gpus.GPU``) cannot run: bf16 needs sm_80+."""
     if gpu is not None and "bf16" in precision and not gpu.bf16:
         major, minor = gpu.compute_capability
         raise MemfitError(f"precision={precision} needs bfloat16, which the {gpu.name} (sm_{major}{minor}) lacks "

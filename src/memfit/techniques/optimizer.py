@@ -20,7 +20,7 @@ OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optim
 # ``torch.optim.AdamW(params)`` would run on the same device. Traced with CUDA semantics, the
 # default is CUDA's (foreach), which fake CPU tensors would not pick by themselves.
 def _foreach() -> dict:
-    from memfit.cuda import active
+    from memfit.hardware.cuda import active
 
     return {"foreach": True} if active() else {}
 

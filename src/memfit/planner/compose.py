@@ -29,9 +29,9 @@ import math
 
 import numpy as np
 
-from memfit.cost import Speed
+from memfit.planner.cost import Speed
 from memfit.errors import MemfitError
-from memfit.recipe import Recipe
+from memfit.techniques.recipe import Recipe
 
 __all__ = ["Engine", "PRIMES", "SHORT_SEQ"]
 
@@ -45,8 +45,8 @@ class Engine:
 
     def __init__(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress,
                  speed: Speed | None = None):
-        from memfit.depth import SHALLOW
-        from memfit.estimate import FAST_MIN_DEPTH
+        from memfit.estimator.depth import SHALLOW
+        from memfit.estimator.estimate import FAST_MIN_DEPTH
 
         self.source, self.batch, self.target, self.seq_len = source, batch, target, seq_len
         self.loss_fn, self.optimizer, self.global_batch_size = loss_fn, optimizer, global_batch_size
@@ -117,8 +117,8 @@ class Engine:
             self._optim(key)
 
     def _trace(self, depth, recipe: Recipe, batch_size: int, seq_len, steps: int, prime=None):
-        from memfit.estimate import fake_trace
-        from memfit.step import _slice
+        from memfit.estimator.estimate import fake_trace
+        from memfit.techniques.step import _slice
 
         source = self.source if depth is None else self.source.shallow(depth)
         batch = None
@@ -209,14 +209,14 @@ class Engine:
         samples = self.global_batch_size / seconds
         tokens = samples * self.seq_len if self.seq_len and self.source.config is not None and \
             self.source.task != "image-classification" else None
-        from memfit.plan import Plan  # plan imports this module: the result type lives there
+        from memfit.planner.plan import Plan  # plan imports this module: the result type lives there
 
         return Plan(r, allocated, reserved, device, seconds, samples, tokens)
 
     def verify(self, r: Recipe, budget: int | None = None):
         """The full estimate of ``r`` (depth fast path for deep configs), as ``estimate`` gives it;
-        with ``budget``, the allocator replayed under it (``memfit/verdict.py``)."""
-        from memfit.estimate import estimate
+        with ``budget``, the allocator replayed under it (``memfit/estimator/verdict.py``)."""
+        from memfit.estimator.estimate import estimate
 
         key = r if budget is None else (r, budget)
         if key not in self._verified:
@@ -242,7 +242,7 @@ class Engine:
                 peak = line(two.peak_bytes, three.peak_bytes)
                 cuda = {}
                 if self.target is not None:  # the line's reserved figure, judged without events
-                    from memfit.verdict import FITS, fit_reserved
+                    from memfit.estimator.verdict import FITS, fit_reserved
 
                     def demand(report):  # on out of memory: what it held at the limit and what was missing
                         return report.reserved_bytes + (report.missing_bytes or 0)

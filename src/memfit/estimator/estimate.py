@@ -20,15 +20,15 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from memfit.cpu_kernels import CpuKernels, check_routing
+from memfit.hardware.cpu_kernels import CpuKernels, check_routing
 from memfit.errors import MemfitError, shown
-from memfit.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
+from memfit.estimator.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
 from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source, resolve
-from memfit.precision import check_gpu, check_precision, weight_dtype
-from memfit.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
-from memfit.report import Report
-from memfit.trace import phases, trace
+from memfit.techniques.precision import check_gpu, check_precision, weight_dtype
+from memfit.techniques.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
+from memfit.report.report import Report
+from memfit.estimator.trace import phases, trace
 
 __all__ = ["estimate"]
 
@@ -55,13 +55,13 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                ``cuda`` (``memfit.cuda``: CUDA autocast lists, fused attention, foreach
                optimizers, cuBLAS workspaces, and the caching allocator's rounding and segments;
                the report adds ``reserved_bytes``, ``context_bytes`` and ``device_bytes``).
-    gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.gpus.gpu(...)``) for CUDA semantics:
+    gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.hardware.gpus.gpu(...)``) for CUDA semantics:
                its workspace size and context; implies ``device="cuda"`` (default ``h100-sxm``).
     batch_size examples per optimizer step (default 1). With ``recipe.micro_batch_size`` it is
                micro_batch_size x grad_accum_steps; a different value is an error, not overridden.
     budget     CUDA only: the memory the process may use (context included, bytes or "24GiB"),
                enforced as ``torch.cuda.set_per_process_memory_fraction`` would; default the whole
-               card. The report's ``verdict`` says whether the step fits (``memfit/verdict.py``).
+               card. The report's ``verdict`` says whether the step fits (``memfit/estimator/verdict.py``).
     fast       trace a 4-block copy and write its allocation log out at full depth (``depth.py``;
                default: for configs with >= 8 blocks and no explicit batch); ``False`` forces the
                full trace.
@@ -85,7 +85,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
     tick = _ticker(progress, phases(recipe, steps))  # one trace either way (depth.py traces one copy)
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
-        from memfit.depth import estimate_by_depth
+        from memfit.estimator.depth import estimate_by_depth
 
         return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
                                  steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget,
@@ -115,7 +115,7 @@ DEFAULT_GPU = "h100-sxm"
 
 def _target(device, gpu):
     """None for CPU semantics, else the catalog GPU whose CUDA semantics to follow."""
-    from memfit.gpus import GPU, gpu as lookup
+    from memfit.hardware.gpus import GPU, gpu as lookup
 
     kind = str(device).split(":")[0]
     if kind not in ("cpu", "cuda"):
@@ -132,7 +132,7 @@ def _budget(budget, target):
     if target is None:
         raise MemfitError("budget applies to CUDA estimates (the allocator under a memory fraction): "
                           "pass gpu=... or device='cuda', or compare report.peak_bytes yourself")
-    from memfit.verdict import limits
+    from memfit.estimator.verdict import limits
     from memfit.units import parse_size
 
     budget = parse_size(budget)

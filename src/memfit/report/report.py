@@ -11,7 +11,14 @@ from dataclasses import asdict, dataclass, field
 from memfit.categories import PHASES, Category
 from memfit.units import format_size
 
-__all__ = ["Report"]
+__all__ = ["Report", "FITS", "EXPANDABLE", "OOM", "EXPANDABLE_CONF", "ERROR_SOURCE"]
+
+# The verdict on a GPU (``estimator/verdict.py``): what torch's caching allocator does with the step.
+FITS, EXPANDABLE, OOM = "fits", "fits_with_expandable_segments", "out_of_memory"
+EXPANDABLE_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+# Where the margin of a tight fit comes from (``estimator.verdict.error_margin``).
+ERROR_SOURCE = ("90th percentile of the reserved-memory error over 42 H100 runs "
+                "(bench/results/gpu-accuracy-h100.json): 4.3 % of the estimate, at least 20 MiB")
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class Report:
     ``device_bytes`` is what the device needs: reserved + context (``peak_bytes`` on the CPU).
     by_category, phase_peaks and modules are in unrounded bytes.
 
-    The CUDA figures are those of the allocator replayed under the card's limit (``memfit/verdict.py``),
+    The CUDA figures are those of the allocator replayed under the card's limit (``memfit/estimator/verdict.py``),
     so ``reserved_bytes`` never exceeds the card's memory less its context (with a budget and
     expandable segments torch itself can pass the budget by part of a 20 MiB page); the verdict fields:
     verdict         "fits", "fits_with_expandable_segments" (set
@@ -144,7 +151,6 @@ class Report:
 
 def verdict_line(report: Report) -> str:
     """One line saying what torch would do with the step on the card (``report.verdict``)."""
-    from memfit.verdict import EXPANDABLE, EXPANDABLE_CONF, FITS, OOM
 
     limit = (f"{format_size(report.capacity_bytes)} the allocator may hold on the {report.gpu}"
              + (f" within a {format_size(report.budget_bytes)} budget" if report.budget_bytes is not None else ""))

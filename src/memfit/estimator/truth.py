@@ -13,9 +13,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memfit.accounting.allocator_events import allocation_sizes, span
-from memfit.apply import run_steps
-from memfit.recipe import recipe_from
-from memfit.step import batch_tensors
+from memfit.techniques.apply import run_steps
+from memfit.techniques.recipe import recipe_from
+from memfit.techniques.step import batch_tensors
 
 __all__ = ["allocator_peak", "true_peak", "resident_bytes"]
 

@@ -21,10 +21,10 @@ import torch
 
 from memfit.categories import Category
 from memfit.errors import MemfitError
-from memfit.optim import make_optimizer
-from memfit.precision import autocast, check_capability, grad_scaler, weight_dtype
-from memfit.recipe import Recipe
-from memfit.step import check_loss, default_loss, split_batch, token_weights
+from memfit.techniques.optimizer import make_optimizer
+from memfit.techniques.precision import autocast, check_capability, grad_scaler, weight_dtype
+from memfit.techniques.recipe import Recipe
+from memfit.techniques.step import check_loss, default_loss, split_batch, token_weights
 from memfit.techniques.attention import set_attention
 from memfit.techniques.checkpointing import apply_checkpointing
 from memfit.techniques.lora import apply_lora, quantize_base
@@ -90,7 +90,7 @@ def _optimizer(model, recipe: Recipe, factory, device_type: str):
         if device_type != "cuda":
             raise MemfitError("offload_optimizer needs a CUDA device: on the CPU the optimizer state is "
                               "already in host memory; set offload_optimizer=false")
-        from memfit.optim import offloaded
+        from memfit.techniques.optimizer import offloaded
 
         return offloaded(spec, model.parameters())
     if recipe.optimizer_in_backward:

@@ -16,11 +16,11 @@ from memfit.accounting.ops import OpCounter
 from memfit.accounting.replay import event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
-from memfit.cuda import cuda_semantics
-from memfit.verdict import cuda_fit
-from memfit.report import Report
-from memfit.apply import run_steps
-from memfit.step import batch_tensors
+from memfit.hardware.cuda import cuda_semantics
+from memfit.estimator.verdict import cuda_fit
+from memfit.report.report import Report
+from memfit.techniques.apply import run_steps
+from memfit.techniques.step import batch_tensors
 from memfit.techniques.lora import quant_state_tensors, quantize_base
 from memfit.units import format_size
 
@@ -38,7 +38,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device, and replay
-    the allocator under its memory, or under ``budget`` (bytes, context included; ``memfit/verdict.py``).
+    the allocator under its memory, or under ``budget`` (bytes, context included; ``memfit/estimator/verdict.py``).
     ``detail``: also keep the live bytes after every event (``Replay.series``) and one row per
     kernel (``Replay.ops``, see ``accounting/ops.py``), and the allocator statistics on CUDA
     (``Replay.allocator``), for the planner. ``keep``: keep the ledger and its kernel scratch

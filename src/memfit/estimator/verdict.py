@@ -41,12 +41,11 @@ from dataclasses import dataclass
 
 from memfit.accounting.cuda_allocator import AllocatorStats, CachingAllocator, SimulatedOutOfMemory
 from memfit.errors import MemfitError
+from memfit.report.report import EXPANDABLE, EXPANDABLE_CONF, FITS, OOM
 from memfit.units import format_size
 
 __all__ = ["CudaFit", "cuda_fit", "fit_reserved", "error_margin", "FITS", "EXPANDABLE", "OOM", "EXPANDABLE_CONF"]
 
-FITS, EXPANDABLE, OOM = "fits", "fits_with_expandable_segments", "out_of_memory"
-EXPANDABLE_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 MiB = 1 << 20
 # Nearest-rank 90th percentile of (measured reserved / estimated reserved - 1) over the runs of
@@ -54,8 +53,6 @@ MiB = 1 << 20
 # (measured - estimated) reserved bytes over the smaller runs. tests/test_fit.py recomputes both.
 RESERVED_ERROR_P90 = 0.043
 SMALL_RUN_ERROR_P90 = 20 * MiB
-ERROR_SOURCE = ("90th percentile of the reserved-memory error over 42 H100 runs "
-                "(bench/results/gpu-accuracy-h100.json): 4.3 % of the estimate, at least 20 MiB")
 
 
 def error_margin(reserved: int) -> int:

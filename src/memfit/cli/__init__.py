@@ -13,8 +13,8 @@ import sys
 import warnings
 
 from memfit.errors import MemfitError
-from memfit.precision import PRECISIONS
-from memfit.recipe import APPROXIMATE_OPTIMIZERS, ATTENTION, EXACT_OPTIMIZERS
+from memfit.techniques.precision import PRECISIONS
+from memfit.techniques.recipe import APPROXIMATE_OPTIMIZERS, ATTENTION, EXACT_OPTIMIZERS
 from memfit.units import format_size, parse_size
 
 __all__ = ["main"]
@@ -137,7 +137,7 @@ def _recipe_flags(parser) -> None:
 def _recipe(args):
     from dataclasses import fields
 
-    from memfit.recipe import Recipe
+    from memfit.techniques.recipe import Recipe
 
     base = Recipe.load(args.recipe) if args.recipe else Recipe()
     changes = {f.name: getattr(args, f.name) for f in fields(Recipe) if getattr(args, f.name, None) is not None}
@@ -153,8 +153,8 @@ def _import(spec: str | None):
 def _estimate(args) -> int:
     from rich.console import Console
 
-    from memfit.estimate import estimate
-    from memfit.render import report_view, verdict
+    from memfit.estimator.estimate import estimate
+    from memfit.report.report.tables import report_view, verdict
 
     if args.max_batch_size:
         if args.batch_size is not None:
@@ -163,7 +163,7 @@ def _estimate(args) -> int:
         return _fit(args)
     card = None
     if args.gpu is not None:
-        from memfit.gpus import gpu
+        from memfit.hardware.gpus import gpu
 
         card = gpu(args.gpu)
     cuda = card is not None or args.device == "cuda"  # the budget is the allocator's limit on the card
@@ -198,8 +198,8 @@ def _progress(description: str):
 def _fit(args) -> int:
     from rich.console import Console
 
-    from memfit.fit import NoBatchFits, fit
-    from memfit.render import fit_view
+    from memfit.planner.fit import NoBatchFits, fit
+    from memfit.report.report.tables import fit_view
 
     recipe = _recipe(args)
     if recipe.micro_batch_size is not None:
@@ -233,8 +233,8 @@ def _fit(args) -> int:
 def _plan(args) -> int:
     from rich.console import Console
 
-    from memfit.plan import NothingFits, plan
-    from memfit.render import plan_view
+    from memfit.planner.plan import NothingFits, plan
+    from memfit.report.report.tables import plan_view
 
     if args.device == "cpu" and args.gpu is not None:
         raise MemfitError("--gpu and --device cpu conflict: drop one")
@@ -284,12 +284,12 @@ def _gpus(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from memfit.gpus import CATALOG
+    from memfit.hardware.gpus import CATALOG
 
     if args.json:
         print(json.dumps([g.to_dict() for g in CATALOG.values()], indent=2))
         return 0
-    table = Table(title="GPU catalog (figures and sources in memfit/gpus.py)", title_justify="left")
+    table = Table(title="GPU catalog (figures and sources in memfit/hardware/gpus.py)", title_justify="left")
     for column in ("name", "memory", "compute", "bf16", "bf16 dense", "memory bw", "host link"):
         table.add_column(column, justify="left" if column in ("name", "host link") else "right")
     for g in CATALOG.values():

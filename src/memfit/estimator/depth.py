@@ -24,11 +24,11 @@ import math
 from memfit.accounting.replay import replay
 from memfit.accounting.synth import synthesise
 from memfit.categories import PHASES
-from memfit.estimate import fake_trace
+from memfit.estimator.estimate import fake_trace
 from memfit.models.source import Source
-from memfit.report import Report
-from memfit.trace import numel
-from memfit.verdict import cuda_fit
+from memfit.report.report import Report
+from memfit.estimator.trace import numel
+from memfit.estimator.verdict import cuda_fit
 
 __all__ = ["estimate_by_depth", "SHALLOW", "TEMPLATE_UNITS", "block_unit"]
 

@@ -40,7 +40,7 @@ rules torch itself uses on CUDA:
 * **The caching allocator.** Every request is rounded up to 512 bytes and served from cached
   segments (``accounting/cuda_allocator.py``): the replayed event stream gives
   ``max_memory_allocated`` and ``max_memory_reserved``, under the card's memory less its context,
-  and the verdict (``cuda_figures``, ``fit.py``).
+  and the verdict (``estimator/verdict.py``).
 
 Not modelled (measured where a GPU was lent; see README):
 
@@ -66,8 +66,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "allocator_stats",
-           "cuda_figures"]
+__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
 
@@ -334,23 +333,3 @@ def cuda_semantics():
             yield
     finally:
         _ACTIVE.reset(token)
-
-
-def allocator_stats(ledger, *, expandable_segments: bool = False):
-    """Replay a CUDA-semantics ledger's allocations through the caching-allocator model, with no
-    memory limit (what a device with memory to spare would report)."""
-    from memfit.verdict import replay
-
-    return replay(ledger, expandable_segments=expandable_segments)[0]
-
-
-def cuda_figures(ledger, gpu, budget: int | None = None, **knobs) -> dict:
-    """The ``Report`` keyword arguments of a step on ``gpu``: allocated, reserved and the verdict
-    (fits / fits only with expandable segments / out of memory), from replaying ``ledger`` (anything
-    with ``.records`` and ``.events``) under the card's memory less its CUDA context, or under
-    ``budget`` (bytes, context included, enforced as ``set_per_process_memory_fraction``).
-    ``knobs``: ``garbage_collection_threshold``. See ``memfit/verdict.py``."""
-    from memfit.verdict import cuda_fit
-
-    return dict(cuda_fit(ledger, gpu, budget, **knobs).report_fields(), context_bytes=gpu.cuda_context_bytes,
-                gpu=gpu.name)

@@ -9,11 +9,11 @@ independent truth that grades both is the allocator (``memfit.truth``), not this
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.estimate import step_batch, check_args
+from memfit.estimator.estimate import step_batch, check_args
 from memfit.models.source import resolve
-from memfit.recipe import Recipe, recipe_from
-from memfit.report import Report
-from memfit.trace import trace
+from memfit.techniques.recipe import Recipe, recipe_from
+from memfit.report.report import Report
+from memfit.estimator.trace import trace
 
 __all__ = ["measure"]
 
