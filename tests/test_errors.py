@@ -105,7 +105,7 @@ def test_bf16_on_a_card_without_it_is_refused(card, precision):
 
 
 def test_plan_for_a_card_without_bf16_never_picks_it():
-    from memfit.planner.plan import _space
+    from memfit.planner.space import search_space as _space
 
     class Engine:  # what _space reads
         target = __import__("memfit.hardware.gpus", fromlist=["gpu"]).gpu("t4")
@@ -206,7 +206,7 @@ def test_sizes_that_overflow_64_bits_are_one_line():
 def test_plan_with_a_huge_global_batch_answers_at_once():
     import time
 
-    from memfit.planner.plan import _divisors
+    from memfit.planner.space import divisors as _divisors
 
     start = time.perf_counter()
     assert _divisors(10**12)[:4] == [1, 2, 4, 5] and len(_divisors(10**12)) == 169

@@ -11,7 +11,7 @@ from memfit.cli import main
 from memfit.estimator.estimate import _target
 from memfit.models.source import resolve
 from memfit.planner.compose import Engine as _Engine
-from memfit.planner.plan import _space
+from memfit.planner.space import search_space as _space
 
 GPU = "rtx-4090"
 

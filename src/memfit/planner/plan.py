@@ -26,18 +26,13 @@ import time
 from dataclasses import dataclass
 
 from memfit.planner.compose import Engine
+from memfit.planner.space import ALLOWABLE, allowed_names, search_space
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size, parse_size
 
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE"]
 
-#: What ``allow`` may name: techniques that change the math and are never chosen otherwise.
-ALLOWABLE = ("lora", "qlora", "adamw8bit", "paged_adamw8bit", "bf16")
-#: every N-th block checkpointed: the values of N tried (where N < depth)
-EVERY = (2, 3, 4, 6, 8, 16)
-LORA_RANK = 16
-CHUNKS = 8
 NO_BLOCKS = ("checkpointing left out of the search: the model has no repeated blocks to checkpoint "
              "(name modules yourself with checkpointing=modules:a,b)")
 MAX_CHECKS = 8  # full estimates tried, fastest first, before giving up on the predictions
@@ -142,7 +137,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     from memfit.techniques.recipe import MAX_BATCH
 
     start = time.perf_counter()
-    allowed = _allowed(allow)
+    allowed = allowed_names(allow)
     for name, value, limit in (("global_batch_size", global_batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
             raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
@@ -174,7 +169,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     if seq_len is None and source.config is not None:
         seq_len = source.default_seq_len()
     engine = _cached_engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
-    space = _space(engine, allowed, optimizer)
+    space = search_space(engine, allowed, optimizer)
     engine.prepare(space)
     predicted = [engine.predict(r) for r in space]
     fitting = sorted((p for p in predicted if p.device_bytes <= budget_bytes), key=_rank)
@@ -317,61 +312,6 @@ def _cached_engine(source, batch, target, seq_len, loss_fn, optimizer, global_ba
 
 def _rank(p: Plan):
     return (round(p.step_seconds, 9), p.device_bytes, p.recipe.describe())
-
-
-def _allowed(allow) -> set[str]:
-    if allow is None:
-        return set()
-    if isinstance(allow, str):
-        allow = [a for a in allow.split(",") if a.strip()]
-    try:
-        names = {str(a).strip().lower() for a in allow}
-    except TypeError:
-        raise MemfitError(f"allow takes names, e.g. allow='lora,adamw8bit', got {shown(allow)}") from None
-    unknown = sorted(names - set(ALLOWABLE))
-    if unknown:
-        raise MemfitError(f"cannot allow {', '.join(shown(u, 30) for u in unknown)}: allow takes {', '.join(ALLOWABLE)}")
-    return names
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # pairs (d, n // d): sqrt(n) steps
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _space(engine, allowed: set[str], optimizer: str) -> list[Recipe]:
-    """Every candidate recipe; pairs ``Recipe`` rejects are skipped."""
-    target = engine.target
-    low = "bf16-mixed" if target is None or target.bf16 else "fp16-mixed"
-    bf16_ok = target is None or target.bf16  # pure bf16 needs bf16 units (sm80+)
-    precisions = ["fp32", low] + (["bf16"] if "bf16" in allowed and bf16_ok else [])
-    depth = engine.depth or 0
-    levels = ["off", "selective", "blocks"] + [f"blocks:{n}" for n in EVERY if n < depth] if engine.has_blocks \
-        else ["off"]
-    chunked = [0, CHUNKS] if engine.causal_lm else [0]
-    optimizers = [optimizer] + [o for o in ("adamw8bit", "paged_adamw8bit") if o in allowed and o != optimizer]
-    loras = ["off"] + [f"{k}:{LORA_RANK}" for k in ("lora", "qlora") if k in allowed]
-    gbs = engine.global_batch_size
-    out = []
-    for precision in precisions:
-        for lora in loras:
-            for level in levels:
-                for offload in ([False, True] if target is not None and level != "selective" else [False]):
-                    for chunks in chunked:
-                        for opt in optimizers:
-                            for mb in _divisors(gbs):
-                                for in_backward in (False, True):
-                                    if in_backward and mb != gbs:
-                                        continue
-                                    try:
-                                        out.append(Recipe(precision=precision, checkpointing=level,
-                                                          offload_activations=offload, chunked_loss=chunks,
-                                                          optimizer=opt, optimizer_in_backward=in_backward,
-                                                          micro_batch_size=mb, grad_accum_steps=gbs // mb,
-                                                          lora=lora))
-                                    except MemfitError:
-                                        continue
-    return out
 
 
 # -- explaining and failing -------------------------------------------------------------------------
