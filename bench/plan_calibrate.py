@@ -19,7 +19,7 @@ import transformers as tf
 
 from memfit import Recipe
 from memfit.planner.cost import EFFICIENCY
-from memfit.estimator.estimate import _target
+from memfit.estimator.estimate import resolve_target
 from memfit.models.source import resolve
 from memfit.planner.compose import Engine
 
@@ -31,7 +31,7 @@ def main() -> None:
     config = tf.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
     source = resolve(config)
-    gpu = _target("cuda", "h100-sxm")
+    gpu = resolve_target("cuda", "h100-sxm")
     recipes = {name: Recipe.from_dict(row["fields"]).replace(micro_batch_size=8, grad_accum_steps=1)
                for name, row in recorded["recipes"].items() if "fields" in row}
     recipes = {n: r.replace(micro_batch_size=2) if r.grad_accum_steps > 1 or n.startswith("accumulation") else r

@@ -33,7 +33,8 @@ def test_fast_path_is_chosen_for_deep_configs_only():
 
 
 def _trace(config, recipe, depth=None, **kwargs):
-    from memfit.estimator.estimate import _target, fake_trace
+    from memfit.estimator.estimate import resolve_target
+    from memfit.estimator.fake_trace import fake_trace
     from memfit.models.source import resolve
     from memfit.techniques.recipe import recipe_from
 
@@ -41,7 +42,7 @@ def _trace(config, recipe, depth=None, **kwargs):
     recipe, factory = recipe_from(recipe, recipe.precision, recipe.optimizer)
     source = source if depth is None else source.shallow(depth)
     return fake_trace(source, None, recipe=recipe, loss_fn=None, optimizer=factory, steps=2, batch_size=2,
-                      seq_len=128, gpu=_target("cuda", "rtx-4090"), keep=True)[1]
+                      seq_len=128, gpu=resolve_target("cuda", "rtx-4090"), keep=True)[1]
 
 
 def test_written_log_is_the_full_trace_log():

@@ -122,7 +122,7 @@ def test_written_log_is_the_full_trace_log_on_cpu(tmp_path, family, keys):
     loops over parameters (``foreach=False``), freeing a block's last temporary in the next block."""
     from memfit.accounting.ledger import ALLOC, FREE, SPIKE
     from memfit.accounting.synth import synthesise
-    from memfit.estimator.estimate import fake_trace
+    from memfit.estimator.fake_trace import fake_trace
     from memfit.techniques.recipe import recipe_from
 
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS[family], **{key: 8 for key in keys}}))

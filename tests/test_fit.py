@@ -10,7 +10,7 @@ import transformers as tf
 
 from memfit import Fit, MemfitError, NoBatchFits, Recipe, estimate, fit, plan
 from memfit.cli import main
-from memfit.estimator.estimate import _target
+from memfit.estimator.estimate import resolve_target
 from memfit.models.zoo import GPT, MLP, classify, gpt_batch, lm_loss
 from memfit.estimator.truth import true_peak
 
@@ -26,7 +26,7 @@ def _config():
 
 
 def _context():
-    return _target("cuda", GPU).cuda_context_bytes
+    return resolve_target("cuda", GPU).cuda_context_bytes
 
 
 def _gpt():

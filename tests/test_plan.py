@@ -8,7 +8,7 @@ import transformers as tf
 
 from memfit import MemfitError, NothingFits, Recipe, estimate, plan
 from memfit.cli import main
-from memfit.estimator.estimate import _target
+from memfit.estimator.estimate import resolve_target
 from memfit.models.source import resolve
 from memfit.planner.compose import Engine as _Engine
 from memfit.planner.space import search_space as _space
@@ -23,7 +23,7 @@ def _config(layers=2):
 
 
 def _plan(budget_mib, **kw):
-    context = _target("cuda", GPU).cuda_context_bytes
+    context = resolve_target("cuda", GPU).cuda_context_bytes
     return plan(_config(), gpu=GPU, budget=context + budget_mib * 2**20, global_batch_size=8, seq_len=128, **kw)
 
 
@@ -72,7 +72,7 @@ def test_nothing_fits_names_the_smallest_and_it_is_the_smallest():
     err = caught.value
     assert "nothing fits" in str(err) and "needs" in str(err) and "\n" not in str(err)
     smallest = err.smallest
-    assert smallest.device_bytes > _target("cuda", GPU).cuda_context_bytes + 4 * 2**20
+    assert smallest.device_bytes > resolve_target("cuda", GPU).cuda_context_bytes + 4 * 2**20
     # no candidate is smaller by a full estimate: the extreme memory savers, checked directly
     for recipe in (Recipe(precision="bf16-mixed", checkpointing="blocks", chunked_loss=8, offload_activations=True,
                           micro_batch_size=1, grad_accum_steps=8),
@@ -85,7 +85,7 @@ def test_composed_predictions_match_full_estimates():
     """One trace per graph at a prime batch size, scaled to each micro-batch and composed with
     optimizer traces, against a full trace of the same recipe (allocated bytes)."""
     source = resolve(_config(layers=8))  # deep enough for the depth path: depths 1 and 2 scaled to 8
-    gpu = _target("cuda", GPU)
+    gpu = resolve_target("cuda", GPU)
     engine = _Engine(source, None, gpu, 128, None, "adamw", 8, None)
     recipes = [Recipe(precision="bf16-mixed", micro_batch_size=8),
                Recipe(precision="bf16-mixed", micro_batch_size=2, grad_accum_steps=4),
@@ -109,7 +109,7 @@ def test_composed_predictions_match_full_estimates():
 
 
 def test_space_covers_the_axes():
-    engine = _Engine(resolve("llama-3.1-8b"), None, _target("cuda", GPU), 2048, None, "adamw", 64, None)
+    engine = _Engine(resolve("llama-3.1-8b"), None, resolve_target("cuda", GPU), 2048, None, "adamw", 64, None)
     space = _space(engine, set(), "adamw")
     assert len(space) >= 500
     assert {r.grad_accum_steps * r.micro_batch_size for r in space} == {64}
@@ -136,7 +136,7 @@ def test_long_accumulation_verified_from_two_and_three_micro_batches():
     """The planner verifies k > 5 micro-batches from traces of 2 and 3: never below tracing all k
     (the plan's budget check stays safe), and within 0.1 %."""
     source = resolve(_config())
-    engine = _Engine(source, None, _target("cuda", GPU), 128, None, "adamw", 8, None)
+    engine = _Engine(source, None, resolve_target("cuda", GPU), 128, None, "adamw", 8, None)
     for recipe in (Recipe(micro_batch_size=1, grad_accum_steps=8),
                    Recipe(precision="bf16-mixed", checkpointing="blocks", micro_batch_size=1, grad_accum_steps=8)):
         many = estimate(source, recipe=recipe, seq_len=128, gpu=GPU)

@@ -24,7 +24,7 @@ import math
 from memfit.accounting.replay import replay
 from memfit.accounting.synth import synthesise
 from memfit.categories import PHASES
-from memfit.estimator.estimate import fake_trace
+from memfit.estimator.fake_trace import fake_trace
 from memfit.models.source import Source
 from memfit.report.report import Report
 from memfit.estimator.trace import numel

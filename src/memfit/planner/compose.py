@@ -117,13 +117,13 @@ class Engine:
             self._optim(key)
 
     def _trace(self, depth, recipe: Recipe, batch_size: int, seq_len, steps: int, prime=None):
-        from memfit.estimator.estimate import fake_trace
-        from memfit.techniques.step import _slice
+        from memfit.estimator.fake_trace import fake_trace
+        from memfit.techniques.step import batch_slice
 
         source = self.source if depth is None else self.source.shallow(depth)
         batch = None
         if self.batch is not None:
-            batch = _slice(self.batch() if callable(self.batch) else self.batch, 0, batch_size)
+            batch = batch_slice(self.batch() if callable(self.batch) else self.batch, 0, batch_size)
         result = fake_trace(source, batch, recipe=recipe, loss_fn=self.loss_fn, optimizer=None, steps=steps,
                             batch_size=batch_size, seq_len=seq_len, gpu=self.target, detail=True, prime=prime)
         self._done += 1

@@ -136,7 +136,7 @@ class _Search:
 
     def __init__(self, model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
                  progress):
-        from memfit.estimator.estimate import DEFAULT_GPU, _target, check_args
+        from memfit.estimator.estimate import DEFAULT_GPU, resolve_target, check_args
         from memfit.models.source import resolve
 
         check_args(precision, 1, 1, seq_len)
@@ -151,7 +151,7 @@ class _Search:
         if gpu is not None and str(device).startswith("cpu"):
             raise MemfitError("gpu and device='cpu' conflict: drop one")
         cpu = str(device).startswith("cpu")
-        self.target = _target(device, gpu if gpu is not None or cpu else DEFAULT_GPU)
+        self.target = resolve_target(device, gpu if gpu is not None or cpu else DEFAULT_GPU)
         if budget is None:
             if gpu is None:
                 raise MemfitError("fit needs a budget: pass budget='24GiB' or gpu='rtx-4090'")
@@ -171,9 +171,9 @@ class _Search:
             raise MemfitError("seq_len and batch conflict: the batch's shape sets the sequence; drop seq_len")
         self.example = batch
         if batch is not None:
-            from memfit.techniques.step import _rows
+            from memfit.techniques.step import batch_rows
 
-            _rows(batch)  # a batch with no batch dimension is one line here, not mid-search
+            batch_rows(batch)  # a batch with no batch dimension is one line here, not mid-search
         if seq_len is None and self.source.config is not None:
             seq_len = self.source.default_seq_len()
         self.seq_len, self.loss_fn, self.limit, self.progress = seq_len, loss_fn, limit, progress
@@ -195,14 +195,14 @@ class _Search:
             return None
         from memfit.planner.compose import Engine
         from memfit.planner.cost import Speed
-        from memfit.estimator.estimate import DEFAULT_GPU, _target
+        from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
         from memfit.planner.plan import _cached_engine  # the planner's traces of the same config, if any
 
         batch = None if self.example is None else _grown(self.example, PROBE)()
         if self.target is None:
             # fit reads bytes, never times: the CPU's speed (seconds to measure) is not needed
             self.engine = Engine(self.source, batch, None, self.seq_len, self.loss_fn, r.optimizer, PROBE,
-                                 self._traced, speed=Speed.from_gpu(_target("cuda", DEFAULT_GPU)))
+                                 self._traced, speed=Speed.from_gpu(resolve_target("cuda", DEFAULT_GPU)))
         else:
             self.engine = _cached_engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer,
                                          PROBE, self._traced)

@@ -130,7 +130,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
 
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
-    from memfit.estimator.estimate import DEFAULT_GPU, _target
+    from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
     from memfit.models.source import resolve
 
     from memfit.estimator.estimate import MAX_SEQ
@@ -145,7 +145,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     device = device or "cuda"
     if gpu is not None and str(device).startswith("cpu"):
         raise MemfitError("gpu and device='cpu' conflict: drop one")
-    target = _target(device, gpu if gpu is not None or str(device).startswith("cpu") else DEFAULT_GPU)
+    target = resolve_target(device, gpu if gpu is not None or str(device).startswith("cpu") else DEFAULT_GPU)
     if budget is None:
         if target is None or gpu is None:
             raise MemfitError("plan needs a budget: pass budget='24GiB' or a gpu='rtx-4090'")
@@ -156,9 +156,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     if callable(batch):  # made once: its rows are the global batch
         batch = batch()
     if batch is not None:
-        from memfit.techniques.step import _rows
+        from memfit.techniques.step import batch_rows
 
-        rows = _rows(batch)
+        rows = batch_rows(batch)
         if global_batch_size not in (None, rows):
             raise MemfitError(f"global_batch_size={global_batch_size} and the batch's {rows} rows conflict: set one")
         global_batch_size = rows

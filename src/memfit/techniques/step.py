@@ -52,20 +52,20 @@ def check_loss(loss) -> None:
         raise MemfitError("the loss does not require grad: check that the model has trainable parameters in use")
 
 
-def _rows(batch) -> int:
+def batch_rows(batch) -> int:
     tensors = batch_tensors(batch)
     if not tensors or tensors[0].dim() == 0:
         raise MemfitError("cannot split a batch with no batch dimension: set grad_accum_steps=1")
     return tensors[0].shape[0]
 
 
-def _slice(batch, start: int, stop: int):
+def batch_slice(batch, start: int, stop: int):
     if isinstance(batch, torch.Tensor):
         return batch[start:stop]
     if isinstance(batch, Mapping):
-        return {k: _slice(v, start, stop) for k, v in batch.items()}
+        return {k: batch_slice(v, start, stop) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(v, start, stop) for v in batch)
+        return type(batch)(batch_slice(v, start, stop) for v in batch)
     return batch
 
 
@@ -73,14 +73,14 @@ def split_batch(batch, parts: int, micro_batch_size: int | None = None) -> list:
     """``batch`` cut along dim 0 into ``parts`` micro-batches (views, no copies)."""
     if parts == 1 and micro_batch_size is None:
         return [batch]
-    rows = _rows(batch)
+    rows = batch_rows(batch)
     if micro_batch_size is not None and micro_batch_size * parts != rows:
         raise MemfitError(f"micro_batch_size={micro_batch_size} x grad_accum_steps={parts} must equal the "
                           f"batch's {rows} rows: change one of them or the batch")
     if rows % parts:
         raise MemfitError(f"grad_accum_steps={parts} does not divide the batch's {rows} rows: pick a divisor")
     size = rows // parts
-    return [_slice(batch, i * size, (i + 1) * size) for i in range(parts)]
+    return [batch_slice(batch, i * size, (i + 1) * size) for i in range(parts)]
 
 
 def _causal(model) -> bool:

@@ -1,0 +1,107 @@
+"""``fake_trace``: one trace of a model's training steps on fake tensors.
+
+The model is made fake (``fake.py``), the batch made or converted, and ``trace`` runs under
+``FakeTensorMode`` with CPU kernel-scratch rules and scalar reads answered; what fake tensors
+cannot run becomes one ``MemfitError`` line. ``estimate``, the depth fast path (``depth.py``) and
+the planner's traces (``planner/compose.py``) all trace through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+
+from memfit.errors import MemfitError
+from memfit.estimator.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
+from memfit.estimator.trace import trace
+from memfit.hardware.cpu_kernels import CpuKernels
+from memfit.models.mamba_scan import collapsed_scans
+from memfit.models.source import Source
+from memfit.techniques.precision import weight_dtype
+
+__all__ = ["fake_trace"]
+
+
+def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
+               detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None,
+               tick=None):
+    """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
+    ``trace``."""
+    if recipe.optimizer == "adamw4bit":
+        raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
+                          "use memfit.measure, or adamw8bit")
+    with quiet_fake_log():
+        return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                           batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
+                           budget=budget, tick=tick)
+
+
+def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime,
+                keep, budget, tick):
+    device = torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    dtype = weight_dtype(recipe.precision)
+    if source.module is not None:
+        module = fake_copy(source.module, mode, dtype)
+    else:
+        module = build_fake(source.build, mode, device, dtype)
+    try:
+        if batch is None:
+            with mode:
+                batch = source.make_batch(batch_size, seq_len)
+        else:
+            batch = fake_batch(batch, mode)
+    except MemfitError:
+        raise
+    except Exception as err:  # noqa: BLE001 — a batch factory is the user's code
+        raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}: "
+                          "check the batch (or batch_size and seq_len)") from None
+    reads = ScalarReads()
+    config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
+    top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
+    with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans():
+        try:
+            report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
+                                   steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep,
+                                   budget=budget, tick=tick)
+        except MemfitError:
+            raise
+        except (UnsupportedOperatorException, DataDependentOutputException,
+                DynamicOutputShapeException, UnsupportedFakeTensorException) as err:
+            op = getattr(err, "func", None) or str(err).splitlines()[0]
+            raise MemfitError(f"operation {op} cannot run on fake tensors: run the step for real with "
+                              "memfit.measure(...) instead") from None
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError) as err:
+            if _overflow(err):
+                raise MemfitError(f"{_overflow(err)}: use a smaller batch_size or seq_len") from None
+            raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
+    notes = []  # what only the fake run knows, after the trace: the Report is made anew with them
+    if top_k:
+        notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "
+                     "only CPU bf16 kernel scratch, every expert tensor is tokens x top_k")
+    if reads.reads:
+        notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
+    if notes:
+        report = dataclasses.replace(report, notes=report.notes + notes)
+    return report, result
+
+
+def _overflow(err: BaseException) -> str | None:
+    """A sentence when ``err`` is a size that overflows 64 bits, else None."""
+    text = str(err)
+    if isinstance(err, OverflowError) or "overflow" in text.lower() or "negative dimension" in text:
+        return "the step's tensor sizes overflow 64-bit byte counts"
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
