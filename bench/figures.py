@@ -83,12 +83,21 @@ def snapshot(out: str) -> None:
     record("llama4/budget", lambda: memfit.estimate(config, batch_size=8, seq_len=128, gpu="rtx-4090",
                                                     budget="24MiB"))
     context = memfit.estimate(config, gpu="rtx-4090", seq_len=8).context_bytes
+    # the sweep shares its traces (the counts in plans' settings say so): through a cache the caller
+    # owns where plan takes one, else (older trees) the planner's own
+    try:
+        from memfit.planner.cache import EngineCache
+
+        shared = {"cache": EngineCache()}
+    except ImportError:
+        shared = {}
     for mib in (40, 64, 160):
         record(f"plan/{mib}MiB", lambda: memfit.plan(_llama(2), gpu="rtx-4090", budget=context + mib * 2**20,
-                                                     global_batch_size=8, seq_len=128))
+                                                     global_batch_size=8, seq_len=128, **shared))
     record("plan/allow", lambda: memfit.plan(_llama(2), gpu="rtx-4090", budget=context + 160 * 2**20,
-                                             global_batch_size=8, seq_len=128, allow="lora,adamw8bit"))
-    record("fit/rtx-4090", lambda: memfit.fit(_llama(4), gpu="rtx-4090", budget=context + 200 * 2**20, seq_len=128))
+                                             global_batch_size=8, seq_len=128, allow="lora,adamw8bit", **shared))
+    record("fit/rtx-4090", lambda: memfit.fit(_llama(4), gpu="rtx-4090", budget=context + 200 * 2**20, seq_len=128,
+                                              **shared))
     with open(out, "w") as f:
         json.dump(figures, f, indent=1, sort_keys=True)
     print(f"{len(figures)} cases in {time.perf_counter() - start:.0f} s -> {out}")

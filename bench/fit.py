@@ -44,11 +44,8 @@ BUDGETS_MIB = (160, 200, 300)
 
 
 def catalog_rows() -> list[dict]:
-    from memfit.planner.plan import _ENGINES
-
     rows = []
-    for model, gpu, seq, recipe in CATALOG:
-        _ENGINES.clear()  # cold: no traces kept from the row before
+    for model, gpu, seq, recipe in CATALOG:  # cold: each call traces afresh (no cache= passed)
         start = time.perf_counter()
         row = {"model": model, "gpu": gpu, "seq_len": seq, "recipe": recipe.describe()}
         try:

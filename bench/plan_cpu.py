@@ -88,10 +88,14 @@ def main() -> None:
     peaks = sorted(r["peak_bytes"] for r in measured)
     budgets = sorted({peaks[int(q * (len(peaks) - 1))] for q in (0.05, 0.2, 0.35, 0.5, 0.7, 0.9)})
     sweep = []
+    from memfit.planner.cache import EngineCache
+
+    cache = EngineCache()  # one config under every budget: traced once
     for budget in budgets:
         start = time.perf_counter()
         try:
-            plans = memfit.plan(CONFIG, device="cpu", budget=budget, global_batch_size=GLOBAL, seq_len=SEQ)
+            plans = memfit.plan(CONFIG, device="cpu", budget=budget, global_batch_size=GLOBAL, seq_len=SEQ,
+                                cache=cache)
         except memfit.NothingFits as err:
             sweep.append({"budget_bytes": budget, "fits": False, "message": str(err)})
             print(f"budget {memfit.format_size(budget)}: {err}", flush=True)

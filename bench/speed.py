@@ -42,10 +42,7 @@ PLANS = [  # (model, gpu, seq_len, global batch, allow)
 
 def plans() -> None:
     rows = []
-    from memfit.planner.plan import _ENGINES
-
-    for model, gpu, seq, gbs, allow in PLANS:
-        _ENGINES.clear()  # cold: no traces kept from the row before
+    for model, gpu, seq, gbs, allow in PLANS:  # cold: each call traces afresh (no cache= passed)
         start = time.perf_counter()
         try:
             result = memfit.plan(model, gpu=gpu, seq_len=seq, global_batch_size=gbs, allow=allow)

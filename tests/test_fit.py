@@ -13,10 +13,12 @@ from memfit.cli import main
 from memfit.estimator.estimate import resolve_target
 from memfit.models.zoo import GPT, MLP, classify, gpt_batch, lm_loss
 from memfit.estimator.truth import true_peak
+from memfit.planner.cache import EngineCache
 
 GPU = "rtx-4090"
 MIB = 2**20
 ZOO = "memfit.models.zoo"
+CACHE = EngineCache()  # the fits of _config() share their traces
 
 
 def _config():
@@ -46,7 +48,7 @@ def _edges(found: Fit, full) -> None:
 
 def test_fit_on_a_config_answers_the_edge_and_keeps_accumulation():
     recipe = Recipe(precision="bf16-mixed", grad_accum_steps=2)
-    found = fit(_config(), gpu=GPU, budget=_context() + 120 * MIB, recipe=recipe, seq_len=128)
+    found = fit(_config(), gpu=GPU, budget=_context() + 120 * MIB, recipe=recipe, seq_len=128, cache=CACHE)
     assert found.micro_batch_size > 4 and found.grad_accum_steps == 2 and found.device == "cuda"
     assert found.global_batch_size == 2 * found.micro_batch_size
     assert found.tokens_per_step == found.global_batch_size * 128
@@ -54,7 +56,8 @@ def test_fit_on_a_config_answers_the_edge_and_keeps_accumulation():
     _edges(found, lambda n, b: estimate(_config(), recipe=recipe.replace(micro_batch_size=n), seq_len=128, gpu=GPU,
                                         budget=b))
     # more budget never gives a smaller micro-batch
-    more = fit(_config(), gpu=GPU, budget=_context() + 200 * MIB, recipe=recipe, seq_len=128)
+    more = fit(_config(), gpu=GPU, budget=_context() + 200 * MIB, recipe=recipe, seq_len=128, cache=CACHE)
+    assert more.traces == 0  # the first fit's traces, kept by the cache passed
     assert more.micro_batch_size > found.micro_batch_size
 
 
@@ -89,7 +92,7 @@ def test_fit_on_the_cpu_agrees_with_the_allocator():
 
 def test_nothing_fits_is_one_line_naming_what_would():
     with pytest.raises(NoBatchFits) as caught:
-        fit(_config(), gpu=GPU, budget=_context() + MIB, seq_len=128)
+        fit(_config(), gpu=GPU, budget=_context() + MIB, seq_len=128, cache=CACHE)
     message = str(caught.value)
     assert "\n" not in message and "micro-batch 1" in message
     assert "--allow" in message and "shorter sequence than 128" in message
@@ -119,7 +122,7 @@ def test_cli_fit_and_estimate_max_batch_size_agree(tmp_path, capsys):
     assert fitted["fits"] and fitted["micro_batch_size"] == estimated["micro_batch_size"] > 1
     assert fitted["device_bytes"] == estimated["device_bytes"] <= fitted["budget_bytes"]
     assert fitted["next"]["micro_batch_size"] == fitted["micro_batch_size"] + 1
-    api = fit(_config(), gpu=GPU, budget=budget, recipe=Recipe(precision="bf16-mixed"), seq_len=128)
+    api = fit(_config(), gpu=GPU, budget=budget, recipe=Recipe(precision="bf16-mixed"), seq_len=128, cache=CACHE)
     assert api.micro_batch_size == fitted["micro_batch_size"]
     # the human view names the answer, the budget and the next size up; --out writes the recipe
     assert main(["fit", *common[:-1], "--out", str(tmp_path / "r.yaml")]) == 0

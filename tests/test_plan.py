@@ -10,10 +10,12 @@ from memfit import MemfitError, NothingFits, Recipe, estimate, plan
 from memfit.cli import main
 from memfit.estimator.estimate import resolve_target
 from memfit.models.source import resolve
+from memfit.planner.cache import EngineCache
 from memfit.planner.compose import Engine as _Engine
 from memfit.planner.space import search_space as _space
 
 GPU = "rtx-4090"
+CACHE = EngineCache()  # the plans of this file share their traces: one config under many budgets
 
 
 def _config(layers=2):
@@ -24,7 +26,8 @@ def _config(layers=2):
 
 def _plan(budget_mib, **kw):
     context = resolve_target("cuda", GPU).cuda_context_bytes
-    return plan(_config(), gpu=GPU, budget=context + budget_mib * 2**20, global_batch_size=8, seq_len=128, **kw)
+    return plan(_config(), gpu=GPU, budget=context + budget_mib * 2**20, global_batch_size=8, seq_len=128,
+                cache=CACHE, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +181,12 @@ def test_scaled_bytes_of_a_view_laid_out_again():
 def test_unknown_optimizer_is_one_line():
     with pytest.raises(MemfitError, match="unknown optimizer"):
         _plan(160, optimizer="lion")
+
+
+def test_traces_are_kept_only_by_a_cache_the_caller_passes(sweep):
+    """No hidden state: a plan without ``cache=`` traces afresh; the sweep's plans shared CACHE's."""
+    shared = sweep[160]
+    assert len(CACHE) == 1 and shared.settings["traces"] < 10  # the earlier budgets' traces, reused
+    fresh = plan(_config(), gpu=GPU, budget=shared.budget, global_batch_size=8, seq_len=128)
+    assert fresh.settings["traces"] > shared.settings["traces"]
+    assert fresh.best == shared.best

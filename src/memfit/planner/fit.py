@@ -60,7 +60,7 @@ class Fit:
     predicted_micro_batch_size: int | None  # from the composed traces, before verification
     tokens_per_example: int | None  # sequence length for token models, else None
     estimates: int  # full estimates the verification consulted (a repeated call finds them kept)
-    traces: int  # planner traces the prediction took (0 when a recent plan or fit had made them)
+    traces: int  # planner traces the prediction took (0 when the cache passed held them)
     seconds: float
     device: str  # "cuda" or "cpu"
     gpu: str | None
@@ -107,7 +107,7 @@ class NoBatchFits(MemfitError):
 
 def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = None, precision: str = "fp32",
         optimizer: str = "adamw", seq_len: int | None = None, loss_fn=None, device: str | None = None,
-        limit: int = LIMIT, progress=None) -> Fit:
+        limit: int = LIMIT, progress=None, cache=None) -> Fit:
     """The largest micro-batch of ``recipe`` that fits ``budget``, and the global batch it gives.
 
     model      as for :func:`memfit.estimate`.
@@ -119,12 +119,14 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
                its ``grad_accum_steps`` is kept. ``precision``/``optimizer``: shorthands.
     device     ``"cuda"`` (default; ``h100-sxm`` semantics when only ``budget`` is given) or ``"cpu"``.
     progress   ``progress(done, total)`` as traces and estimates complete (total may grow).
+    cache      a ``memfit.planner.cache.EngineCache`` shared with other ``plan``/``fit`` calls of the
+               same config: its traces and full estimates are reused; default: made afresh.
 
     Raises ``NoBatchFits`` (a ``MemfitError``) when micro-batch 1 does not fit.
     """
     start = time.perf_counter()
     search = _Search(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
-                     progress)
+                     progress, cache)
     predicted = search.predict_answer()
     n = search.verify_from(predicted or 1)
     search.finish()
@@ -135,7 +137,7 @@ class _Search:
     """The model, budget and recipe of one ``fit`` call, its predictions and its full estimates."""
 
     def __init__(self, model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
-                 progress):
+                 progress, cache=None):
         from memfit.estimator.estimate import DEFAULT_GPU, resolve_target, check_args
         from memfit.models.source import resolve
 
@@ -179,6 +181,7 @@ class _Search:
         self.seq_len, self.loss_fn, self.limit, self.progress = seq_len, loss_fn, limit, progress
         self.recipe = recipe.replace(micro_batch_size=1)
         self.engine = None
+        self.cache = cache
         self.traces = 0
         self.full: dict[int, object] = {}  # micro-batch -> full estimate
         self.notes: list[str] = []
@@ -196,7 +199,7 @@ class _Search:
         from memfit.planner.compose import Engine
         from memfit.planner.cost import Speed
         from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
-        from memfit.planner.plan import _cached_engine  # the planner's traces of the same config, if any
+        from memfit.planner.cache import EngineCache
 
         batch = None if self.example is None else _grown(self.example, PROBE)()
         if self.target is None:
@@ -204,8 +207,9 @@ class _Search:
             self.engine = Engine(self.source, batch, None, self.seq_len, self.loss_fn, r.optimizer, PROBE,
                                  self._traced, speed=Speed.from_gpu(resolve_target("cuda", DEFAULT_GPU)))
         else:
-            self.engine = _cached_engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer,
-                                         PROBE, self._traced)
+            cache = EngineCache() if self.cache is None else self.cache  # the caller's traces of this config, if any
+            self.engine = cache.engine(self.source, batch, self.target, self.seq_len, self.loss_fn, r.optimizer,
+                                       PROBE, self._traced)
         self.engine.prepare([r])
         self.traces = self.engine.traces
         if self.predicted_bytes(1) > self.budget:

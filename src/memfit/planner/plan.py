@@ -21,17 +21,17 @@ autotuner runs GPU trials, torch's ``activation_memory_budget`` is one knob of t
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from dataclasses import dataclass
 
-from memfit.planner.compose import Engine
+from memfit.planner.cache import EngineCache
+from memfit.planner.reasons import _caveats, _front, _nothing_fits, _reasons
+from memfit.planner.result import NothingFits, Plan, Plans
 from memfit.planner.space import ALLOWABLE, allowed_names, search_space
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
-from memfit.units import format_size, parse_size
+from memfit.units import parse_size
 
-__all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE"]
+__all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
 
 NO_BLOCKS = ("checkpointing left out of the search: the model has no repeated blocks to checkpoint "
              "(name modules yourself with checkpointing=modules:a,b)")
@@ -39,82 +39,9 @@ MAX_CHECKS = 8  # full estimates tried, fastest first, before giving up on the p
 SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One recipe with its predicted (or, when ``verified``, fully estimated) memory and speed.
-
-    device_bytes is what the budget is checked against: reserved + CUDA context on a GPU, the
-    peak on the CPU. Step time covers one optimizer step of the whole global batch.
-    """
-
-    recipe: Recipe
-    allocated_bytes: int
-    reserved_bytes: int | None
-    device_bytes: int
-    step_seconds: float
-    samples_per_second: float
-    tokens_per_second: float | None
-    verified: bool = False
-    reasons: tuple[str, ...] = ()
-    verdict: str | None = None  # on a GPU, the full estimate's (``fit.py``): fits, or only with expandable segments
-
-    @property
-    def alloc_conf(self) -> str | None:
-        """The ``PYTORCH_CUDA_ALLOC_CONF`` setting this plan needs, if any."""
-        from memfit.estimator.verdict import EXPANDABLE
-
-        return "expandable_segments:True" if self.verdict == EXPANDABLE else None
-
-    def to_dict(self) -> dict:
-        return {"recipe": self.recipe.to_dict(), "describe": self.recipe.describe(),
-                "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
-                "device_bytes": self.device_bytes, "step_seconds": round(self.step_seconds, 6),
-                "samples_per_second": round(self.samples_per_second, 3),
-                "tokens_per_second": None if self.tokens_per_second is None else round(self.tokens_per_second, 1),
-                "verified": self.verified, "reasons": list(self.reasons), "verdict": self.verdict,
-                "alloc_conf": self.alloc_conf}
-
-    def __str__(self) -> str:
-        speed = (f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second is not None
-                 else f"{self.samples_per_second:,.2f} samples/s")
-        return (f"{self.recipe.describe()}: {format_size(self.device_bytes)}, "
-                f"{self.step_seconds * 1000:,.0f} ms/step, {speed}")
-
-
-class Plans(list):
-    """Plans that fit the budget, fastest first; ``plans[0]`` is the choice (checked by a full
-    estimate, ``plans.report``), the rest are predicted to fit. ``front``: the predicted
-    memory/speed front of all candidates, smallest first, each faster than every smaller one."""
-
-    def __init__(self, items, *, budget: int, device: str, gpu: str | None, candidates: int, front: list,
-                 seconds: float, report, settings: dict, notes: list[str]):
-        super().__init__(items)
-        self.budget, self.device, self.gpu = budget, device, gpu
-        self.candidates, self.front, self.seconds = candidates, front, seconds
-        self.report, self.settings, self.notes = report, settings, notes
-
-    @property
-    def best(self) -> Plan:
-        return self[0]
-
-    def to_dict(self) -> dict:
-        return {"budget_bytes": self.budget, "device": self.device, "gpu": self.gpu,
-                "candidates": self.candidates, "seconds": round(self.seconds, 2), "settings": self.settings,
-                "best": self[0].to_dict(), "fitting": [p.to_dict() for p in self[:20]],
-                "front": [p.to_dict() for p in self.front], "notes": self.notes}
-
-
-class NothingFits(MemfitError):
-    """No recipe fits: the smallest one found, and what would make one fit."""
-
-    def __init__(self, message: str, smallest: Plan):
-        super().__init__(message)
-        self.smallest = smallest
-
-
 def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | None = None,
          seq_len: int | None = None, allow=(), optimizer: str = "adamw", loss_fn=None,
-         device: str | None = None, progress=None) -> Plans:
+         device: str | None = None, progress=None, cache: EngineCache | None = None) -> Plans:
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
 
     model       as for :func:`memfit.estimate` (catalog name, config, nn.Module, factory).
@@ -127,6 +54,8 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     allow       names from ``ALLOWABLE`` that may change the math (LoRA, 8-bit states, pure bf16).
     optimizer   the optimizer training uses (``adamw``...); changed only to an allowed 8-bit form.
     progress    ``progress(done, total)`` called as traces complete.
+    cache       an ``EngineCache`` to keep the traces in for later calls (a budget sweep passes one to
+                every call, and each graph is traced once); default: traced afresh.
 
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
@@ -168,7 +97,8 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         raise MemfitError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     if seq_len is None and source.config is not None:
         seq_len = source.default_seq_len()
-    engine = _cached_engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
+    cache = EngineCache() if cache is None else cache
+    engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = search_space(engine, allowed, optimizer)
     engine.prepare(space)
     predicted = [engine.predict(r) for r in space]
@@ -248,18 +178,6 @@ def _checked(engine, recipe: Recipe, budget: int | None):
     return engine.verify(recipe, budget)
 
 
-def _caveats(report) -> list[str]:
-    """What the verdict adds to a chosen plan: cudaFree-and-retry rounds, and a tight fit."""
-    out = []
-    if report.retries:
-        out.append(f"torch frees its cache and retries {report.retries} time(s) in the traced steps (each "
-                   "synchronises the GPU: slower than predicted)")
-    if report.tight:
-        out.append(f"tight: {format_size(report.headroom_bytes)} left is less than the measured estimation error "
-                   f"({format_size(report.error_margin_bytes)}); a little more budget, or the next plan, is safer")
-    return out
-
-
 def _margin(nbytes: int, target) -> int:
     """The measured estimation error a plan should leave free on a GPU (``verdict.error_margin``)."""
     if target is None:
@@ -287,114 +205,7 @@ def _fits(report, budget: int) -> bool:
     return report.device_bytes <= budget
 
 
-_ENGINES: dict = {}  # the traces of recent plans: a budget sweep traces each graph once
-
-
-def _cached_engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
-    """An engine with the traces already made for the same model, batch and step, if any.
-
-    Only config models are cached (their key is the config's text); a module or a batch could
-    change between calls without a visible difference."""
-    key = None
-    if source.config is not None and batch is None and source.module is None:
-        key = (source.config.to_json_string(), source.task, None if target is None else target.name, seq_len,
-               loss_fn, optimizer, global_batch_size)
-    engine = _ENGINES.get(key) if key is not None else None
-    if engine is None:
-        engine = Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
-        if key is not None:
-            while len(_ENGINES) >= 4:
-                _ENGINES.pop(next(iter(_ENGINES)))
-            _ENGINES[key] = engine
-    engine.progress, engine.notes, engine.traces = progress, [], 0
-    return engine
-
-
 def _rank(p: Plan):
     return (round(p.step_seconds, 9), p.device_bytes, p.recipe.describe())
 
 
-# -- explaining and failing -------------------------------------------------------------------------
-
-def _front(predicted: list[Plan]) -> list[Plan]:
-    """Smallest first; each point faster than every smaller one."""
-    front, best = [], math.inf
-    for p in sorted(predicted, key=lambda p: (p.device_bytes, p.step_seconds)):
-        if p.step_seconds < best:
-            front.append(p)
-            best = p.step_seconds
-    return front
-
-
-def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engine) -> list[str]:
-    """For each non-default field of the choice: what leaving it out would cost or save (all
-    predicted figures, so they compare like with like)."""
-    table = {p.recipe: p for p in predicted}
-    r = chosen.recipe
-    out = []
-    default = Recipe()
-    speed = engine.speed.name
-
-    def compare(field_name, alt):
-        other = table.get(alt)
-        if other is None:
-            return
-        value = getattr(r, field_name)
-        if other.device_bytes > budget:
-            out.append(f"{field_name}={value}: without it ({getattr(alt, field_name)}) the step needs "
-                       f"{format_size(other.device_bytes)}, over the {format_size(budget)} budget")
-        else:
-            dt = other.step_seconds / chosen.step_seconds - 1
-            out.append(f"{field_name}={value}: {abs(dt):.0%} {'faster' if dt > 0 else 'slower'} than "
-                       f"{getattr(alt, field_name)} on {speed} ({format_size(chosen.device_bytes)} vs "
-                       f"{format_size(other.device_bytes)})")
-
-    for name in ("precision", "checkpointing", "offload_activations", "chunked_loss", "optimizer_in_backward",
-                 "lora", "optimizer"):
-        if getattr(r, name) != getattr(default, name):
-            try:
-                compare(name, r.replace(**{name: getattr(default, name)}))
-            except MemfitError:
-                pass
-    if r.grad_accum_steps > 1:
-        bigger = [p for p in predicted if p.recipe == r.replace(micro_batch_size=r.micro_batch_size * 2,
-                                                                grad_accum_steps=r.grad_accum_steps // 2)] \
-            if r.grad_accum_steps % 2 == 0 else []
-        if bigger and bigger[0].device_bytes > budget:
-            out.append(f"micro_batch_size={r.micro_batch_size} x {r.grad_accum_steps} accumulation steps: micro-batch "
-                       f"{r.micro_batch_size * 2} needs {format_size(bigger[0].device_bytes)}, over budget")
-        else:
-            out.append(f"micro_batch_size={r.micro_batch_size} x {r.grad_accum_steps} accumulation steps")
-    out.append(f"fits with {format_size(budget - exact.device_bytes)} to spare of {format_size(budget)} by a full "
-               f"estimate ({format_size(exact.device_bytes)}; composed prediction {format_size(chosen.device_bytes)})")
-    if exact.alloc_conf:
-        out.append(f"fits only with PYTORCH_CUDA_ALLOC_CONF={exact.alloc_conf}: the default allocator runs out "
-                   "(fragmentation); set it before the first CUDA allocation")
-    return out
-
-
-def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFits:
-    def needed(report):  # out of memory on a GPU: what it holds at the limit and what is missing
-        return report.device_bytes + (report.missing_bytes or 0)
-
-    best, full = min(checked, key=lambda pair: needed(pair[1]))
-    reserved = None if full.reserved_bytes is None else full.reserved_bytes + (full.missing_bytes or 0)
-    smallest = Plan(best.recipe, full.peak_bytes, reserved, needed(full), best.step_seconds,
-                    best.samples_per_second, best.tokens_per_second, verified=True, verdict=full.verdict)
-    fixes = []
-    if engine.seq_len and engine.source.task != "image-classification":
-        fixes.append(f"a shorter sequence than {engine.seq_len}")
-    missing = [a for a in ("lora", "qlora", "adamw8bit") if a not in allowed]
-    if missing:
-        fixes.append(f"allowing {','.join(missing)} (--allow)")
-    if engine.target is not None:
-        from memfit.hardware.gpus import CATALOG
-
-        bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= smallest.device_bytes),
-                        key=lambda g: g.memory_bytes)
-        if bigger:
-            fixes.append(f"a bigger card ({bigger[0].name}, {format_size(bigger[0].memory_bytes)})")
-        fixes.append(f"sharding over {max(2, math.ceil(smallest.device_bytes / budget))}+ GPUs (FSDP)")
-    return NothingFits(
-        f"nothing fits {format_size(budget)}: the smallest recipe found ({smallest.recipe.describe()}) needs "
-        f"{format_size(smallest.device_bytes)}; try " + ", or ".join(fixes), smallest)

@@ -1,0 +1,47 @@
+"""``EngineCache``: the planner's traces, kept by the caller between ``plan`` and ``fit`` calls.
+
+An ``Engine`` (``compose.py``) holds the traces of one model, batch and step and the full estimates
+it made; a budget sweep (the same model planned under several budgets) needs the same ones each
+time. A caller that makes several calls passes one cache to all of them; without one, each call
+makes its own and traces from scratch.
+"""
+
+from __future__ import annotations
+
+from memfit.planner.compose import Engine
+
+__all__ = ["EngineCache"]
+
+
+class EngineCache:
+    """The engines of recent calls (at most ``size``, oldest dropped first), by model, batch and step.
+
+    Only config models are kept (their key is the config's text): a module or a batch could change
+    between calls without a visible difference."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._engines: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def clear(self) -> None:
+        self._engines.clear()
+
+    def engine(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress) -> Engine:
+        """An engine with the traces already made for the same model, batch and step, if any; its
+        progress callable, notes and trace count are this call's."""
+        key = None
+        if source.config is not None and batch is None and source.module is None:
+            key = (source.config.to_json_string(), source.task, None if target is None else target.name, seq_len,
+                   loss_fn, optimizer, global_batch_size)
+        engine = self._engines.get(key) if key is not None else None
+        if engine is None:
+            engine = Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
+            if key is not None:
+                while len(self._engines) >= self.size:
+                    self._engines.pop(next(iter(self._engines)))
+                self._engines[key] = engine
+        engine.progress, engine.notes, engine.traces = progress, [], 0
+        return engine
