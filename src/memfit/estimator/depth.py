@@ -23,14 +23,13 @@ import math
 
 from memfit.accounting.replay import replay
 from memfit.accounting.synth import synthesise
-from memfit.categories import PHASES
 from memfit.estimator.fake_trace import fake_trace
 from memfit.models.source import Source
 from memfit.report.report import Report
-from memfit.estimator.trace import numel
+from memfit.estimator.trace import fold_peaks, numel
 from memfit.estimator.verdict import cuda_fit
 
-__all__ = ["estimate_by_depth", "SHALLOW", "TEMPLATE_UNITS", "block_unit"]
+__all__ = ["estimate_by_depth", "SHALLOW", "TEMPLATE_UNITS", "block_unit", "at_depth"]
 
 # The depths the planner traces to compose candidates (``compose.py``): even, so architectures
 # alternating two kinds of layer stay whole.
@@ -38,6 +37,13 @@ SHALLOW = (2, 4)
 # Units (blocks, or pairs of blocks) of the copy the fast path traces: a first, a second, a
 # middle one (written out for every middle unit of the deep model) and the last.
 TEMPLATE_UNITS = 4
+
+
+def at_depth(low, high, a: int, b: int, depth: int):
+    """A figure at ``depth`` blocks from the same figure traced at ``a`` and ``b`` blocks: phase peaks
+    and kernel times are affine in depth (the blocks are identical). The planner composes its
+    candidates this way (``planner/terms.py``); ``estimate`` writes the log out instead (above)."""
+    return low + (high - low) * (depth - a) / (b - a)
 
 
 def block_unit(source: Source, recipe=None) -> int | None:
@@ -80,9 +86,7 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     return Report(
         peak_bytes=cuda.pop("peak_bytes", full.peak_bytes),
         by_category=full.by_category,
-        phase_peaks={p: max((v for (s, ph), v in full.phase_peaks.items() if ph == p), default=0) for p in PHASES},
-        step_peaks=[max((v for (s, ph), v in full.phase_peaks.items() if s == step and ph in PHASES), default=0)
-                    for step in range(steps)],
+        **fold_peaks(full.phase_peaks, steps),
         modules=full.modules,
         timeline=full.timeline,
         device=small.device,

@@ -24,7 +24,7 @@ from memfit.techniques.step import batch_tensors
 from memfit.techniques.lora import quant_state_tensors, quantize_base
 from memfit.units import format_size
 
-__all__ = ["trace", "model_device", "numel"]
+__all__ = ["trace", "model_device", "numel", "fold_peaks", "phases"]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -86,10 +86,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     return Report(
         peak_bytes=cuda.pop("peak_bytes", result.peak_bytes),
         by_category=result.by_category,
-        phase_peaks={p: max((v for (s, ph), v in result.phase_peaks.items() if ph == p), default=0)
-                     for p in PHASES},
-        step_peaks=[max((v for (s, ph), v in result.phase_peaks.items() if s == step and ph in PHASES),
-                        default=0) for step in range(steps)],
+        **fold_peaks(result.phase_peaks, steps),
         modules=result.modules,
         timeline=result.timeline,
         device=device.type if gpu is None else "cuda",
@@ -108,6 +105,14 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None),
         **cuda,
     ), result
+
+
+def fold_peaks(peaks: dict, steps: int) -> dict:
+    """A replay's peaks by (step, phase) folded into the Report's ``phase_peaks`` (each phase over all
+    steps) and ``step_peaks`` (each step over its phases)."""
+    return {"phase_peaks": {p: max((v for (s, ph), v in peaks.items() if ph == p), default=0) for p in PHASES},
+            "step_peaks": [max((v for (s, ph), v in peaks.items() if s == step and ph in PHASES), default=0)
+                           for step in range(steps)]}
 
 
 def phases(recipe, steps: int) -> int:

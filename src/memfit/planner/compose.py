@@ -10,11 +10,12 @@ and composes every candidate from them:
   bytes are exact at any micro-batch size from that one trace (a batch of one skips a few
   contiguity copies: an upper bound there). With CPU semantics
   (kernel scratch is replayed with real tensors) or a user's batch, two batch sizes are traced and
-  lined up event by event. Phase peaks and kernel times are affine in depth, as in ``depth.py``.
+  lined up event by event. Phase peaks and kernel times are affine in depth (``depth.at_depth``).
   From each trace come the forward peak, the backward peak with and without the gradients live at
-  each event, and the kernel rows.
+  each event, and the kernel rows (``terms.py``: ``GraphTerms``).
 * **Optimizer traces**, one per (precision, LoRA, optimizer) on a short sequence: optimizer-state
-  bytes, the optimizer phase's peak and kernels, and what stepping inside backward adds.
+  bytes, the optimizer phase's peak and kernels, and what stepping inside backward adds
+  (``OptimizerTerms``).
 * **Composition.** Step 2's forward and backward hold the state; accumulation keeps every
   gradient live through the next micro-batch; in-backward stepping frees each gradient as it is
   made. Checkpointing every N-th block is interpolated between none and every block by the share
@@ -27,9 +28,9 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
-
 from memfit.planner.cost import Speed
+from memfit.planner.result import Plan
+from memfit.planner.terms import GraphPoint, GraphTerms, OptimizerTerms, lerp_terms, optimizer_terms, terms_at_depth
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
 
@@ -137,8 +138,8 @@ class Engine:
         recipe = Recipe(precision=precision, lora=lora, checkpointing=level, offload_activations=offload,
                         chunked_loss=chunks, optimizer="sgd")
         self._graphs[key] = {
-            depth: {mb: _GraphPoint(*self._trace(depth, recipe, mb, self.seq_len, 1, self.prime), self.speed,
-                                    self.prime)
+            depth: {mb: GraphPoint(*self._trace(depth, recipe, mb, self.seq_len, 1, self.prime), self.speed,
+                                   self.prime)
                     for mb in self._mb_points()}
             for depth in self.depths}
 
@@ -153,10 +154,10 @@ class Engine:
                 inbwd = self._trace(depth, base.replace(optimizer_in_backward=True), 1, short, 2)
             except MemfitError:
                 inbwd = None
-            found[depth] = _optim_terms(plain, inbwd, self.speed)
+            found[depth] = optimizer_terms(plain, inbwd, self.speed)
         self._optims[key] = found
 
-    def _graph_at(self, key, depth, mb) -> dict:
+    def _graph_at(self, key, depth, mb) -> GraphTerms:
         points = self._graphs[key][depth]
         if mb in points:
             return points[mb].terms()
@@ -172,45 +173,44 @@ class Engine:
         every = int(r.checkpointing.split(":")[1])
         return math.ceil(self.depth / every) / self.depth
 
-    def predict(self, r: Recipe):
+    def predict(self, r: Recipe) -> Plan:
         key = self._graph_key(r)
         share = self._share(r)
-        per_depth = {}
+        graphs, optims = {}, {}
         for depth in self.depths:
             g = self._graph_at(key, depth, r.micro_batch_size)
             if share is not None:
                 full = self._graph_at(self._graph_key(r.replace(checkpointing="blocks")), depth, r.micro_batch_size)
-                g = {name: g[name] + (full[name] - g[name]) * share for name in g}
-            per_depth[depth] = {**g, **self._optims[(r.precision, r.lora, r.optimizer)][depth]}
-        terms = _extrapolate(per_depth, self.depths, self.depth)
-        return self._compose(r, terms)
+                g = lerp_terms(g, full, share)
+            graphs[depth] = g
+            optims[depth] = self._optims[(r.precision, r.lora, r.optimizer)][depth]
+        return self._compose(r, terms_at_depth(graphs, self.depths, self.depth),
+                             terms_at_depth(optims, self.depths, self.depth))
 
-    def _compose(self, r: Recipe, t: dict):
+    def _compose(self, r: Recipe, g: GraphTerms, o: OptimizerTerms) -> Plan:
         k = r.grad_accum_steps
-        state = t["state"]
+        state = o.state
         # Graph traces run one step: from step 2 on, forward also holds the cuBLAS workspace that
         # backward's thread took in step 1 (``memfit.cuda``).
-        t = {**t, "forward": t["forward"] + (self.target.cublas_workspace_bytes if self.target else 0)}
+        forward = g.forward + (self.target.cublas_workspace_bytes if self.target else 0)
         if r.optimizer_in_backward:
-            peak = max(t["forward"] + state, t["backward_no_grads"] + state + t["inbwd_extra"])
-            step_extra = t["inbwd_seconds"]
+            peak = max(forward + state, g.backward_no_grads + state + o.inbwd_extra)
+            step_extra = o.inbwd_seconds
         else:
-            grads = t["grads"] if k > 1 else 0
-            backward = max(t["backward"], t["backward_no_grads"] + t["grads"]) if k > 1 else t["backward"]
-            peak = max(t["forward"] + state + grads, backward + state, t["optimizer"])
-            step_extra = t["optimizer_seconds"]
-        micro = t["forward_seconds"] + t["backward_seconds"] + 2 * self.speed.transfer_seconds(t["offloaded"])
+            grads = g.grads if k > 1 else 0
+            backward = max(g.backward, g.backward_no_grads + g.grads) if k > 1 else g.backward
+            peak = max(forward + state + grads, backward + state, o.optimizer)
+            step_extra = o.optimizer_seconds
+        micro = g.forward_seconds + g.backward_seconds + 2 * self.speed.transfer_seconds(g.offloaded)
         seconds = k * micro + step_extra
         # The caching allocator's reserved memory is known only by a full estimate (``verify``):
         # a prediction is allocated bytes plus the CUDA context.
-        allocated = int(peak + max(0.0, t["rounding"]))
+        allocated = int(peak + max(0.0, o.rounding))
         device = allocated + (0 if self.target is None else self.target.cuda_context_bytes)
         reserved = None
         samples = self.global_batch_size / seconds
         tokens = samples * self.seq_len if self.seq_len and self.source.config is not None and \
             self.source.task != "image-classification" else None
-        from memfit.planner.plan import Plan  # plan imports this module: the result type lives there
-
         return Plan(r, allocated, reserved, device, seconds, samples, tokens)
 
     def verify(self, r: Recipe, budget: int | None = None):
@@ -264,115 +264,3 @@ class Engine:
 
 # Accumulation steps up to which a verdict near the limit is traced in full rather than read off a line.
 FULL_ACCUMULATION = 16
-
-
-def _extrapolate(per_depth: dict, depths, depth) -> dict:
-    if depths == (None,):
-        return per_depth[None]
-    a, b = depths
-    low, high = per_depth[a], per_depth[b]
-    return {name: low[name] + (high[name] - low[name]) * (depth - a) / (b - a) for name in high}
-
-
-def _phases(series, index) -> np.ndarray:
-    names = np.array([p for p, _, _ in series.marks]) if series.marks else np.array([""])
-    return names[index]
-
-
-class _GraphPoint:
-    """One graph trace: live bytes after every event and one row per kernel.
-
-    With ``prime`` (the traced batch size), each is split into what scales with the batch and what
-    does not, so ``at(x)`` gives any batch size from this one trace.
-    """
-
-    def __init__(self, report, replay, speed: Speed, prime=None):
-        s = replay.series
-        phases = _phases(s, s.mark)
-        self.fwd, self.bwd = phases == "forward", phases == "backward"
-        self.live, self.grads = s.live.astype(np.float64), s.grads.astype(np.float64)
-        self.scaled = None if s.scaled is None else s.scaled.astype(np.float64)
-        rows = np.asarray(replay.ops, dtype=np.float64).reshape(-1, 6)
-        row_phase = _phases(s, rows[:, 0].astype(np.int64)) if len(rows) else np.array([])
-        self.rows_fwd, self.rows_bwd = rows[row_phase == "forward"], rows[row_phase == "backward"]
-        self.speed, self.prime = speed, prime
-        self.offloaded = float(replay.offloaded_bytes)
-        self.offloaded_scaled = float(replay.offloaded_scaled)
-
-    def terms(self) -> dict:
-        return self._terms(self.live, self.grads, self.rows_fwd[:, 1:4], self.rows_bwd[:, 1:4], self.offloaded)
-
-    def _terms(self, live, grads, rows_fwd, rows_bwd, offloaded) -> dict:
-        f, b = live[self.fwd], live[self.bwd]
-        return {
-            "forward": float(f.max()) if len(f) else 0.0,
-            "backward": float(b.max()) if len(b) else 0.0,
-            "backward_no_grads": float((b - grads[self.bwd]).max()) if len(b) else 0.0,
-            "grads": float(grads[self.bwd].max()) if len(b) else 0.0,
-            "forward_seconds": self.speed.kernel_seconds(rows_fwd),
-            "backward_seconds": self.speed.kernel_seconds(rows_bwd),
-            "offloaded": offloaded,
-        }
-
-    def _rows_at(self, rows, x):
-        w = x / self.prime
-        out = rows[:, 1:4].copy()
-        out[:, 0] += rows[:, 4] * (w - 1)
-        out[:, 1] += rows[:, 5] * (w - 1)
-        return out
-
-    def at(self, x: int) -> dict:
-        """Terms at batch size ``x`` from a trace at the prime batch size."""
-        w = x / self.prime
-        live = self.live + self.scaled * (w - 1)
-        return self._terms(live, self.grads, self._rows_at(self.rows_fwd, x), self._rows_at(self.rows_bwd, x),
-                           self.offloaded + self.offloaded_scaled * (w - 1))
-
-    def interpolate(self, other: "_GraphPoint", lo: int, hi: int, x: int) -> dict:
-        w = (x - lo) / (hi - lo)
-
-        def mix(a, b):
-            return a + (b - a) * w
-
-        if len(self.live) == len(other.live) and self.rows_fwd.shape == other.rows_fwd.shape \
-                and self.rows_bwd.shape == other.rows_bwd.shape:
-            rows_f = mix(self.rows_fwd[:, 1:4], other.rows_fwd[:, 1:4])
-            rows_f[:, 2] = self.rows_fwd[:, 3]
-            rows_b = mix(self.rows_bwd[:, 1:4], other.rows_bwd[:, 1:4])
-            rows_b[:, 2] = self.rows_bwd[:, 3]
-            return self._terms(mix(self.live, other.live), mix(self.grads, other.grads), rows_f, rows_b,
-                               mix(self.offloaded, other.offloaded))
-        a, b = self.terms(), other.terms()  # the two traces differ in shape: the peaks' secant
-        return {name: mix(a[name], b[name]) for name in a}
-
-
-def _optim_terms(plain, inbwd, speed: Speed) -> dict:
-    """State bytes, the optimizer phase's peak and time, and what stepping in backward adds."""
-    _, replay = plain
-    s = replay.series
-    phase_of = np.array([f"{p}/{st}" for p, st, _ in s.marks])
-    live, grads, state = s.live.astype(np.float64), s.grads.astype(np.float64), s.state.astype(np.float64)
-    opt, bwd = phase_of[s.mark] == "optimizer/1", phase_of[s.mark] == "backward/1"
-    rows = np.asarray(replay.ops, dtype=np.float64).reshape(-1, 6)
-    row_phase = phase_of[rows[:, 0].astype(np.int64)]
-    out = {
-        "state": float(state[phase_of[s.mark] == "forward/1"].max()),  # step 2 holds it throughout
-        "optimizer": float(live[opt].max()),
-        "optimizer_seconds": speed.kernel_seconds(rows[row_phase == "optimizer/1", 1:4]),
-        "inbwd_extra": 0.0, "inbwd_seconds": 0.0,
-        # CUDA: the allocator's 512-byte rounding, mostly of the many small weights, grads, states
-        "rounding": 0.0 if replay.allocator is None else float(replay.allocator.peak_allocated - live.max()),
-    }
-    plain_bwd = float((live[bwd] - grads[bwd]).max()) - out["state"]
-    plain_bwd_seconds = speed.kernel_seconds(rows[row_phase == "backward/1", 1:4])
-    if inbwd is not None:
-        _, r2 = inbwd
-        s2 = r2.series
-        phase2 = np.array([f"{p}/{st}" for p, st, _ in s2.marks])
-        live2 = s2.live.astype(np.float64)
-        state2 = float(s2.state[phase2[s2.mark] == "forward/1"].max())
-        out["inbwd_extra"] = max(0.0, float(live2[phase2[s2.mark] == "backward/1"].max()) - state2 - plain_bwd)
-        rows2 = np.asarray(r2.ops, dtype=np.float64).reshape(-1, 6)
-        rp2 = phase2[rows2[:, 0].astype(np.int64)]
-        out["inbwd_seconds"] = max(0.0, speed.kernel_seconds(rows2[rp2 == "backward/1", 1:4]) - plain_bwd_seconds)
-    return out
