@@ -13,8 +13,6 @@ import sys
 import warnings
 
 from memfit.errors import MemfitError
-from memfit.techniques.precision import PRECISIONS
-from memfit.techniques.recipe import APPROXIMATE_OPTIMIZERS, ATTENTION, EXACT_OPTIMIZERS
 from memfit.units import format_size, parse_size
 
 __all__ = ["main"]
@@ -118,29 +116,25 @@ def _fit_parser(sub) -> None:
 
 
 def _recipe_flags(parser) -> None:
-    """One flag per Recipe field; None means "not given", so a --recipe file's value stands."""
-    add = parser.add_argument
-    add("--precision", choices=PRECISIONS, default=None, help="default fp32; bf16-mixed halves most activations")
-    add("--checkpointing", default=None, help="off | blocks | blocks:N | selective | modules:a,b (recompute in backward)")
-    add("--offload-activations", action="store_true", default=None, help="keep saved activations in host memory")
-    add("--attention", choices=ATTENTION, default=None, help="auto (as built) | sdpa | eager")
-    add("--chunked-loss", type=int, default=None, help="run the LM head + loss in N sequence chunks (0: off)")
-    add("--optimizer", default=None,
-        help=f"one of {', '.join(EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS)} (default adamw; 8/4-bit change the math)")
-    add("--optimizer-in-backward", action="store_true", default=None, help="step each parameter as its gradient is ready")
-    add("--offload-optimizer", action="store_true", default=None, help="optimizer state and step on the CPU (CUDA only)")
-    add("--micro-batch-size", type=_positive, default=None, help="examples per forward/backward")
-    add("--grad-accum-steps", type=_positive, default=None, help="micro-batches per optimizer step")
-    add("--lora", default=None, help="off | lora[:rank] | qlora[:rank] (changes the math)")
+    """One flag per Recipe field, from the techniques' declarations; None means "not given", so a
+    --recipe file's value stands."""
+    from memfit.techniques.registry import fields
+
+    types = {"int": int, "count": _positive, "optional-count": _positive}
+    for field in fields():
+        if field.kind == "bool":
+            parser.add_argument(field.flag, action="store_true", default=None, help=field.help)
+        else:
+            choices = field.choices if field.choices and field.flag_choices else None
+            parser.add_argument(field.flag, type=types.get(field.kind), choices=choices, default=None,
+                                help=field.help)
 
 
 def _recipe(args):
-    from dataclasses import fields
-
     from memfit.techniques.recipe import Recipe
 
     base = Recipe.load(args.recipe) if args.recipe else Recipe()
-    changes = {f.name: getattr(args, f.name) for f in fields(Recipe) if getattr(args, f.name, None) is not None}
+    changes = {name: getattr(args, name) for name in Recipe.fields() if getattr(args, name, None) is not None}
     return base.replace(**changes) if changes else base
 
 

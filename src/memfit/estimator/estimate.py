@@ -26,7 +26,8 @@ from memfit.estimator.fake import ScalarReads, build_fake, fake_batch, fake_copy
 from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source, resolve
 from memfit.techniques.precision import check_gpu, check_precision, weight_dtype
-from memfit.techniques.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
+from memfit.techniques.accumulation import MAX_ACCUM_STEPS, MAX_BATCH
+from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.report.report import Report
 from memfit.estimator.trace import phases, trace
 

@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.techniques.apply import run_steps
+from memfit.techniques.lora import lora_plan
 from memfit.techniques.recipe import recipe_from
 from memfit.techniques.step import batch_tensors
 
@@ -55,7 +56,7 @@ def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp3
     if recipe.precision == "bf16":
         model.to(torch.bfloat16)
     extra = []
-    if recipe.lora_plan()[0] == "qlora":  # a quantised model, as a quantised checkpoint would load
+    if lora_plan(recipe.lora)[0] == "qlora":  # a quantised model, as a quantised checkpoint would load
         from memfit.techniques.lora import quant_state_tensors, quantize_base
 
         extra = quant_state_tensors(quantize_base(model))

@@ -134,7 +134,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     from memfit.models.source import resolve
 
     from memfit.estimator.estimate import MAX_SEQ
-    from memfit.techniques.recipe import MAX_BATCH
+    from memfit.techniques.accumulation import MAX_BATCH
 
     start = time.perf_counter()
     allowed = allowed_names(allow)
@@ -349,8 +349,7 @@ def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engi
                        f"{getattr(alt, field_name)} on {speed} ({format_size(chosen.device_bytes)} vs "
                        f"{format_size(other.device_bytes)})")
 
-    for name in ("precision", "checkpointing", "offload_activations", "chunked_loss", "optimizer_in_backward",
-                 "lora", "optimizer"):
+    for name in _searched_fields():
         if getattr(r, name) != getattr(default, name):
             try:
                 compare(name, r.replace(**{name: getattr(default, name)}))
@@ -371,6 +370,15 @@ def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engi
         out.append(f"fits only with PYTORCH_CUDA_ALLOC_CONF={exact.alloc_conf}: the default allocator runs out "
                    "(fragmentation); set it before the first CUDA allocation")
     return out
+
+
+def _searched_fields() -> list[str]:
+    """The fields the planner searches, in the recipe's order; micro-batch and accumulation are
+    explained together below."""
+    from memfit.techniques.registry import fields, techniques
+
+    searched = {f.name for t in techniques() if t.search is not None for f in t.fields}
+    return [f.name for f in fields() if f.name in searched and f.name not in ("micro_batch_size", "grad_accum_steps")]
 
 
 def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFits:
