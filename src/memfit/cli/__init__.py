@@ -148,7 +148,7 @@ def _estimate(args) -> int:
     from rich.console import Console
 
     from memfit.estimator.estimate import estimate
-    from memfit.report.report.tables import report_view, verdict
+    from memfit.report.tables import report_view, verdict
 
     if args.max_batch_size:
         if args.batch_size is not None:
@@ -193,7 +193,7 @@ def _fit(args) -> int:
     from rich.console import Console
 
     from memfit.planner.fit import NoBatchFits, fit
-    from memfit.report.report.tables import fit_view
+    from memfit.report.tables import fit_view
 
     recipe = _recipe(args)
     if recipe.micro_batch_size is not None:
@@ -228,7 +228,7 @@ def _plan(args) -> int:
     from rich.console import Console
 
     from memfit.planner.plan import NothingFits, plan
-    from memfit.report.report.tables import plan_view
+    from memfit.report.tables import plan_view
 
     if args.device == "cpu" and args.gpu is not None:
         raise MemfitError("--gpu and --device cpu conflict: drop one")
