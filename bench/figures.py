@@ -100,9 +100,9 @@ def snapshot(out: str) -> None:
 
 def compare(a: str, b: str) -> int:
     with open(a) as f:
-        before = json.load(f)
+        before = _clean(json.load(f))
     with open(b) as f:
-        after = json.load(f)
+        after = _clean(json.load(f))
     differ = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     for key in differ:
         print(f"differs: {key}")
