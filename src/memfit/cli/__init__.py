@@ -19,7 +19,8 @@ from memfit.errors import MemfitError
 
 __all__ = ["main"]
 
-# verb: (module in memfit.cli, its build function, its run function, help)
+# verb: (module in memfit.cli, its build function, its run function, its line in `memfit --help`); the
+# help lines live here so that `memfit --help` imports no verb module
 _VERBS = {
     "estimate": ("estimate", "build", "run", "memory of one training step, on fake tensors (no GPU, no memory)"),
     "fit": ("fit", "build", "run", "the largest micro-batch of a recipe that fits a card or a budget"),
@@ -68,8 +69,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memfit", description="Make PyTorch training fit in the GPU memory you have.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, (_, build, _, help) in _VERBS.items():
-        sub.add_parser(name, help=help, build=lambda p, name=name, build=build: _verb(name, build)(p))
+    for name, (_, build, _, text) in _VERBS.items():
+        sub.add_parser(name, help=text, build=lambda p, name=name, build=build: _verb(name, build)(p))
     return parser
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 
-MODELS_HELP = "list the built-in model catalog"
-GPUS_HELP = "list the GPU catalog"
-
 
 def build_models(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the list as JSON")

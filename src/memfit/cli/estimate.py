@@ -7,8 +7,6 @@ import json
 from memfit.cli import _args
 from memfit.errors import MemfitError
 
-HELP = "memory of one training step, on fake tensors (no GPU, no memory)"
-
 
 def build(est) -> None:
     _args.add_model(est)

@@ -8,8 +8,6 @@ import sys
 from memfit.cli import _args
 from memfit.errors import MemfitError
 
-HELP = "the largest micro-batch of a recipe that fits a card or a budget"
-
 
 def build(fit) -> None:
     _args.add_model(fit)

@@ -8,8 +8,6 @@ import sys
 from memfit.cli import _args
 from memfit.errors import MemfitError
 
-HELP = "the fastest recipe that fits a budget, and why"
-
 
 def build(pl) -> None:
     _args.add_model(pl)
