@@ -45,7 +45,7 @@ def test_public_names_resolve_on_first_use():
         memfit.no_such_name  # noqa: B018
 
 
-def test_quiet_hides_only_the_listed_lines(caplog):
+def test_quiet_hides_only_the_listed_lines():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with _noise.quiet():
@@ -54,13 +54,26 @@ def test_quiet_hides_only_the_listed_lines(caplog):
             warnings.warn("fan_in_fan_out is set to False but the target module is `Conv1D`.", UserWarning)
             warnings.warn("`is_gradient_checkpointing` is deprecated", UserWarning)  # another category: shown
     assert [str(w.message) for w in seen] == ["your own deprecation", "`is_gradient_checkpointing` is deprecated"]
-    with caplog.at_level(logging.WARNING), _noise.quiet():
-        bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
-        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "No module named 'kernels'")
-        bnb.warning("something else from bitsandbytes")
-        logging.getLogger("transformers.modeling_utils").warning("`loss_type=None` was set in the config but it is "
-                                                                "unrecognized. Using the default loss")
-    assert [r.getMessage() for r in caplog.records] == ["something else from bitsandbytes"]
+    shown = []
+    handler = logging.Handler()
+    handler.emit = shown.append
+    bnb, hf = logging.getLogger("bitsandbytes.backends.cpu.ops"), logging.getLogger("transformers.modeling_utils")
+    levels = [bnb.level, hf.level]
+    for logger in (bnb, hf):  # on the loggers themselves: transformers' do not propagate to the root
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)  # conftest sets transformers' to errors only
+    try:
+        with _noise.quiet():
+            bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "No module named 'kernels'")
+            bnb.warning("something else from bitsandbytes")
+            hf.warning("`loss_type=None` was set in the config but it is unrecognized. Using the default loss")
+            hf.warning("`loss_type=ForMagicLoss` was set in the config but it is unrecognized.")
+    finally:
+        for logger, level in zip((bnb, hf), levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    assert [r.getMessage() for r in shown] == ["something else from bitsandbytes",
+                                               "`loss_type=ForMagicLoss` was set in the config but it is unrecognized."]
     assert not logging.getLogger("bitsandbytes.backends.cpu.ops").filters  # removed after
 
 
