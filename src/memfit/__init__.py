@@ -5,14 +5,9 @@
     print(report.peak_bytes, report.by_category)
 """
 
-import os
-
-# kineto prints two lines to stderr each time a profiler starts; memfit starts one per trace to
-# measure kernel scratch. A user who wants them sets KINETO_LOG_LEVEL themselves.
-os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-
-from memfit.techniques.apply import apply  # noqa: E402
-from memfit.categories import Category  # noqa: E402
+# kineto's two lines per profiler start are silenced only while memfit starts one (memfit.scoped).
+from memfit.techniques.apply import apply
+from memfit.categories import Category
 from memfit.errors import MemfitError
 from memfit.estimator.estimate import estimate
 from memfit.planner.fit import Fit, NoBatchFits, fit

@@ -124,11 +124,6 @@ class AllocatorStats:
     num_alloc_retries: int
     num_ooms: int
 
-    @property
-    def peak_gap(self) -> int:
-        """``peak_reserved - peak_allocated``: what ``max_memory_reserved`` adds to ``max_memory_allocated``."""
-        return self.peak_reserved - self.peak_allocated
-
 
 @dataclass(frozen=True)
 class SegmentInfo:

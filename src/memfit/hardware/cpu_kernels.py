@@ -105,8 +105,10 @@ class CpuKernels(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ROUTING.reset(self._token)
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ROUTING.reset(self._token)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

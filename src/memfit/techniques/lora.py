@@ -36,6 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError
+from memfit.scoped import patched
 
 __all__ = ["apply_lora", "quantize_base", "quant_state_tensors"]
 
@@ -45,12 +46,8 @@ def _no_moves(model):
     if not any(isinstance(p, FakeTensor) for p in model.parameters()):
         yield
         return
-    original = torch.nn.Module.to
-    torch.nn.Module.to = lambda self, *args, **kwargs: self
-    try:
+    with patched(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
         yield
-    finally:
-        torch.nn.Module.to = original
 
 
 def _is_hf(model) -> bool:
