@@ -8,7 +8,8 @@ or bf16-mixed Mixtral step failed although the real CPU step runs. Its output is
 contiguous ``torch.empty`` of the product's shape on a CPU build (the meta kernel pads strides only
 ``if torch.version.cuda``), which is what ``CpuKernels`` makes for non-bf16 operands; bf16 goes
 to the meta kernel unchanged. ``tests/test_families.py`` checks Mixtral, Qwen2-MoE and Qwen3-MoE
-steps against the CPU allocator.
+steps against the CPU allocator. Nothing is registered with the dispatcher (``torch.library``):
+``CpuKernels`` is a dispatch mode, pushed only while a trace runs, so no kernel outlives it.
 
 Routing. Which expert a token goes to is data: a fake tensor has no values, so the router's
 choice is unknown. In this path it does not change what is allocated: every tensor of the experts
