@@ -11,12 +11,9 @@ time it is used, so ``memfit --help`` and ``memfit gpus`` do not load torch they
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING
 
-# kineto prints two lines to stderr each time a profiler starts; memfit starts one per trace to
-# measure kernel scratch. A user who wants them sets KINETO_LOG_LEVEL themselves.
-os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+# kineto's two lines per profiler start are silenced only while memfit starts one (memfit.scoped).
 
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",

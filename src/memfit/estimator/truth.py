@@ -17,6 +17,7 @@ from memfit.techniques.apply import run_steps
 from memfit.techniques.lora import lora_plan
 from memfit.techniques.recipe import recipe_from
 from memfit.techniques.step import batch_tensors
+from memfit.scoped import quiet_profiler
 
 __all__ = ["allocator_peak", "true_peak", "resident_bytes"]
 
@@ -28,7 +29,7 @@ def allocator_peak(fn) -> int:
     ``fn()`` runs, its storages would count as negative and lower the peak by whatever the
     process happened to hold, which made the truth depend on what ran before it."""
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return span(allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree()))[0]
 

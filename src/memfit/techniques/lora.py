@@ -37,6 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError, shown
+from memfit.scoped import patched
 from memfit.techniques.spec import Field, Technique
 
 __all__ = ["apply_lora", "quantize_base", "quant_state_tensors", "lora_plan", "TECHNIQUE"]
@@ -47,12 +48,8 @@ def _no_moves(model):
     if not any(isinstance(p, FakeTensor) for p in model.parameters()):
         yield
         return
-    original = torch.nn.Module.to
-    torch.nn.Module.to = lambda self, *args, **kwargs: self
-    try:
+    with patched(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
         yield
-    finally:
-        torch.nn.Module.to = original
 
 
 def _is_hf(model) -> bool:

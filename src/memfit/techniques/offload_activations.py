@@ -62,9 +62,6 @@ class ActivationOffload:
             out.copy_(source.view(dtype) if dtype in _NO_NUMPY else source.view(shape))
         return out
 
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
 
 _NO_NUMPY = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
