@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from memfit.errors import MemfitError
 from memfit.hardware.gpus import ALIASES, CATALOG, GPU, gpu, gpu_names
@@ -84,17 +83,6 @@ def test_cublas_workspace_matches_torch_defaults():
     assert gpu("a100").cublas_workspace_bytes == 4096 * 1024 * 2 + 16 * 1024 * 8 == 8_519_680
     assert gpu("4090").cublas_workspace_bytes == 8_519_680
     assert gpu("5090").cublas_workspace_bytes == 32 * 2**20
-
-
-def test_matmul_flops_follows_torch_default_precision():
-    h100 = gpu("h100")
-    assert h100.matmul_flops(torch.bfloat16) == h100.bf16_flops
-    assert h100.matmul_flops(torch.float16) == h100.fp16_flops
-    assert h100.matmul_flops(torch.float32) == h100.fp32_flops  # "highest" is IEEE FP32
-    assert h100.matmul_flops(torch.float32, tf32=True) == h100.tf32_flops
-    assert gpu("t4").matmul_flops(torch.float32, tf32=True) == gpu("t4").fp32_flops  # no TF32 on Turing
-    with pytest.raises(MemfitError, match="float64"):
-        h100.matmul_flops(torch.float64)
 
 
 def test_to_dict_is_json_and_round_trips_the_fields():

@@ -3,24 +3,17 @@
     import memfit
     report = memfit.estimate("llama-3.1-8b", seq_len=2048)   # fake tensors: no memory, no GPU
     print(report.peak_bytes, report.by_category)
+
+``import memfit`` is quick and silent: each public name imports its module (and torch) the first
+time it is used, so ``memfit --help`` and ``memfit gpus`` do not load torch they do not need.
 """
 
-import os
+from __future__ import annotations
 
-# kineto prints two lines to stderr each time a profiler starts; memfit starts one per trace to
-# measure kernel scratch. A user who wants them sets KINETO_LOG_LEVEL themselves.
-os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+import importlib
+from typing import TYPE_CHECKING
 
-from memfit.techniques.apply import apply  # noqa: E402
-from memfit.categories import Category  # noqa: E402
-from memfit.errors import MemfitError
-from memfit.estimator.estimate import estimate
-from memfit.planner.fit import Fit, NoBatchFits, fit
-from memfit.estimator.measure import measure
-from memfit.planner.plan import NothingFits, Plan, Plans, plan
-from memfit.techniques.recipe import Recipe
-from memfit.report.report import Report
-from memfit.units import format_size, parse_size
+# kineto's two lines per profiler start are silenced only while memfit starts one (memfit.scoped).
 
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
@@ -28,3 +21,44 @@ __all__ = [
     "parse_size", "plan", "format_size",
 ]
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_WHERE = {
+    "apply": "memfit.techniques.apply",
+    "Category": "memfit.categories",
+    "MemfitError": "memfit.errors",
+    "estimate": "memfit.estimator.estimate",
+    "Fit": "memfit.planner.fit", "NoBatchFits": "memfit.planner.fit", "fit": "memfit.planner.fit",
+    "measure": "memfit.estimator.measure",
+    "NothingFits": "memfit.planner.plan", "Plan": "memfit.planner.plan", "Plans": "memfit.planner.plan",
+    "plan": "memfit.planner.plan",
+    "Recipe": "memfit.techniques.recipe",
+    "Report": "memfit.report.report",
+    "format_size": "memfit.units", "parse_size": "memfit.units",
+}
+assert set(_WHERE) == set(__all__)
+
+if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ below imports on first use
+    from memfit.categories import Category
+    from memfit.errors import MemfitError
+    from memfit.estimator.estimate import estimate
+    from memfit.estimator.measure import measure
+    from memfit.planner.fit import Fit, NoBatchFits, fit
+    from memfit.planner.plan import NothingFits, Plan, Plans, plan
+    from memfit.report.report import Report
+    from memfit.techniques.apply import apply
+    from memfit.techniques.recipe import Recipe
+    from memfit.units import format_size, parse_size
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -26,7 +26,6 @@ class Category(str, enum.Enum):
     TEMPORARIES      everything else the step allocates: intermediate results that are not saved,
                      gradients of activations, optimizer scratch, and kernel-internal scratch.
     BATCH            the input batch handed to the step.
-    OTHER            storages that exist before the step and are none of the above.
     """
 
     PARAMETERS = "parameters"
@@ -36,7 +35,6 @@ class Category(str, enum.Enum):
     ACTIVATIONS = "activations"
     TEMPORARIES = "temporaries"
     BATCH = "batch"
-    OTHER = "other"
 
     def __str__(self) -> str:  # "optimizer_state" reads better than "Category.OPTIMIZER_STATE"
         return self.value
@@ -51,6 +49,5 @@ PRIORITY = {
     Category.GRADIENTS: 4,
     Category.OPTIMIZER_STATE: 3,
     Category.ACTIVATIONS: 2,
-    Category.OTHER: 1,
     Category.TEMPORARIES: 0,
 }

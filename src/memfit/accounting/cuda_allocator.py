@@ -51,6 +51,9 @@ which of several same-sized tensors a free releases. Function by function, with 
   (rounded, plus any unsplit tail), ``requested_bytes`` the sizes asked for, ``reserved_bytes``
   segment (or mapped) bytes; each with its peak.
 
+Where the code is: this module holds the request logic; ``cuda_blocks.py`` the sizes, blocks, pools
+and statistics; ``cuda_segments.py`` the release paths and expandable segments.
+
 Not modelled (one stream is what a training step uses, and these need a real device or clock):
 ``record_stream`` and the CUDA events that delay a free, CUDA-graph private pools and mempools,
 free-memory callbacks, IPC, other processes on the device, and the driver's choice of virtual
@@ -60,10 +63,29 @@ equal-sized free blocks).
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from dataclasses import dataclass
 
+from memfit.accounting.cuda_blocks import (
+    _SEGMENT_ALIGN,
+    _UNLIMITED,
+    AllocatorStats,
+    SegmentInfo,
+    SimulatedOutOfMemory,
+    _Block,
+    _parse_divisions,
+    _Pool,
+    _round_size,
+    _Segment,
+    get_allocation_size,
+    kLargeBuffer,
+    kMaxNonSplitRoundingSize,
+    kMinBlockSize,
+    kSmallSize,
+    round_size,
+)
+from memfit.accounting.cuda_segments import _Segments
+
+# The allocator's whole public API, with the types it hands out (defined in cuda_blocks.py).
 __all__ = [
     "AllocatorStats",
     "CachingAllocator",
@@ -74,239 +96,8 @@ __all__ = [
     "simulate",
 ]
 
-MiB = 1 << 20
-kMinBlockSize = 512  # every size is rounded to at least this
-kSmallSize = MiB  # largest "small" request
-kSmallBuffer = 2 * MiB  # small requests are packed in segments of this size
-kLargeBuffer = 20 * MiB  # large requests under kMinLargeAlloc are packed in segments of this size
-kMinLargeAlloc = 10 * MiB
-kRoundLarge = 2 * MiB  # larger segments are rounded up to this
-kMaxNonSplitRoundingSize = kLargeBuffer  # AcceleratorAllocatorConfig default (max_non_split_rounding_mb)
-kRoundUpPowerOfTwoIntervals = 16  # 1 MiB .. 64 GiB, one division count per power of two
-_UNLIMITED = float("inf")
-_VA_SIZE = 1 << 44  # virtual range of one expandable segment: larger than any device
-_SEGMENT_ALIGN = 2 * MiB
 
-
-class SimulatedOutOfMemory(MemoryError):
-    """``malloc`` could not be served even after releasing every cached segment (torch's OOM)."""
-
-    def __init__(self, size: int, alloc_size: int, stats: AllocatorStats):
-        self.size, self.alloc_size, self.stats = size, alloc_size, stats
-        super().__init__(
-            f"simulated CUDA out of memory: tried to allocate {alloc_size} bytes for a {size}-byte request; "
-            f"{stats.allocated} allocated, {stats.reserved} reserved"
-        )
-
-
-@dataclass(frozen=True)
-class AllocatorStats:
-    """A copy of the counters, named as in ``torch.cuda.memory_stats`` where there is one.
-
-    ``fragmentation_at_peak`` is ``peak_reserved`` minus the most that was allocated while reserved
-    stood at its peak: cached bytes no allocation used at the worst moment. ``largest_free_at_peak``
-    is the biggest free (mapped) block at that same moment. ``segments`` counts ``cudaMalloc``
-    segments, plus one per expandable segment that has memory mapped.
-    """
-
-    allocated: int
-    reserved: int
-    requested: int
-    peak_allocated: int
-    peak_reserved: int
-    peak_requested: int
-    segments: int
-    peak_segments: int
-    fragmentation_at_peak: int
-    largest_free_at_peak: int
-    num_device_alloc: int  # cudaMalloc calls + cuMemMap calls (torch's num_device_alloc)
-    num_device_free: int
-    num_alloc_retries: int
-    num_ooms: int
-
-    @property
-    def peak_gap(self) -> int:
-        """``peak_reserved - peak_allocated``: what ``max_memory_reserved`` adds to ``max_memory_allocated``."""
-        return self.peak_reserved - self.peak_allocated
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    """One segment as ``torch.cuda.memory_snapshot`` would list it: its blocks in address order.
-
-    For an expandable segment, one entry per contiguous mapped range.
-    """
-
-    address: int
-    size: int
-    is_small: bool
-    stream: int
-    blocks: tuple[tuple[int, bool], ...]  # (size, allocated)
-
-
-def _power2_divisions(size: int, divisions: tuple[int, ...] | None) -> int:
-    """``AcceleratorAllocatorConfig::roundup_power2_divisions(size)``."""
-    if divisions is None:
-        return 0
-    log_size = size.bit_length() - 1
-    index = max(log_size - 20, 0)  # intervals start at 1 MiB
-    return divisions[min(index, kRoundUpPowerOfTwoIntervals - 1)]
-
-
-def _roundup_power2_next_division(size: int, divisions: int) -> int:
-    if size & (size - 1) == 0:
-        return size
-    power2_floor = 1 << (size.bit_length() - 1)
-    step = power2_floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return power2_floor << 1
-    floor = size & ~(step - 1)
-    return size if floor == size else floor + step
-
-
-def _parse_divisions(value) -> tuple[int, ...] | None:
-    """``roundup_power2_divisions`` as torch's config takes it: one count for every size, or a
-    mapping ``{MiB power of two: count, ">": count}`` like ``[256:1,512:2,>:4]``."""
-    if value is None:
-        return None
-    if isinstance(value, int):
-        _check_power2(value)
-        return (value,) * kRoundUpPowerOfTwoIntervals
-    table = [0] * kRoundUpPowerOfTwoIntervals
-    first, last_index = True, 0
-    for key, count in value.items():
-        if count:  # 0 turns rounding off for that interval
-            _check_power2(count)
-        if key == ">":
-            for i in range(last_index + 1, kRoundUpPowerOfTwoIntervals):
-                table[i] = count
-            continue
-        _check_power2(int(key))
-        index = min(int(key).bit_length() - 1, kRoundUpPowerOfTwoIntervals - 1)
-        if first:
-            for i in range(index):
-                table[i] = count
-            first = False
-        table[index] = count
-        last_index = index
-    return tuple(table)
-
-
-def _check_power2(n: int) -> None:
-    if n <= 0 or n & (n - 1):
-        raise ValueError(f"roundup_power2_divisions values must be powers of 2, got {n}")
-
-
-def round_size(size: int, *, roundup_power2_divisions=None) -> int:
-    """The block size the allocator carves for a request of ``size`` bytes.
-
-    >>> round_size(1), round_size(513), round_size(4096)
-    (512, 1024, 4096)
-    """
-    return _round_size(size, _parse_divisions(roundup_power2_divisions))
-
-
-def _round_size(size: int, divisions: tuple[int, ...] | None) -> int:
-    if size < kMinBlockSize:
-        return kMinBlockSize
-    n = _power2_divisions(size, divisions)
-    if n > 1 and size > kMinBlockSize * n:
-        return _roundup_power2_next_division(size, n)
-    return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
-
-
-def get_allocation_size(size: int) -> int:
-    """Size of the segment ``cudaMalloc``-ed for a (rounded) request that no cached block serves."""
-    if size <= kSmallSize:
-        return kSmallBuffer
-    if size < kMinLargeAlloc:
-        return kLargeBuffer
-    return kRoundLarge * ((size + kRoundLarge - 1) // kRoundLarge)
-
-
-class _Segment:
-    """Expandable segment: a virtual range whose pages are mapped one by one."""
-
-    __slots__ = ("base", "mapped_pages", "page")
-
-    def __init__(self, base: int, page: int):
-        self.base, self.page, self.mapped_pages = base, page, 0
-
-
-class _Block:
-    __slots__ = ("allocated", "gc_base", "mapped", "next", "pool", "prev", "ptr", "requested", "segment", "size",
-                 "stream")
-
-    def __init__(self, ptr, size, stream, pool, segment=None, mapped=True):
-        self.ptr, self.size, self.stream, self.pool = ptr, size, stream, pool
-        self.requested = 0
-        self.allocated = False
-        self.mapped = mapped
-        self.prev = self.next = None
-        self.segment = segment  # _Segment for expandable segments, else None
-        self.gc_base = 0  # the pool's get_free_block count when this block entered the free set
-
-    def is_split(self) -> bool:
-        return self.prev is not None or self.next is not None
-
-    def splice(self, before, after) -> None:
-        if before is not None:
-            before.next = self
-        self.prev = before
-        if after is not None:
-            after.prev = self
-        self.next = after
-
-
-class _SortedBlocks:
-    """``std::set<Block*>`` with a key function: a sorted list of keys plus a map to the blocks."""
-
-    __slots__ = ("blocks", "by_size", "calls", "keys")
-
-    def __init__(self, by_size: bool):
-        self.keys: list[tuple] = []
-        self.blocks: dict[tuple, _Block] = {}
-        self.by_size = by_size
-        self.calls = 0  # torch's get_free_blocks_call_count (counted only while garbage collection is on)
-
-    def key(self, b: _Block) -> tuple:
-        return (b.stream, b.size, b.ptr) if self.by_size else (b.stream, b.ptr)
-
-    def insert(self, b: _Block) -> None:
-        """``insert_into_blocks``: entering the free set restarts the block's age."""
-        b.gc_base = self.calls
-        k = self.key(b)
-        bisect.insort(self.keys, k)
-        self.blocks[k] = b
-
-    def erase(self, b: _Block) -> None:
-        k = self.key(b)
-        del self.blocks[k]
-        del self.keys[bisect.bisect_left(self.keys, k)]
-
-    def __contains__(self, b: _Block) -> bool:
-        return self.blocks.get(self.key(b)) is b
-
-    def lower_bound(self, key: tuple) -> int:
-        return bisect.bisect_left(self.keys, key)
-
-    def at(self, index: int) -> _Block:
-        return self.blocks[self.keys[index]]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
-class _Pool:
-    __slots__ = ("blocks", "is_small", "unmapped")
-
-    def __init__(self, is_small: bool):
-        self.is_small = is_small
-        self.blocks = _SortedBlocks(by_size=True)  # free, mapped blocks
-        self.unmapped = _SortedBlocks(by_size=False)  # expandable segments' unmapped ranges
-
-
-class CachingAllocator:
+class CachingAllocator(_Segments):
     """The allocator of one CUDA device, driven by ``malloc`` / ``free`` calls.
 
     Knobs mirror ``PYTORCH_CUDA_ALLOC_CONF`` (all off by default, like torch):
@@ -576,183 +367,6 @@ class CachingAllocator:
                 dst.next.prev = dst
         dst.size += src.size
         return src.size
-
-    # garbage_collect_cached_blocks
-    def _garbage_collect_cached_blocks(self) -> None:
-        threshold = int(self._gc_threshold * self.allowed_memory)
-        if self.reserved <= threshold:
-            return
-        target, reclaimed = self.reserved - threshold, 0
-        blocks = self._large.blocks
-
-        def freeable():
-            return [b for b in (blocks.blocks[k] for k in blocks.keys) if not b.is_split() and b.segment is None]
-
-        ages = {b: blocks.calls - b.gc_base for b in freeable()}
-        total_age, count = sum(ages.values()), len(ages)
-        freed = True
-        while reclaimed < target and freed and count > 0:
-            mean_age = total_age / count
-            freed = False
-            for b in freeable():  # free every block at least as old as the mean, past the target too
-                if ages[b] >= mean_age:
-                    freed = True
-                    reclaimed += b.size
-                    total_age -= ages[b]
-                    count -= 1
-                    self._release_block(b)
-
-    # release_available_cached_blocks
-    def _release_available_cached_blocks(self, pool: _Pool, stream: int, size: int) -> bool:
-        mss = self.max_split_size
-        if mss == _UNLIMITED:
-            return False
-        key_size = max(size, mss)
-        blocks = pool.blocks
-        i = blocks.lower_bound((stream, key_size, 0))
-        if i == len(blocks) or blocks.keys[i][0] != stream or blocks.at(i).segment is not None:
-            # no single block is large enough: free oversize blocks, largest first
-            if i == 0:
-                return False
-            released = 0
-            i -= 1
-            while released < key_size and i >= 0:
-                b = blocks.at(i)
-                if b.size < mss or b.stream != stream:
-                    break
-                i -= 1
-                if b.segment is None and not b.is_split():
-                    released += b.size
-                    self._release_block(b)
-            return released >= key_size
-        b = blocks.at(i)
-        if b.is_split():  # torch only gets here with whole segments; keep the model safe
-            return False
-        self._release_block(b)
-        return True
-
-    # release_cached_blocks / release_blocks
-    def _release_cached_blocks(self) -> bool:
-        for pool in (self._large, self._small):
-            to_unmap = []
-            for b in [pool.blocks.blocks[k] for k in pool.blocks.keys]:
-                if b.segment is not None:
-                    to_unmap.append(b)
-                elif not b.is_split():
-                    self._release_block(b)
-            for b in to_unmap:
-                self._unmap_block(b)
-                if b.prev is None and b.next is None and not b.mapped:
-                    pool.unmapped.erase(b)
-                    self._expandable.remove(b.segment)
-        return True
-
-    # release_block
-    def _release_block(self, block: _Block) -> None:
-        block.pool.blocks.erase(block)
-        self._heads.discard(block)
-        self.reserved -= block.size
-        self.num_device_free += 1
-
-    # ------------------------------------------------------------------ expandable segments
-
-    def _page(self, pool: _Pool) -> int:
-        return kSmallBuffer if pool.is_small else kLargeBuffer
-
-    # find_expandable_block
-    def _find_expandable_block(self, pool: _Pool, stream: int, size: int) -> _Block:
-        def allocatable(b):
-            return b is not None and not b.allocated
-
-        def has_room(b):
-            total = 0
-            while total < size and allocatable(b):
-                total += b.size
-                b = b.next
-            return total >= size
-
-        unmapped = pool.unmapped
-        i = unmapped.lower_bound((stream, -1))
-        while i < len(unmapped) and unmapped.keys[i][0] == stream:
-            c = unmapped.at(i)
-            if allocatable(c.prev):
-                c = c.prev
-            if has_room(c):
-                return c
-            i += 1
-        page = self._page(pool)
-        segment = _Segment(self._new_address_range(_VA_SIZE), page)
-        self._expandable.append(segment)
-        candidate = _Block(segment.base, _VA_SIZE, stream, pool, segment, mapped=False)
-        unmapped.insert(candidate)
-        return candidate
-
-    # try_allocate_expandable_block
-    def _try_allocate_expandable_block(self, pool: _Pool, stream: int, size: int):
-        candidate = self._find_expandable_block(pool, stream, size)
-        if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
-            return None
-        while candidate.size < size:
-            nxt = candidate.next
-            if nxt is None:  # larger than the segment's whole address range: cudaMalloc would fail too
-                return None
-            if not self._map_block(nxt, min(size - candidate.size, nxt.size)):
-                return None
-            candidate = nxt
-        pool.blocks.erase(candidate)
-        return candidate
-
-    # map_block
-    def _map_block(self, to_map: _Block, size: int) -> bool:
-        segment, pool = to_map.segment, to_map.pool
-        page = segment.page
-        pages = -(-size // page)
-        mapped = pages * page
-        if not self._fits(mapped):
-            return False
-        pool.unmapped.erase(to_map)
-        to_map.mapped = True
-        if mapped < to_map.size:
-            rest = _Block(to_map.ptr + mapped, to_map.size - mapped, to_map.stream, pool, segment, mapped=False)
-            rest.splice(to_map, to_map.next)
-            pool.unmapped.insert(rest)
-            to_map.size = mapped
-        self._try_merge_blocks(to_map, to_map.prev, pool)
-        self._try_merge_blocks(to_map, to_map.next, pool)
-        pool.blocks.insert(to_map)
-        segment.mapped_pages += pages
-        self.reserved += mapped
-        self.num_device_alloc += 1
-        self._grew_reserved()
-        return True
-
-    # unmap_block
-    def _unmap_block(self, block: _Block) -> None:
-        segment, pool = block.segment, block.pool
-        page, base = segment.page, segment.base
-        first = -(-(block.ptr - base) // page)
-        last = (block.ptr + block.size - base) // page
-        if first >= last:
-            return
-        pool.blocks.erase(block)
-        start, length = base + first * page, (last - first) * page
-        before = start - block.ptr
-        if before > 0:
-            b = _Block(block.ptr, before, block.stream, pool, segment)
-            b.splice(block.prev, block)
-            pool.blocks.insert(b)
-        after = block.size - before - length
-        if after > 0:
-            a = _Block(start + length, after, block.stream, pool, segment)
-            a.splice(block, block.next)
-            pool.blocks.insert(a)
-        block.ptr, block.size, block.mapped = start, length, False
-        self._try_merge_blocks(block, block.prev, pool)
-        self._try_merge_blocks(block, block.next, pool)
-        pool.unmapped.insert(block)
-        segment.mapped_pages -= last - first
-        self.reserved -= length
-        self.num_device_free += 1
 
 
 def simulate(events, **knobs) -> AllocatorStats:

@@ -21,6 +21,7 @@ recorded as *probe sites*; ``scratch.py`` measures their scratch with the alloca
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -31,10 +32,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
 from memfit.categories import PRIORITY, Category
+from memfit.scoped import patched
 
-__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "OUTSIDE"]
+__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "OUTSIDE", "storage_events"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
+# What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule.
+RENAME, KEPT = 4, 5
 _BORN = {torch.ops.aten.lift_fresh.default}
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
@@ -179,16 +183,22 @@ class Ledger(TorchDispatchMode):
 
     # -- internals ---------------------------------------------------------------------------
     def __enter__(self):
-        self._modules.__enter__()
-        self._rng_state = torch.get_rng_state
-        if self.cublas_workspace is None:
-            torch.get_rng_state = self._tracked_rng_state
-        return super().__enter__()
+        # The global module hooks and the patched ``torch.get_rng_state`` live exactly as long as
+        # the mode is pushed (``memfit.scoped``): undone on exit, and on a failed enter.
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(self._modules)
+            self._rng_state = torch.get_rng_state
+            if self.cublas_workspace is None:
+                scope.enter_context(patched(torch, "get_rng_state", self._tracked_rng_state))
+            out = super().__enter__()
+            self._scope = scope.pop_all()
+        return out
 
     def __exit__(self, *exc):
-        super().__exit__(*exc)
-        torch.get_rng_state = self._rng_state
-        self._modules.__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._scope.close()
 
     def _tracked_rng_state(self):
         # The CPU generator's state (5,056 bytes) is allocated without passing the dispatcher;
@@ -336,6 +346,24 @@ class Ledger(TorchDispatchMode):
                     out_records, out_metas)
         self.sites.append(site)
         self.events.append((SPIKE, len(self.sites) - 1))
+
+
+def storage_events(ledger):
+    """``ledger.events`` as device memory sees them: the donated-gradient rule, in one place.
+
+    A record with a ``donor`` was made by an add that a plain run does in place (``Ledger``'s
+    ``_accumulation_donor``): its ALLOC takes over the donor's storage and adds no bytes, so it comes
+    out as ``(RENAME, index)``; the donor's later FREE releases nothing (its memory lives on in that
+    record), so it comes out as ``(KEPT, index)``. Every other event comes out as it is.
+    ``ledger``: anything with ``.records`` and ``.events``, as ``Ledger`` has them."""
+    records = ledger.records
+    for kind, index in ledger.events:
+        if kind == ALLOC and records[index].donor is not None:
+            yield RENAME, index
+        elif kind == FREE and records[index].donated:
+            yield KEPT, index
+        else:
+            yield kind, index
 
 
 def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:

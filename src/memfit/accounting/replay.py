@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import islice
 
-from memfit.accounting.ledger import ALLOC, FREE, SPIKE, Ledger
+from memfit.accounting.ledger import ALLOC, FREE, KEPT, MARK, RENAME, SPIKE, Ledger, storage_events
 from memfit.categories import Category
 
 __all__ = ["Replay", "replay"]
@@ -46,23 +47,23 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
     phase_cats: dict[tuple[int, str], dict[str, int]] = {}
     where = ("setup", -1)
     series = []
-    for number, (kind, index) in enumerate(ledger.events):
+    for number, (kind, index) in enumerate(storage_events(ledger)):
         spike = 0
         if kind == ALLOC:
             record = records[index]
-            if record.donor is not None:  # takes over the donor's memory: moves category only
-                by_cat[records[record.donor].category.value] -= record.nbytes
-            else:
-                live += record.nbytes
+            live += record.nbytes
+            by_cat[record.category.value] += record.nbytes
+        elif kind == RENAME:  # takes over the donor's memory: moves category only
+            record = records[index]
+            by_cat[records[record.donor].category.value] -= record.nbytes
             by_cat[record.category.value] += record.nbytes
         elif kind == FREE:
             record = records[index]
-            if not record.donated:
-                live -= record.nbytes
-                by_cat[record.category.value] -= record.nbytes
+            live -= record.nbytes
+            by_cat[record.category.value] -= record.nbytes
         elif kind == SPIKE:
             spike = scratch[index]
-        else:
+        elif kind == MARK:
             where = marks[index]
         now = live + spike
         series.append((now, where))
@@ -94,13 +95,13 @@ def _with_spike(by_cat: Counter, spike: int) -> dict[str, int]:
 def _modules_at(ledger: Ledger, stop: int, scratch) -> list[tuple[str, int]]:
     """Bytes of activations and temporaries live at event ``stop``, by the module that made them."""
     live: dict[int, None] = {}
-    for kind, index in ledger.events[: stop + 1]:
+    for kind, index in islice(storage_events(ledger), stop + 1):
         if kind == ALLOC:
             live[index] = None
-            donor = ledger.records[index].donor
-            if donor is not None:
-                live.pop(donor, None)
-        elif kind == FREE:
+        elif kind == RENAME:
+            live[index] = None
+            live.pop(ledger.records[index].donor, None)
+        elif kind in (FREE, KEPT):
             live.pop(index, None)
     held: Counter = Counter()
     for index in live:
@@ -163,19 +164,19 @@ def event_series(ledger: Ledger, scratch: list[int], prime: int | None = None) -
     total = g = s = p = 0
     where = 0
     gradients, optimizer_state = Category.GRADIENTS, Category.OPTIMIZER_STATE
-    for number, (kind, index) in enumerate(ledger.events):
+    for number, (kind, index) in enumerate(storage_events(ledger)):
         spike = 0
-        if kind == ALLOC or kind == FREE:
+        if kind in (ALLOC, FREE, RENAME, KEPT):
             record = records[index]
-            sign = 1 if kind == ALLOC else -1
-            if kind == ALLOC and record.donor is not None:  # takes over the donor's memory
+            sign = -1 if kind == FREE else 1
+            if kind == RENAME:  # takes over the donor's memory
                 delta = 0
                 donor = records[record.donor]
                 if donor.category is gradients:
                     g -= record.nbytes
                 elif donor.category is optimizer_state:
                     s -= record.nbytes
-            elif kind == FREE and record.donated:  # its memory lives on in another record
+            elif kind == KEPT:  # its memory lives on in another record
                 delta = sign = 0
             else:
                 delta = sign * record.nbytes

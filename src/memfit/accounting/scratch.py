@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_unflatten
 from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.accounting.ledger import MATMULS
 from memfit.hardware.cpu_kernels import probe_operands
+from memfit.scoped import quiet_profiler
 
 __all__ = ["measure_scratch", "PROBE_LIMIT", "FLOP_LIMIT"]
 
@@ -55,7 +56,7 @@ def measure_scratch(ledger) -> tuple[list[int], int]:
     real_meta: dict[int, tuple] = {}  # record index -> (fake layout, real layout) where they differ
     results: dict[tuple, tuple | None] = {}
     order, site_keys = [], []
-    with _outside_modes(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _outside_modes(), quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for site in sites:
             layout = _real_layout(site, real_meta)
             key = (site.key, tuple(m for kind, m in layout if kind == "tensor"))

@@ -23,6 +23,7 @@ import math
 
 from memfit.accounting.replay import replay
 from memfit.accounting.synth import synthesise
+from memfit.techniques.checkpointing import checkpoint_plan
 from memfit.estimator.fake_trace import fake_trace
 from memfit.models.source import Source
 from memfit.report.report import Report
@@ -53,7 +54,7 @@ def block_unit(source: Source, recipe=None) -> int | None:
     types = getattr(source.config, "layer_types", None)
     unit = 1 if not isinstance(types, list) or len(set(types)) <= 1 else 2
     if recipe is not None:
-        kind, every = recipe.checkpoint_plan()
+        kind, every = checkpoint_plan(recipe.checkpointing)
         if kind == "modules":
             return None
         if kind == "blocks":

@@ -16,7 +16,8 @@ from memfit.errors import MemfitError, shown
 from memfit.estimator.fake_trace import fake_trace
 from memfit.models.source import resolve
 from memfit.techniques.precision import check_gpu, check_precision
-from memfit.techniques.recipe import MAX_ACCUM_STEPS, MAX_BATCH, Recipe, recipe_from
+from memfit.techniques.accumulation import MAX_ACCUM_STEPS, MAX_BATCH
+from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.report.report import Report
 from memfit.estimator.trace import phases
 

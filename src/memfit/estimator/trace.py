@@ -21,7 +21,7 @@ from memfit.estimator.verdict import cuda_fit
 from memfit.report.report import Report
 from memfit.techniques.apply import run_steps
 from memfit.techniques.step import batch_tensors
-from memfit.techniques.lora import quant_state_tensors, quantize_base
+from memfit.techniques.lora import lora_plan, quant_state_tensors, quantize_base
 from memfit.units import format_size
 
 __all__ = ["trace", "model_device", "numel", "fold_peaks", "phases"]
@@ -47,7 +47,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     (forward, backward, optimizer) begins and once when the replay is done: ``phases(recipe, steps)``.
     """
     device = model_device(model)
-    if recipe.lora_plan()[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
+    if lora_plan(recipe.lora)[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
         quantize_base(model)
     ledger = Ledger(device=device, model=model,
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)

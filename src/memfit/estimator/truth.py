@@ -14,8 +14,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.techniques.apply import run_steps
+from memfit.techniques.lora import lora_plan
 from memfit.techniques.recipe import recipe_from
 from memfit.techniques.step import batch_tensors
+from memfit.scoped import quiet_profiler
 
 __all__ = ["allocator_peak", "true_peak", "resident_bytes"]
 
@@ -27,7 +29,7 @@ def allocator_peak(fn) -> int:
     ``fn()`` runs, its storages would count as negative and lower the peak by whatever the
     process happened to hold, which made the truth depend on what ran before it."""
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return span(allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree()))[0]
 
@@ -55,7 +57,7 @@ def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp3
     if recipe.precision == "bf16":
         model.to(torch.bfloat16)
     extra = []
-    if recipe.lora_plan()[0] == "qlora":  # a quantised model, as a quantised checkpoint would load
+    if lora_plan(recipe.lora)[0] == "qlora":  # a quantised model, as a quantised checkpoint would load
         from memfit.techniques.lora import quant_state_tensors, quantize_base
 
         extra = quant_state_tensors(quantize_base(model))

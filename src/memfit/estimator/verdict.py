@@ -125,22 +125,18 @@ def limits(gpu, budget: int | None) -> tuple[int, int | None]:
 def replay(ledger, **knobs) -> tuple[AllocatorStats, SimulatedOutOfMemory | None]:
     """Run a ledger's events (anything with ``.records`` and ``.events``, as ``Ledger`` has them)
     through a fresh :class:`CachingAllocator` built with ``knobs``: (stats, the OOM or None)."""
-    from memfit.accounting.ledger import ALLOC, FREE
+    from memfit.accounting.ledger import ALLOC, FREE, RENAME, storage_events
 
     allocator = CachingAllocator(**knobs)
     handles: dict[int, int] = {}
     records = ledger.records
     try:
-        for kind, index in ledger.events:
+        for kind, index in storage_events(ledger):
             if kind == ALLOC:
-                record = records[index]
-                if record.donor is not None:  # in-place accumulation: the donor's block, renamed
-                    handles[index] = handles.pop(record.donor)
-                else:
-                    handles[index] = allocator.malloc(record.nbytes)
-            elif kind == FREE:
-                if records[index].donated or index not in handles:
-                    continue
+                handles[index] = allocator.malloc(records[index].nbytes)
+            elif kind == RENAME:  # in-place accumulation: the donor's block, renamed
+                handles[index] = handles.pop(records[index].donor)
+            elif kind == FREE and index in handles:
                 allocator.free(handles.pop(index))
     except SimulatedOutOfMemory as oom:
         return oom.stats, oom

@@ -8,7 +8,8 @@ or bf16-mixed Mixtral step failed although the real CPU step runs. Its output is
 contiguous ``torch.empty`` of the product's shape on a CPU build (the meta kernel pads strides only
 ``if torch.version.cuda``), which is what ``CpuKernels`` makes for non-bf16 operands; bf16 goes
 to the meta kernel unchanged. ``tests/test_families.py`` checks Mixtral, Qwen2-MoE and Qwen3-MoE
-steps against the CPU allocator.
+steps against the CPU allocator. Nothing is registered with the dispatcher (``torch.library``):
+``CpuKernels`` is a dispatch mode, pushed only while a trace runs, so no kernel outlives it.
 
 Routing. Which expert a token goes to is data: a fake tensor has no values, so the router's
 choice is unknown. In this path it does not change what is allocated: every tensor of the experts
@@ -105,8 +106,10 @@ class CpuKernels(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ROUTING.reset(self._token)
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ROUTING.reset(self._token)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -66,6 +66,8 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map_only
 
+from memfit.scoped import patched
+
 __all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
@@ -317,16 +319,14 @@ def _fused_attention():
         # its flash kernel, which saves what CUDA's flash / efficient kernels save.
         return original(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
 
-    functional.scaled_dot_product_attention = sdpa
-    try:
+    with patched(functional, "scaled_dot_product_attention", sdpa):
         yield
-    finally:
-        functional.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
 def cuda_semantics():
-    """Trace the step as a CUDA device would run it (see the module docstring)."""
+    """Trace the step as a CUDA device would run it (see the module docstring). Every change to torch
+    it makes (the ``AutocastCPU`` and ``dropout`` registrations, the SDPA function) is undone on exit."""
     token = _ACTIVE.set(True)
     try:
         with _autocast_policy(), _dropout_policy(), _fused_attention():

@@ -95,24 +95,6 @@ class GPU:
         """What torch's allocator can get: total memory less the CUDA context."""
         return self.memory_bytes - self.cuda_context_bytes
 
-    def matmul_flops(self, dtype, *, tf32: bool = False) -> float:
-        """Dense peak FLOP/s of a matmul in ``dtype``, for a step-time model.
-
-        float32 is the full-FP32 figure: torch's default float32 matmul precision is "highest"
-        (IEEE FP32). Pass ``tf32=True`` when ``torch.backends.cuda.matmul.allow_tf32`` (or
-        ``torch.set_float32_matmul_precision("high")``) is on; GPUs without TF32 keep the FP32 figure.
-        """
-        import torch
-
-        if dtype == torch.bfloat16:
-            return self.bf16_flops
-        if dtype == torch.float16:
-            return self.fp16_flops
-        if dtype == torch.float32:
-            return self.tf32_flops if tf32 else self.fp32_flops
-        raise MemfitError(f"no matmul throughput for {dtype} on {self.name}: "
-                          "use torch.bfloat16, torch.float16 or torch.float32")
-
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["compute_capability"] = list(self.compute_capability)

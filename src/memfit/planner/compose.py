@@ -33,6 +33,7 @@ from memfit.planner.result import Plan
 from memfit.planner.terms import GraphPoint, GraphTerms, OptimizerTerms, lerp_terms, optimizer_terms, terms_at_depth
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
+from memfit.techniques.registry import techniques
 
 __all__ = ["Engine", "PRIMES", "SHORT_SEQ"]
 
@@ -91,9 +92,16 @@ class Engine:
         with torch.device("meta"):
             return bool(find_blocks(self.source.build()))
 
-    def _graph_key(self, r: Recipe):
-        level = "off" if r.checkpointing.startswith("blocks:") else r.checkpointing
-        return (r.precision, r.lora, level, r.offload_activations, r.chunked_loss)
+    def _graph_key(self, r: Recipe) -> tuple:
+        """The values of the fields a graph trace depends on (techniques declared ``graph`` or
+        ``both``, in apply's order); every N-th block is interpolated from none and every block."""
+        return tuple(("off" if name == "checkpointing" and r.checkpointing.startswith("blocks:")
+                      else getattr(r, name)) for name in _trace_fields("graph"))
+
+    @staticmethod
+    def _optim_key(r: Recipe) -> tuple:
+        """The values of the fields an optimizer trace depends on (``optimizer`` or ``both``)."""
+        return tuple(getattr(r, name) for name in _trace_fields("optimizer"))
 
     def _mb_points(self) -> tuple[int, ...]:
         if self.prime:
@@ -107,7 +115,7 @@ class Engine:
             graphs.add(self._graph_key(r))
             if r.checkpointing.startswith("blocks:"):
                 graphs.add(self._graph_key(r.replace(checkpointing="blocks")))
-            optims.add((r.precision, r.lora, r.optimizer))
+            optims.add(self._optim_key(r))
         graphs -= set(self._graphs)
         optims -= set(self._optims)
         self._done = 0
@@ -134,9 +142,7 @@ class Engine:
         return result
 
     def _graph(self, key):
-        precision, lora, level, offload, chunks = key
-        recipe = Recipe(precision=precision, lora=lora, checkpointing=level, offload_activations=offload,
-                        chunked_loss=chunks, optimizer="sgd")
+        recipe = Recipe(**dict(zip(_trace_fields("graph"), key)), optimizer="sgd")
         self._graphs[key] = {
             depth: {mb: GraphPoint(*self._trace(depth, recipe, mb, self.seq_len, 1, self.prime), self.speed,
                                    self.prime)
@@ -144,11 +150,10 @@ class Engine:
             for depth in self.depths}
 
     def _optim(self, key):
-        precision, lora, optimizer = key
         short = None if self.seq_len is None else min(self.seq_len, SHORT_SEQ)
         found = {}
         for depth in self.depths:
-            base = Recipe(precision=precision, lora=lora, optimizer=optimizer)
+            base = Recipe(**dict(zip(_trace_fields("optimizer"), key)))
             plain = self._trace(depth, base, 1, short, 2)
             try:
                 inbwd = self._trace(depth, base.replace(optimizer_in_backward=True), 1, short, 2)
@@ -183,7 +188,7 @@ class Engine:
                 full = self._graph_at(self._graph_key(r.replace(checkpointing="blocks")), depth, r.micro_batch_size)
                 g = lerp_terms(g, full, share)
             graphs[depth] = g
-            optims[depth] = self._optims[(r.precision, r.lora, r.optimizer)][depth]
+            optims[depth] = self._optims[self._optim_key(r)][depth]
         return self._compose(r, terms_at_depth(graphs, self.depths, self.depth),
                              terms_at_depth(optims, self.depths, self.depth))
 
@@ -260,6 +265,11 @@ class Engine:
             else:
                 self._verified[key] = full(r)
         return self._verified[key]
+
+
+def _trace_fields(kind: str) -> tuple[str, ...]:
+    """The Recipe fields whose techniques change the ``kind`` ("graph"/"optimizer") trace."""
+    return tuple(f.name for t in techniques() if t.trace in (kind, "both") for f in t.fields)
 
 
 # Accumulation steps up to which a verdict near the limit is traced in full rather than read off a line.

@@ -4,7 +4,7 @@ Each kernel row of a traced step (``accounting/ops.py``: FLOPs, bytes moved, mat
 ``max(flops / matmul rate, bytes / memory bandwidth) + launch`` seconds: a matmul is bound by the
 tensor cores, everything else by memory, and eager PyTorch pays a fixed cost per kernel. Activation
 offload adds its bytes over the host link twice (out after forward, back for backward; the copies
-are synchronous in ``techniques/offload.py``). The planner sums these per micro-batch and adds the
+are synchronous in ``techniques/offload_activations.py``). The planner sums these per micro-batch and adds the
 optimizer's kernels.
 
 Rates: for a catalog GPU, its datasheet peaks (``gpus.py``) times the fraction eager PyTorch

@@ -63,7 +63,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     from memfit.models.source import resolve
 
     from memfit.estimator.estimate import MAX_SEQ
-    from memfit.techniques.recipe import MAX_BATCH
+    from memfit.techniques.accumulation import MAX_BATCH
 
     start = time.perf_counter()
     allowed = allowed_names(allow)
@@ -207,5 +207,3 @@ def _fits(report, budget: int) -> bool:
 
 def _rank(p: Plan):
     return (round(p.step_seconds, 9), p.device_bytes, p.recipe.describe())
-
-

@@ -49,8 +49,7 @@ def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engi
                        f"{getattr(alt, field_name)} on {speed} ({format_size(chosen.device_bytes)} vs "
                        f"{format_size(other.device_bytes)})")
 
-    for name in ("precision", "checkpointing", "offload_activations", "chunked_loss", "optimizer_in_backward",
-                 "lora", "optimizer"):
+    for name in _searched_fields():
         if getattr(r, name) != getattr(default, name):
             try:
                 compare(name, r.replace(**{name: getattr(default, name)}))
@@ -71,6 +70,15 @@ def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engi
         out.append(f"fits only with PYTORCH_CUDA_ALLOC_CONF={exact.alloc_conf}: the default allocator runs out "
                    "(fragmentation); set it before the first CUDA allocation")
     return out
+
+
+def _searched_fields() -> list[str]:
+    """The fields the planner searches, in the recipe's order; micro-batch and accumulation are
+    explained together below."""
+    from memfit.techniques.registry import fields, techniques
+
+    searched = {f.name for t in techniques() if t.search is not None for f in t.fields}
+    return [f.name for f in fields() if f.name in searched and f.name not in ("micro_batch_size", "grad_accum_steps")]
 
 
 def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFits:

@@ -1,25 +1,31 @@
 """The planner's search space: every candidate recipe ``plan`` predicts.
 
-The axes are the techniques' own (precision x LoRA x checkpointing x activation offload x chunked
-loss x optimizer x optimizer-in-backward x micro-batch / accumulation); a pair ``Recipe`` rejects is
-skipped. Techniques that change the math are searched only when ``allow`` names them.
+The axes are the registered techniques' own (``Technique.search``: precision x LoRA x
+checkpointing x activation offload x chunked loss x optimizer x micro-batch / accumulation x
+optimizer-in-backward for the built-in ones), nested in apply's order; a combination ``Recipe``
+rejects, or a technique marks as not worth searching, is skipped. Techniques that change the math
+are searched only when ``allow`` names them.
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 
 from memfit.errors import MemfitError, shown
+from memfit.techniques.accumulation import divisors
 from memfit.techniques.recipe import Recipe
+from memfit.techniques.registry import techniques
+from memfit.techniques.spec import SearchContext
 
-__all__ = ["ALLOWABLE", "allowed_names", "search_space", "divisors"]
+__all__ = ["ALLOWABLE", "allowable", "allowed_names", "search_space", "search_context", "divisors"]
 
-#: What ``allow`` may name: techniques that change the math and are never chosen otherwise.
-ALLOWABLE = ("lora", "qlora", "adamw8bit", "paged_adamw8bit", "bf16")
-#: every N-th block checkpointed: the values of N tried (where N < depth)
-EVERY = (2, 3, 4, 6, 8, 16)
-LORA_RANK = 16
-CHUNKS = 8
+
+def allowable() -> tuple[str, ...]:
+    """What ``allow`` may name: values of techniques that change the math, never chosen otherwise."""
+    return tuple(name for t in techniques() for name in t.allow)
+
+
+ALLOWABLE = allowable()  # the built-in techniques' names
 
 
 def allowed_names(allow) -> set[str]:
@@ -31,47 +37,35 @@ def allowed_names(allow) -> set[str]:
         names = {str(a).strip().lower() for a in allow}
     except TypeError:
         raise MemfitError(f"allow takes names, e.g. allow='lora,adamw8bit', got {shown(allow)}") from None
-    unknown = sorted(names - set(ALLOWABLE))
+    known = allowable()
+    unknown = sorted(names - set(known))
     if unknown:
-        raise MemfitError(f"cannot allow {', '.join(shown(u, 30) for u in unknown)}: allow takes {', '.join(ALLOWABLE)}")
+        raise MemfitError(f"cannot allow {', '.join(shown(u, 30) for u in unknown)}: allow takes {', '.join(known)}")
     return names
 
 
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # pairs (d, n // d): sqrt(n) steps
-    return sorted(set(small + [n // d for d in small]))
+def search_context(engine, allowed: set[str], optimizer: str) -> SearchContext:
+    """What the techniques' ``search`` see of the planner's question."""
+    return SearchContext(gpu=engine.target, allowed=frozenset(allowed), optimizer=optimizer,
+                         global_batch_size=engine.global_batch_size, depth=engine.depth or 0,
+                         has_blocks=engine.has_blocks, causal_lm=engine.causal_lm)
 
 
 def search_space(engine, allowed: set[str], optimizer: str) -> list[Recipe]:
-    """Every candidate recipe; pairs ``Recipe`` rejects are skipped."""
-    target = engine.target
-    low = "bf16-mixed" if target is None or target.bf16 else "fp16-mixed"
-    bf16_ok = target is None or target.bf16  # pure bf16 needs bf16 units (sm80+)
-    precisions = ["fp32", low] + (["bf16"] if "bf16" in allowed and bf16_ok else [])
-    depth = engine.depth or 0
-    levels = ["off", "selective", "blocks"] + [f"blocks:{n}" for n in EVERY if n < depth] if engine.has_blocks \
-        else ["off"]
-    chunked = [0, CHUNKS] if engine.causal_lm else [0]
-    optimizers = [optimizer] + [o for o in ("adamw8bit", "paged_adamw8bit") if o in allowed and o != optimizer]
-    loras = ["off"] + [f"{k}:{LORA_RANK}" for k in ("lora", "qlora") if k in allowed]
-    gbs = engine.global_batch_size
+    """Every candidate recipe; combinations ``Recipe`` rejects are skipped."""
+    ctx = search_context(engine, allowed, optimizer)
+    searched = techniques()
+    axes = [list(t.search(ctx)) if t.search is not None else [{}] for t in searched]
+    keep = [t.searchable for t in searched if t.searchable is not None]
     out = []
-    for precision in precisions:
-        for lora in loras:
-            for level in levels:
-                for offload in ([False, True] if target is not None and level != "selective" else [False]):
-                    for chunks in chunked:
-                        for opt in optimizers:
-                            for mb in divisors(gbs):
-                                for in_backward in (False, True):
-                                    if in_backward and mb != gbs:
-                                        continue
-                                    try:
-                                        out.append(Recipe(precision=precision, checkpointing=level,
-                                                          offload_activations=offload, chunked_loss=chunks,
-                                                          optimizer=opt, optimizer_in_backward=in_backward,
-                                                          micro_batch_size=mb, grad_accum_steps=gbs // mb,
-                                                          lora=lora))
-                                    except MemfitError:
-                                        continue
+    for choice in itertools.product(*axes):
+        values = {}
+        for part in choice:
+            values.update(part)
+        try:
+            recipe = Recipe(**values)
+        except MemfitError:
+            continue
+        if all(ok(recipe) for ok in keep):
+            out.append(recipe)
     return out

@@ -14,7 +14,9 @@ from memfit.categories import PHASES
 from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, verdict_line
 from memfit.units import format_size
 
-__all__ = ["report_view", "verdict", "plan_view", "fit_view"]
+__all__ = ["report_view", "verdict", "plan_view", "fit_view", "front_around"]
+
+NEIGHBOURS = 3  # front points shown on each side of the chosen plan; --json has them all
 
 
 def verdict(report: Report, budget: int | None = None) -> dict:
@@ -38,10 +40,13 @@ def verdict(report: Report, budget: int | None = None) -> dict:
             "error_margin_bytes": report.error_margin_bytes, "error_margin_source": ERROR_SOURCE}
 
 
-def report_view(report: Report, name: str, budget: int | None = None) -> Group:
-    from memfit.techniques.recipe import Recipe
+def report_view(report: Report, name: str, budget: int | None = None, recipe=None) -> Group:
+    """``recipe``: the Recipe the report was made with, when the caller holds it (the CLI does);
+    without it, the one recorded in ``report.settings``."""
+    if recipe is None:
+        from memfit.techniques.recipe import Recipe
 
-    recipe = Recipe.from_dict(report.settings["recipe"])
+        recipe = Recipe.from_dict(report.settings["recipe"])
     title = (f"{name}: {recipe.describe()}, {report.parameters / 1e9:.3f}B params "
              f"({report.method} on {report.device} semantics)")
     parts = [Text(title, style="bold")]
@@ -103,7 +108,7 @@ def _modules(report: Report, top: int = 8) -> Table:
 
 
 def plan_view(plans, name: str, out: str | None = None) -> Group:
-    """The chosen plan, why, and the memory / speed front of every candidate."""
+    """The chosen plan, why, and the memory / speed front around it (``front_around``)."""
     best = plans.best
     where = plans.gpu or "this CPU"
     head = Text(f"{name} on {where}: {best.recipe.describe()}", style="bold")
@@ -124,17 +129,38 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
                   title_justify="left")
     for column in ("needs", "s/step", "tokens/s" if best.tokens_per_second is not None else "samples/s", "recipe"):
         table.add_column(column, justify="left" if column == "recipe" else "right")
-    for p in plans.front:
+    rows, hidden = front_around(plans.front, best)
+    for p in rows:
         rate = p.tokens_per_second if p.tokens_per_second is not None else p.samples_per_second
         style = "bold green" if p.recipe == best.recipe else ("dim" if p.device_bytes > plans.budget else None)
         table.add_row(format_size(p.device_bytes), f"{p.step_seconds:.3g}", f"{rate:,.0f}", p.recipe.describe(),
                       style=style)
     lines.append(table)
+    if hidden:
+        lines.append(Text(f"{hidden} more on the front: --json lists them all", style="dim"))
     lines += [Text(f"note: {note}", style="dim") for note in plans.notes]
     if out:
         env = f"PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf} " if best.alloc_conf else ""
         lines.append(Text(f"recipe written to {out} ({env}memfit estimate MODEL --recipe {out})"))
     return Group(*lines)
+
+
+def front_around(front: list, best, neighbours: int = NEIGHBOURS) -> tuple[list, int]:
+    """The rows of the front worth reading: the chosen plan with up to ``neighbours`` smaller points
+    before it and ``neighbours`` faster ones after it (the front runs smallest first, each point
+    faster than every smaller one), and how many points of the front that leaves out.
+
+    The choice is checked by a full estimate, so it may not be a point of the (predicted) front
+    itself: then it is shown where its bytes put it.
+    """
+    at = next((i for i, p in enumerate(front) if p.recipe == best.recipe), None)
+    if at is None:
+        at = sum(p.device_bytes <= best.device_bytes for p in front)
+        points = front[max(at - neighbours, 0):at + neighbours]
+        rows = front[max(at - neighbours, 0):at] + [best] + front[at:at + neighbours]
+    else:
+        points = rows = front[max(at - neighbours, 0):at + neighbours + 1]
+    return rows, len(front) - len(points)
 
 
 def fit_view(found, name: str) -> Group:

@@ -18,8 +18,11 @@ import functools
 import torch
 
 from memfit.errors import MemfitError
+from memfit.techniques.spec import Field, Technique
 
-__all__ = ["set_attention"]
+__all__ = ["set_attention", "ATTENTION", "TECHNIQUE"]
+
+ATTENTION = ("auto", "sdpa", "eager")
 
 
 def set_attention(model: torch.nn.Module, mode: str) -> None:
@@ -47,3 +50,9 @@ def _no_weights(module: torch.nn.MultiheadAttention) -> None:
         return inner(*args, **kwargs)
 
     module.forward = forward
+
+
+TECHNIQUE = Technique(
+    name="attention",
+    fields=(Field("attention", "auto", "auto (as built) | sdpa | eager", slot=40, choices=ATTENTION),),
+    order=25, apply=lambda build: set_attention(build.model, build.recipe.attention), trace="graph")

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
+from memfit.techniques.spec import Field, Technique
 
-__all__ = ["find_blocks", "apply_checkpointing"]
+__all__ = ["find_blocks", "apply_checkpointing", "checkpoint_plan", "EVERY", "TECHNIQUE"]
+
+#: every N-th block checkpointed: the values of N the planner tries (where N < depth)
+EVERY = (2, 3, 4, 6, 8, 16)
 
 _aten = torch.ops.aten
 # Outputs worth keeping: producing them costs FLOPs, not just memory traffic.
@@ -110,3 +115,36 @@ def _no_kv_cache(model: torch.nn.Module) -> None:
     for module in model.modules():
         if getattr(module, "config", None) is config:
             module.config = private
+
+
+def checkpoint_plan(value) -> tuple[str, object]:
+    """("off" | "blocks" | "selective" | "modules", every-N or module names) of a ``checkpointing`` value."""
+    if value in ("off", "blocks", "selective"):
+        return value, 1
+    kind, _, rest = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind == "blocks" and re.fullmatch(r"[0-9]{1,9}", rest) and int(rest) >= 1:
+        return "blocks", int(rest)
+    names = tuple(name.strip() for name in rest.split(",") if name.strip())
+    if kind == "modules" and names:
+        return "modules", names
+    raise MemfitError(f"checkpointing {shown(value)} not understood: use off, blocks, blocks:2, selective "
+                      "or modules:name1,name2")
+
+
+def _apply(build) -> None:
+    mode, every = checkpoint_plan(build.recipe.checkpointing)
+    apply_checkpointing(build.model, mode=mode, every=every)
+
+
+def _search(ctx):
+    if not ctx.has_blocks:
+        return [{"checkpointing": "off"}]
+    levels = ["off", "selective", "blocks"] + [f"blocks:{n}" for n in EVERY if n < ctx.depth]
+    return [{"checkpointing": level} for level in levels]
+
+
+TECHNIQUE = Technique(
+    name="checkpointing",
+    fields=(Field("checkpointing", "off", "off | blocks | blocks:N | selective | modules:a,b (recompute in backward)",
+                  slot=20, check=checkpoint_plan),),
+    order=30, apply=_apply, search=_search, trace="graph")

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
+from memfit.techniques.spec import Field, Technique
 
 __all__ = ["chunked_lm_loss"]
 
@@ -51,3 +52,31 @@ def chunked_lm_loss(chunks: int):
         return total / (labels != IGNORE).sum().clamp(min=1)
 
     return loss_fn
+
+
+MAX_CHUNKS = 65536  # past this an estimate would trace for hours (every chunk runs)
+SEARCH_CHUNKS = 8  # the chunk count the planner tries for a causal LM
+
+
+def _check(value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value == 1 or value > MAX_CHUNKS:
+        raise MemfitError(f"chunked_loss must be 0 (off) or a number of chunks from 2 to {MAX_CHUNKS}, "
+                          f"got {shown(value)}")
+
+
+def _apply(build) -> None:
+    chunks = build.recipe.chunked_loss
+    if not chunks:
+        return
+    if build.user_loss:
+        raise MemfitError("chunked_loss and loss_fn conflict: chunked_loss computes the loss itself; "
+                          "drop loss_fn or set chunked_loss=0")
+    build.loss_fn = chunked_lm_loss(chunks)
+
+
+TECHNIQUE = Technique(
+    name="chunked_loss",
+    fields=(Field("chunked_loss", 0, "run the LM head + loss in N sequence chunks (0: off)", slot=50, kind="int",
+                  check=_check),),
+    order=40, apply=_apply, trace="graph",
+    search=lambda ctx: [{"chunked_loss": n} for n in ((0, SEARCH_CHUNKS) if ctx.causal_lm else (0,))])

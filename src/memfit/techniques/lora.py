@@ -31,13 +31,16 @@ fake kernels, so the forward and backward run its real Python code.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
+from memfit.scoped import patched
+from memfit.techniques.spec import Field, Technique
 
-__all__ = ["apply_lora", "quantize_base", "quant_state_tensors"]
+__all__ = ["apply_lora", "quantize_base", "quant_state_tensors", "lora_plan", "TECHNIQUE"]
 
 
 @contextlib.contextmanager
@@ -45,12 +48,8 @@ def _no_moves(model):
     if not any(isinstance(p, FakeTensor) for p in model.parameters()):
         yield
         return
-    original = torch.nn.Module.to
-    torch.nn.Module.to = lambda self, *args, **kwargs: self
-    try:
+    with patched(torch.nn.Module, "to", lambda self, *args, **kwargs: self):
         yield
-    finally:
-        torch.nn.Module.to = original
 
 
 def _is_hf(model) -> bool:
@@ -176,3 +175,39 @@ def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
                       if isinstance(t, torch.Tensor)]
             state = getattr(state, "state2", None)
     return found
+
+
+MAX_LORA_RANK = 65536
+SEARCH_RANK = 16  # the rank the planner tries when LoRA/QLoRA is allowed
+
+
+def lora_plan(value) -> tuple[str, int]:
+    """("off" | "lora" | "qlora", rank) of a ``lora`` value."""
+    kind, _, rank = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind not in ("off", "lora", "qlora") or (kind == "off" and rank) \
+            or (rank and not (re.fullmatch(r"[0-9]{1,9}", rank) and 1 <= int(rank) <= MAX_LORA_RANK)):
+        raise MemfitError(f"lora {shown(value)} not understood: use off, lora, lora:16 or qlora:64 "
+                          f"(a rank from 1 to {MAX_LORA_RANK})")
+    return kind, int(rank) if rank else 16
+
+
+def _apply(build) -> None:
+    kind, rank = lora_plan(build.recipe.lora)
+    if kind == "qlora":
+        quantize_base(build.model)  # once: a model already quantised (see ``trace``) is left as it is
+    if kind in ("lora", "qlora"):
+        build.model = apply_lora(build.model, rank=rank)
+
+
+def _conflicts(r):
+    if r.lora.startswith("qlora") and r.precision in ("fp32", "fp16-mixed"):
+        yield f"lora={r.lora} and precision={r.precision} conflict: QLoRA computes in bf16; use bf16-mixed"
+
+
+TECHNIQUE = Technique(
+    name="lora",
+    fields=(Field("lora", "off", "off | lora[:rank] | qlora[:rank] (changes the math)", slot=110, check=lora_plan),),
+    order=15, apply=_apply, conflicts=_conflicts,
+    search=lambda ctx: [{"lora": "off"}] + [{"lora": f"{k}:{SEARCH_RANK}"} for k in ("lora", "qlora") if k in ctx.allowed],
+    approximations=lambda r: [f"lora={r.lora}"] if r.lora != "off" else [],
+    allow=("lora", "qlora"), trace="both")

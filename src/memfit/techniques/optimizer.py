@@ -11,8 +11,9 @@ from typing import Callable, Iterable
 import torch
 
 from memfit.errors import MemfitError
+from memfit.techniques.spec import Field, Technique
 
-__all__ = ["OPTIMIZERS", "APPROXIMATE", "make_optimizer", "offloaded"]
+__all__ = ["OPTIMIZERS", "APPROXIMATE", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "TECHNIQUE"]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -54,20 +55,6 @@ def _ao(name):
 APPROXIMATE = {"adamw8bit": _bnb, "paged_adamw8bit": _bnb, "adamw4bit": _ao}
 
 
-def offloaded(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
-    """``spec``'s optimizer with state and step on the CPU (torchao's CPUOffloadOptimizer)."""
-    try:
-        from torchao.optim import CPUOffloadOptimizer
-    except ImportError:
-        raise MemfitError("offload_optimizer needs torchao: pip install 'memfit[ao]'") from None
-    if callable(spec):
-        raise MemfitError("offload_optimizer needs an optimizer name, not a callable: pass optimizer='adamw'")
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}.get(spec)
-    if cls is None:
-        raise MemfitError(f"offload_optimizer and optimizer={spec} conflict: offload supports adamw, adam, sgd")
-    return CPUOffloadOptimizer([p for p in params if p.requires_grad], cls, lr=1e-4)
-
-
 def make_optimizer(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
     """Build the optimizer named by ``spec`` over ``params`` (trainable parameters only)."""
     params = [p for p in params if p.requires_grad]
@@ -81,3 +68,29 @@ def make_optimizer(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
         names = ", ".join([*OPTIMIZERS, *APPROXIMATE])
         raise MemfitError(f"unknown optimizer {spec!r}: choose one of {names}, or pass a callable params -> Optimizer")
     return factory(params)
+
+
+EXACT_OPTIMIZERS = tuple(OPTIMIZERS)
+APPROXIMATE_OPTIMIZERS = tuple(APPROXIMATE)
+#: the 8-bit forms the planner may switch to when ``allow`` names them
+SEARCH_APPROXIMATE = ("adamw8bit", "paged_adamw8bit")
+
+
+def _apply(build) -> None:
+    spec = build.optimizer_spec
+    build.make_optimizer = lambda params: make_optimizer(spec, params)
+
+
+def _search(ctx):
+    names = [ctx.optimizer] + [o for o in SEARCH_APPROXIMATE if o in ctx.allowed and o != ctx.optimizer]
+    return [{"optimizer": o} for o in names]
+
+
+TECHNIQUE = Technique(
+    name="optimizer",
+    fields=(Field("optimizer", "adamw", f"one of {', '.join(EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS)} "
+                  "(default adamw; 8/4-bit change the math)", slot=60,
+                  choices=EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS, flag_choices=False),),
+    order=60, apply=_apply, search=_search, trace="optimizer",
+    approximations=lambda r: [f"optimizer={r.optimizer}"] if r.optimizer in APPROXIMATE_OPTIMIZERS else [],
+    allow=SEARCH_APPROXIMATE)

@@ -13,9 +13,10 @@ import contextlib
 import torch
 
 from memfit.errors import MemfitError
+from memfit.techniques.spec import Field, Technique
 
 __all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "weight_dtype", "check_capability",
-           "check_gpu"]
+           "check_gpu", "TECHNIQUE"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
@@ -63,3 +64,28 @@ def grad_scaler(precision: str, device_type: str):
     if precision != "fp16-mixed":
         return None
     return torch.amp.GradScaler(device_type)
+
+
+def _apply(build) -> None:
+    precision, device_type = build.recipe.precision, build.device_type
+    check_capability(precision, device_type)
+    dtype = weight_dtype(precision)
+    if dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in build.model.parameters()):
+        build.model.to(dtype)
+    build.forward_contexts.append(lambda: autocast(precision, device_type))
+    build.scaler = grad_scaler(precision, device_type)
+
+
+def _search(ctx):
+    bf16 = ctx.gpu is None or ctx.gpu.bf16  # bf16 needs bf16 units (sm80+)
+    values = ["fp32", "bf16-mixed" if bf16 else "fp16-mixed"] + (["bf16"] if "bf16" in ctx.allowed and bf16 else [])
+    return [{"precision": p} for p in values]
+
+
+TECHNIQUE = Technique(
+    name="precision",
+    fields=(Field("precision", "fp32", "default fp32; bf16-mixed halves most activations", slot=10,
+                  choices=PRECISIONS),),
+    order=10, apply=_apply, search=_search,
+    approximations=lambda r: ["precision=bf16"] if r.precision == "bf16" else [],
+    allow=("bf16",), trace="both")

@@ -1,8 +1,9 @@
 """``Recipe``: a choice of memory techniques, as data.
 
 One frozen, validated value that ``estimate``, ``measure`` and ``apply`` all take, so what is
-estimated is what runs. Serialises to and from YAML and JSON. Field values are the product's
-vocabulary and the CLI flags mirror them:
+estimated is what runs. Serialises to and from YAML and JSON. Its fields are the techniques'
+(each module of ``memfit.techniques`` declares its own: ``spec.py``, ``registry.py``); the CLI flags
+mirror them. The built-in ones:
 
 precision              fp32 | bf16-mixed | fp16-mixed | bf16 (pure bf16 weights: changes the math)
 checkpointing          off | blocks | blocks:N (every N-th block) | selective | modules:a.b,c.d
@@ -16,96 +17,77 @@ micro_batch_size       examples per forward/backward (None: the whole batch / ac
 grad_accum_steps       micro-batches per optimizer step
 lora                   off | lora[:rank] | qlora[:rank] (through peft; changes the math)
 
-Techniques are applied in one documented order (``apply.py``); pairs that cannot work together
-raise a ``MemfitError`` naming both fields (``conflicts``).
+Techniques are applied in their declared order (``apply.py``); pairs that cannot work together
+raise a ``MemfitError`` naming both fields (each technique's ``conflicts``).
+
+Not a dataclass: its fields are whatever is registered when it is built, so a technique added
+at run time (``registry.register``) is a field at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
-from dataclasses import dataclass
 
 from memfit.errors import MemfitError, shown
-from memfit.techniques.precision import PRECISIONS
+from memfit.techniques.registry import fields, techniques
 
-__all__ = ["Recipe", "recipe_from", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS"]
+__all__ = ["Recipe", "recipe_from"]
 
-EXACT_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
-APPROXIMATE_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit", "adamw4bit")
-ATTENTION = ("auto", "sdpa", "eager")
-# Bounds on counts: past these an estimate would trace for hours (every micro-batch and chunk runs)
-# or sizes would overflow 64-bit byte counts; no training step is near them.
-MAX_ACCUM_STEPS = 1024
-MAX_CHUNKS = 65536
-MAX_BATCH = 1 << 24
-MAX_LORA_RANK = 65536
 MAX_FILE_BYTES = 64 * 1024  # a recipe file is a dozen short lines
 MAX_DEPTH = 8  # nesting levels a recipe file may have (it needs one)
 
 
-@dataclass(frozen=True)
 class Recipe:
-    precision: str = "fp32"
-    checkpointing: str = "off"
-    offload_activations: bool = False
-    attention: str = "auto"
-    chunked_loss: int = 0
-    optimizer: str = "adamw"
-    optimizer_in_backward: bool = False
-    offload_optimizer: bool = False
-    micro_batch_size: int | None = None
-    grad_accum_steps: int = 1
-    lora: str = "off"
+    """The technique choices of a training step; ``Recipe(precision="bf16-mixed", ...)``.
 
-    def __post_init__(self):
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("attention", self.attention, ATTENTION)
-        _choice("optimizer", self.optimizer, EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS)
-        self.checkpoint_plan()
-        self.lora_plan()
-        for name in ("offload_activations", "optimizer_in_backward", "offload_optimizer"):
-            if not isinstance(getattr(self, name), bool):
-                raise MemfitError(f"{name} must be true or false, got {shown(getattr(self, name))}")
-        if not _int(self.chunked_loss) or self.chunked_loss < 0 or self.chunked_loss == 1 \
-                or self.chunked_loss > MAX_CHUNKS:
-            raise MemfitError(f"chunked_loss must be 0 (off) or a number of chunks from 2 to {MAX_CHUNKS}, "
-                              f"got {shown(self.chunked_loss)}")
-        if not _int(self.grad_accum_steps) or not 1 <= self.grad_accum_steps <= MAX_ACCUM_STEPS:
-            raise MemfitError(f"grad_accum_steps must be an integer from 1 to {MAX_ACCUM_STEPS}, got "
-                              f"{shown(self.grad_accum_steps)}: memory stops changing after the second "
-                              "micro-batch, so a smaller count gives the same peak")
-        if self.micro_batch_size is not None and (not _int(self.micro_batch_size)
-                                                  or not 1 <= self.micro_batch_size <= MAX_BATCH):
-            raise MemfitError(f"micro_batch_size must be an integer from 1 to {MAX_BATCH}, got "
-                              f"{shown(self.micro_batch_size)}")
+    Immutable and hashable; equal when every field is equal (a field registered after a recipe
+    was built reads as its default).
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, **values):
+        known = {f.name: f for f in fields()}
+        unknown = sorted(shown(k, 30)[1:-1] for k in set(values) - set(known))
+        if unknown:
+            raise MemfitError(f"unknown recipe field(s) {', '.join(unknown)}: the fields are "
+                              f"{', '.join(sorted(known))}")
+        full = {name: values.get(name, f.default) for name, f in known.items()}
+        object.__setattr__(self, "_values", full)
+        for f in known.values():
+            _check(f, full[f.name])
         self.conflicts()
 
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        for f in fields():
+            if f.name == name:
+                return f.default
+        raise AttributeError(f"Recipe has no field {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Recipe is immutable: use recipe.replace({name}=...)")
+
+    def _key(self) -> tuple:
+        return tuple((f.name, getattr(self, f.name)) for f in fields())
+
+    def __eq__(self, other):
+        return isinstance(other, Recipe) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return "Recipe(" + ", ".join(f"{k}={v!r}" for k, v in self._key()) + ")"
+
+    def __reduce__(self):
+        return (_rebuild, (self.to_dict(),))
+
     # -- what the fields mean -------------------------------------------------------------
-    def checkpoint_plan(self) -> tuple[str, object]:
-        """("off" | "blocks" | "selective" | "modules", every-N or module names)."""
-        value = self.checkpointing
-        if value in ("off", "blocks", "selective"):
-            return value, 1
-        kind, _, rest = value.partition(":") if isinstance(value, str) else ("", "", "")
-        if kind == "blocks" and re.fullmatch(r"[0-9]{1,9}", rest) and int(rest) >= 1:
-            return "blocks", int(rest)
-        names = tuple(name.strip() for name in rest.split(",") if name.strip())
-        if kind == "modules" and names:
-            return "modules", names
-        raise MemfitError(f"checkpointing {shown(value)} not understood: use off, blocks, blocks:2, selective "
-                          "or modules:name1,name2")
-
-    def lora_plan(self) -> tuple[str, int]:
-        """("off" | "lora" | "qlora", rank)."""
-        kind, _, rank = self.lora.partition(":") if isinstance(self.lora, str) else ("", "", "")
-        if kind not in ("off", "lora", "qlora") or (kind == "off" and rank) \
-                or (rank and not (re.fullmatch(r"[0-9]{1,9}", rank) and 1 <= int(rank) <= MAX_LORA_RANK)):
-            raise MemfitError(f"lora {shown(self.lora)} not understood: use off, lora, lora:16 or qlora:64 "
-                              f"(a rank from 1 to {MAX_LORA_RANK})")
-        return kind, int(rank) if rank else 16
-
     @property
     def is_exact(self) -> bool:
         """False when a technique changes the math: 8-/4-bit optimizer state, LoRA, pure bf16."""
@@ -113,50 +95,34 @@ class Recipe:
 
     @property
     def approximations(self) -> list[str]:
-        found = []
-        if self.optimizer in APPROXIMATE_OPTIMIZERS:
-            found.append(f"optimizer={self.optimizer}")
-        if self.lora != "off":
-            found.append(f"lora={self.lora}")
-        if self.precision == "bf16":
-            found.append("precision=bf16")
-        return found
+        return [entry for t in techniques() for entry in t.approximations(self)]
 
     def conflicts(self) -> None:
         """Raise for pairs of fields that cannot work together, naming both."""
-        rules = [
-            (self.optimizer_in_backward and self.grad_accum_steps > 1,
-             "optimizer_in_backward and grad_accum_steps > 1 conflict: the step happens in every backward, "
-             "so gradients cannot accumulate; set grad_accum_steps=1"),
-            (self.optimizer_in_backward and self.precision == "fp16-mixed",
-             "optimizer_in_backward and precision=fp16-mixed conflict: the GradScaler must see every gradient "
-             "before stepping; use bf16-mixed"),
-            (self.optimizer_in_backward and self.offload_optimizer,
-             "optimizer_in_backward and offload_optimizer conflict: choose one"),
-            (self.offload_optimizer and self.optimizer in APPROXIMATE_OPTIMIZERS,
-             f"offload_optimizer and optimizer={self.optimizer} conflict: quantized states stay on the device"),
-            (self.lora.startswith("qlora") and self.precision in ("fp32", "fp16-mixed"),
-             f"lora={self.lora} and precision={self.precision} conflict: QLoRA computes in bf16; use bf16-mixed"),
-        ]
-        for broken, message in rules:
-            if broken:
+        for technique in techniques():
+            for message in technique.conflicts(self):
                 raise MemfitError(message)
 
     # -- data -----------------------------------------------------------------------------
     def replace(self, **changes) -> "Recipe":
-        return dataclasses.replace(self, **changes)
+        return Recipe(**{**self.to_dict(), **changes})
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dict(self._key())
+
+    @classmethod
+    def fields(cls) -> list[str]:
+        """The field names, in the recipe's order."""
+        return [f.name for f in fields()]
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
-        fields = {f.name for f in dataclasses.fields(cls)}
+        names = set(cls.fields())
         if not isinstance(data, dict):
             raise MemfitError(f"a recipe is a dict of field: value, got {type(data).__name__}")
-        unknown = sorted(shown(k, 30) if not isinstance(k, str) else shown(k, 30)[1:-1] for k in set(data) - fields)
+        unknown = sorted(shown(k, 30) if not isinstance(k, str) else shown(k, 30)[1:-1] for k in set(data) - names)
         if unknown:
-            raise MemfitError(f"unknown recipe field(s) {', '.join(unknown)}: the fields are {', '.join(sorted(fields))}")
+            raise MemfitError(f"unknown recipe field(s) {', '.join(unknown)}: the fields are {', '.join(sorted(names))}")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -205,7 +171,7 @@ class Recipe:
         bad = [key for key in data if not isinstance(key, str)]
         if bad:
             raise MemfitError(f"recipe {name} has a key {shown(bad[0])} that is not a field name: the fields are "
-                              f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+                              f"{', '.join(cls.fields())}")
         return cls.from_dict(data)
 
     def save(self, path: str) -> None:
@@ -238,13 +204,18 @@ def recipe_from(recipe: Recipe | None, precision: str, optimizer) -> tuple[Recip
     return recipe, factory
 
 
-def _choice(name, value, allowed):
-    if not isinstance(value, str) or value not in allowed:
-        raise MemfitError(f"unknown {name} {shown(value)}: choose one of {', '.join(allowed)}")
+def _rebuild(values: dict) -> Recipe:
+    return Recipe(**values)
 
 
-def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check(field, value) -> None:
+    """A field's value against its kind, choices and the technique's own check."""
+    if field.kind == "bool" and not isinstance(value, bool):
+        raise MemfitError(f"{field.name} must be true or false, got {shown(value)}")
+    if field.choices and (not isinstance(value, str) or value not in field.choices):
+        raise MemfitError(f"unknown {field.name} {shown(value)}: choose one of {', '.join(field.choices)}")
+    if field.check is not None:
+        field.check(value)
 
 
 def _recipe_loader():

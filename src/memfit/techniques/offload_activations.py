@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ActivationOffload", "MIN_BYTES"]
+from memfit.techniques.spec import Field, Technique
+
+__all__ = ["ActivationOffload", "MIN_BYTES", "TECHNIQUE"]
 
 MIN_BYTES = 1024
 
@@ -60,9 +62,31 @@ class ActivationOffload:
             out.copy_(source.view(dtype) if dtype in _NO_NUMPY else source.view(shape))
         return out
 
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
 
 _NO_NUMPY = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _apply(build) -> None:
+    if not build.recipe.offload_activations:
+        return
+    offload, watch = ActivationOffload(), build.watch
+
+    def pack(tensor):
+        packed = offload.pack(tensor)
+        note = getattr(watch, "note_offload", None)
+        if packed is not tensor and note is not None:  # bytes over the host link: the planner's cost
+            note(tensor)
+        return packed
+
+    build.pack.append((pack, offload.unpack))
+
+
+TECHNIQUE = Technique(
+    name="offload_activations",
+    fields=(Field("offload_activations", False, "keep saved activations in host memory", slot=30, kind="bool"),),
+    order=35, apply=_apply, trace="graph",
+    # on a GPU only (on the CPU there is no host to offload to); with selective checkpointing
+    # little is saved outside the recomputed ops, so the pair is not searched
+    search=lambda ctx: [{"offload_activations": v} for v in ((False, True) if ctx.gpu is not None else (False,))],
+    searchable=lambda r: not (r.offload_activations and r.checkpointing == "selective"))

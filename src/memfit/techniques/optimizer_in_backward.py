@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["InBackward"]
+from memfit.techniques.spec import Field, Technique
+
+__all__ = ["InBackward", "TECHNIQUE"]
 
 
 class InBackward(torch.optim.Optimizer):
@@ -54,3 +56,28 @@ class InBackward(torch.optim.Optimizer):
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+def _apply(build) -> None:
+    if build.recipe.optimizer_in_backward:
+        inner = build.make_optimizer
+        build.make_optimizer = lambda params: InBackward(params, inner)
+
+
+def _conflicts(r):
+    if r.optimizer_in_backward and r.grad_accum_steps > 1:
+        yield ("optimizer_in_backward and grad_accum_steps > 1 conflict: the step happens in every backward, "
+               "so gradients cannot accumulate; set grad_accum_steps=1")
+    if r.optimizer_in_backward and r.precision == "fp16-mixed":
+        yield ("optimizer_in_backward and precision=fp16-mixed conflict: the GradScaler must see every gradient "
+               "before stepping; use bf16-mixed")
+    if r.optimizer_in_backward and r.offload_optimizer:
+        yield "optimizer_in_backward and offload_optimizer conflict: choose one"
+
+
+TECHNIQUE = Technique(
+    name="optimizer_in_backward",
+    fields=(Field("optimizer_in_backward", False, "step each parameter as its gradient is ready", slot=70,
+                  kind="bool"),),
+    order=64, apply=_apply, conflicts=_conflicts, trace="composed",
+    search=lambda ctx: [{"optimizer_in_backward": False}, {"optimizer_in_backward": True}])

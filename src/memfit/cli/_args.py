@@ -1,0 +1,145 @@
+"""What the verbs share: argument types, the flags several verbs take (each defined once here), the
+Recipe flags, and the helpers around a run (progress bar, ``--out`` check, ``package.module:function``).
+
+Importing this module loads the Recipe vocabulary (``memfit.techniques``, hence torch): only a verb's
+own parser does, when that verb is on the command line (see ``_Parser`` in ``memfit.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+from memfit.errors import MemfitError
+from memfit.units import parse_size
+
+__all__ = ["size", "positive", "add_model", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
+           "add_batch", "add_loss", "add_out", "add_json", "recipe_flags", "recipe_from_args", "import_spec",
+           "progress", "check_out", "check_gpu_device"]
+
+SEQ_LEN_HELP = "tokens per example (default: the model's, at most 2048)"
+
+
+def size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except MemfitError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+# The flags estimate, fit and plan share. Type, default and name are fixed here; the help says what
+# the flag means for the verb, so the verbs whose meaning differs pass their own.
+
+def add_model(parser) -> None:
+    parser.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or "
+                        "package.module:function")
+
+
+def add_gpu(parser, help: str) -> None:
+    parser.add_argument("--gpu", default=None, help=help)
+
+
+def add_budget(parser, help: str = "bytes available, e.g. 24GiB (default: the --gpu's memory)") -> None:
+    parser.add_argument("--budget", type=size, default=None, help=help)
+
+
+def add_device(parser, default: str, help: str) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=default, help=help)
+
+
+def add_seq_len(parser) -> None:
+    parser.add_argument("--seq-len", type=positive, default=None, help=SEQ_LEN_HELP)
+
+
+def add_recipe(parser) -> None:
+    parser.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
+
+
+def add_batch(parser, help: str) -> None:
+    parser.add_argument("--batch", default=None, help=help)
+
+
+def add_loss(parser) -> None:
+    parser.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
+
+
+def add_out(parser, help: str) -> None:
+    parser.add_argument("--out", default=None, help=help)
+
+
+def add_json(parser, help: str) -> None:
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def recipe_flags(parser) -> None:
+    """One flag per Recipe field, from the techniques' declarations (``techniques/spec.py``); None
+    means "not given", so a --recipe file's value stands."""
+    from memfit.techniques.registry import fields
+
+    types = {"int": int, "count": positive, "optional-count": positive}
+    for field in fields():
+        if field.kind == "bool":
+            parser.add_argument(field.flag, action="store_true", default=None, help=field.help)
+        else:
+            choices = field.choices if field.choices and field.flag_choices else None
+            parser.add_argument(field.flag, type=types.get(field.kind), choices=choices, default=None,
+                                help=field.help)
+
+
+def recipe_from_args(args):
+    from memfit.techniques.recipe import Recipe
+
+    base = Recipe.load(args.recipe) if args.recipe else Recipe()
+    changes = {name: getattr(args, name) for name in Recipe.fields() if getattr(args, name, None) is not None}
+    return base.replace(**changes) if changes else base
+
+
+def import_spec(spec: str | None):
+    """``package.module:function`` to the object (None stays None)."""
+    from memfit.models.check import import_object
+
+    return None if spec is None else import_object(spec)
+
+
+@contextlib.contextmanager
+def progress(description: str):
+    """A bar on stderr (``--json`` output stays clean): a spinner and the elapsed time, and the count
+    done of the total once the work reports one through the ``update(done, total)`` this yields."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    # not drawn where stderr is no terminal (a log, a pipe, a test): it would leave a blank line there
+    with Progress(SpinnerColumn(), TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as shown:
+        task = shown.add_task(description, total=None)
+        yield lambda done, total: shown.update(task, completed=done, total=total)
+
+
+def check_gpu_device(args) -> None:
+    if args.device == "cpu" and args.gpu is not None:
+        raise MemfitError("--gpu and --device cpu conflict: drop one")
+
+
+def check_out(path: str) -> None:
+    """Refuse an --out the recipe could not be written to, before the plan runs (minutes)."""
+    folder = os.path.dirname(os.path.abspath(path)) if path else ""
+    if not path.endswith((".yaml", ".yml", ".json")):
+        raise MemfitError(f"--out {path!r} must end in .yaml, .yml or .json: name the recipe file")
+    if os.path.isdir(path):
+        raise MemfitError(f"--out {path} is a directory: name a .yaml or .json file in it")
+    if not os.path.isdir(folder):
+        raise MemfitError(f"--out {path}: the directory {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK):
+        raise MemfitError(f"--out {path}: cannot write to {folder}; choose another directory")

@@ -1,0 +1,70 @@
+"""``memfit estimate``: the memory of one training step, on fake tensors."""
+
+from __future__ import annotations
+
+import json
+
+from memfit.cli import _args
+from memfit.errors import MemfitError
+
+
+def build(est) -> None:
+    _args.add_model(est)
+    est.add_argument("--batch-size", type=_args.positive, default=None,
+                     help="examples per optimizer step (default 1; with --micro-batch-size it must equal "
+                          "micro-batch x --grad-accum-steps)")
+    _args.add_seq_len(est)
+    _args.add_recipe(est)
+    _args.recipe_flags(est)
+    est.add_argument("--steps", type=_args.positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
+    _args.add_budget(est, help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the "
+                     "card, as set_per_process_memory_fraction enforces it (default: the whole card)")
+    _args.add_device(est, "cpu", help="whose semantics to follow: cpu (default), or cuda (allocated, reserved, context)")
+    _args.add_gpu(est, help="a GPU of the catalog (rtx-4090, a100-80gb, h100-sxm, ...): "
+                  "CUDA semantics of that card and its memory as the budget; see `memfit gpus`")
+    _args.add_batch(est, help="package.module:function returning a batch (for factory models)")
+    _args.add_loss(est)
+    est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth")
+    est.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
+                     help="mixture-of-experts only: tokens spread evenly over the experts (default), or all on the "
+                          "same top-k experts (worst case for CPU bf16 kernel scratch)")
+    est.add_argument("--max-batch-size", action="store_true",
+                     help="instead: the largest micro-batch of this recipe that fits the budget (as `memfit fit`)")
+    _args.add_json(est, help="print the report as JSON")
+
+
+def run(args) -> int:
+    if args.max_batch_size:
+        if args.batch_size is not None:
+            raise MemfitError("--batch-size and --max-batch-size conflict: --max-batch-size finds it; drop --batch-size")
+        from memfit.cli import fit
+
+        args.device = "cuda" if args.gpu is not None else args.device
+        return fit.run(args)
+
+    from rich.console import Console
+
+    from memfit.estimator.estimate import estimate
+    from memfit.report.tables import report_view, verdict
+
+    card = None
+    if args.gpu is not None:
+        from memfit.hardware.gpus import gpu
+
+        card = gpu(args.gpu)
+    cuda = card is not None or args.device == "cuda"  # the budget is the allocator's limit on the card
+    recipe = _args.recipe_from_args(args)
+    with _args.progress(f"tracing {args.model} on fake tensors") as update:
+        report = estimate(args.model, _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
+                          recipe=recipe, steps=args.steps, batch_size=args.batch_size,
+                          seq_len=args.seq_len, fast=False if args.full else None,
+                          device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,
+                          budget=args.budget if cuda else None, progress=update)
+    if args.json:
+        data = report.to_dict()
+        if args.budget is not None or report.verdict is not None:
+            data["budget"] = verdict(report, args.budget)
+        print(json.dumps(data, indent=2))
+    else:
+        Console().print(report_view(report, args.model, args.budget, recipe=recipe))
+    return 0
