@@ -13,24 +13,33 @@ import torch
 from memfit.errors import MemfitError
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["OPTIMIZERS", "APPROXIMATE", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "TECHNIQUE"]
+__all__ = ["OPTIMIZERS", "APPROXIMATE", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
-# NOTE: foreach/fused are left to torch's defaults so the estimate runs what the user's own
-# ``torch.optim.AdamW(params)`` would run on the same device. Traced with CUDA semantics, the
-# default is CUDA's (foreach), which fake CPU tensors would not pick by themselves.
-def _foreach() -> dict:
-    from memfit.hardware.cuda import active
+#: how torch's optimizer runs its step: ``auto`` is torch's default on the device (the estimate
+#: runs what the user's own ``torch.optim.AdamW(params)`` would run), ``foreach`` (one
+#: parameter-sized temporary list per step), ``fused`` (one kernel, no step temporaries),
+#: ``forloop`` (one parameter at a time: one parameter's temporaries)
+IMPLEMENTATIONS = ("auto", "foreach", "fused", "forloop")
+NO_FUSED = ("adafactor",)  # torch has no fused Adafactor
 
-    return {"foreach": True} if active() else {}
+
+def _impl(impl: str) -> dict:
+    """The keyword arguments of ``impl``. ``auto`` traced with CUDA semantics is CUDA's default
+    (foreach), which fake CPU tensors would not pick by themselves."""
+    if impl == "auto":
+        from memfit.hardware.cuda import active
+
+        return {"foreach": True} if active() else {}
+    return {"foreach": {"foreach": True}, "fused": {"fused": True}, "forloop": {"foreach": False}}[impl]
 
 
 OPTIMIZERS: dict[str, Callable] = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4, **_foreach()),
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-4, **_foreach()),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **_foreach()),
-    "adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2, **_foreach()),
+    "adamw": lambda params, kw: torch.optim.AdamW(params, lr=1e-4, **kw),
+    "adam": lambda params, kw: torch.optim.Adam(params, lr=1e-4, **kw),
+    "sgd": lambda params, kw: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw),
+    "adafactor": lambda params, kw: torch.optim.Adafactor(params, lr=1e-2, **kw),
 }
 
 
@@ -55,19 +64,24 @@ def _ao(name):
 APPROXIMATE = {"adamw8bit": _bnb, "paged_adamw8bit": _bnb, "adamw4bit": _ao}
 
 
-def make_optimizer(spec: OptimizerSpec, params) -> torch.optim.Optimizer:
-    """Build the optimizer named by ``spec`` over ``params`` (trainable parameters only)."""
+def make_optimizer(spec: OptimizerSpec, params, impl: str = "auto") -> torch.optim.Optimizer:
+    """Build the optimizer named by ``spec`` over ``params`` (trainable parameters only), its step
+    run as ``impl`` (one of ``IMPLEMENTATIONS``; torch's optimizers only)."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise MemfitError("the model has no trainable parameters: unfreeze some or pass a different model")
     if callable(spec):
+        if impl != "auto":
+            raise MemfitError(f"optimizer_impl={impl} and a custom optimizer conflict: set foreach/fused on your "
+                              "optimizer, or drop optimizer_impl")
         return spec(params)
     name = str(spec).lower()
-    factory = OPTIMIZERS.get(name) or (APPROXIMATE[name](name) if name in APPROXIMATE else None)
-    if factory is None:
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name](params, _impl(impl))
+    if name not in APPROXIMATE:
         names = ", ".join([*OPTIMIZERS, *APPROXIMATE])
         raise MemfitError(f"unknown optimizer {spec!r}: choose one of {names}, or pass a callable params -> Optimizer")
-    return factory(params)
+    return APPROXIMATE[name](name)(params)
 
 
 EXACT_OPTIMIZERS = tuple(OPTIMIZERS)
@@ -77,8 +91,19 @@ SEARCH_APPROXIMATE = ("adamw8bit", "paged_adamw8bit")
 
 
 def _apply(build) -> None:
-    spec = build.optimizer_spec
-    build.make_optimizer = lambda params: make_optimizer(spec, params)
+    spec, impl = build.optimizer_spec, build.recipe.optimizer_impl
+    build.make_optimizer = lambda params: make_optimizer(spec, params, impl)
+
+
+def _conflicts(r):
+    if r.optimizer_impl == "fused" and r.optimizer in NO_FUSED:
+        yield f"optimizer_impl=fused and optimizer={r.optimizer} conflict: torch has no fused {r.optimizer}; use foreach"
+    if r.optimizer_impl != "auto" and r.optimizer in APPROXIMATE_OPTIMIZERS:
+        yield (f"optimizer_impl={r.optimizer_impl} and optimizer={r.optimizer} conflict: the 8/4-bit optimizers "
+               "have one implementation; drop optimizer_impl")
+    if r.optimizer_impl != "auto" and r.offload_optimizer:
+        yield (f"optimizer_impl={r.optimizer_impl} and offload_optimizer conflict: the CPU step is torchao's; "
+               "drop optimizer_impl")
 
 
 def _search(ctx):
@@ -90,7 +115,9 @@ TECHNIQUE = Technique(
     name="optimizer",
     fields=(Field("optimizer", "adamw", f"one of {', '.join(EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS)} "
                   "(default adamw; 8/4-bit change the math)", slot=60,
-                  choices=EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS, flag_choices=False),),
-    order=60, apply=_apply, search=_search, trace="optimizer",
+                  choices=EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS, flag_choices=False),
+            Field("optimizer_impl", "auto", "auto (torch's default on the device) | foreach | fused (no step "
+                  "temporaries) | forloop", slot=65, choices=IMPLEMENTATIONS)),
+    order=60, apply=_apply, search=_search, trace="optimizer", conflicts=_conflicts,
     approximations=lambda r: [f"optimizer={r.optimizer}"] if r.optimizer in APPROXIMATE_OPTIMIZERS else [],
     allow=SEARCH_APPROXIMATE)
