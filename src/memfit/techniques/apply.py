@@ -14,6 +14,7 @@ one left; the built-in order is:
 62 offload_optimizer      ... with state and step on the CPU
 63 accumulation           the batch split into micro-batches
 64 optimizer_in_backward  ... stepped in backward instead
+66 zero_grad              gradients freed after the step, or zeroed in place
 
 Then the parameters are labelled, the optimizer is built and the step is made: micro-batches with
 normalised losses, each forward inside the techniques' contexts and saved-tensor hooks.
@@ -79,6 +80,7 @@ class _Step:
         self.scaler = build.scaler
         self.contexts, self.pack = list(build.forward_contexts), list(build.pack)
         self.split = build.split or (lambda batch: [batch])
+        self.set_to_none = build.set_to_none
         self.count = 0
         self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
 
@@ -133,7 +135,7 @@ class _Step:
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self.watch.mark(value, Category.OPTIMIZER_STATE)
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=self.set_to_none)
         return total
 
 

@@ -90,6 +90,7 @@ class Build:
     pack: list = field(default_factory=list)  # (pack, unpack) pairs for tensors saved for backward
     scaler: object = None  # a GradScaler the step scales the loss with and steps through
     split: Callable | None = None  # batch -> micro-batches (None: the batch is one micro-batch)
+    set_to_none: bool = True  # zero_grad frees the gradients (True) or zeroes them in place
 
 
 @dataclass(frozen=True)
