@@ -22,8 +22,10 @@ def build(pl) -> None:
     _args.add_batch(pl, help="package.module:function returning the global batch (for "
                     "factory models; dim 0 is split into micro-batches)")
     _args.add_loss(pl)
+    from memfit.planner.space import allowable  # the techniques' declared names (builds only for `plan`)
+
     pl.add_argument("--allow", default="", help="techniques that change the math, allowed by name: "
-                    "lora, qlora, adamw8bit, paged_adamw8bit, bf16 (comma-separated)")
+                    f"{', '.join(allowable())} (comma-separated)")
     pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
     _args.add_json(pl, help="print the plans as JSON")

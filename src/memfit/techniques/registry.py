@@ -72,20 +72,21 @@ def registered(technique: Technique):
         unregister(technique.name)
 
 
-def techniques() -> list[Technique]:
+def techniques() -> tuple[Technique, ...]:
     """Every technique, in apply's order."""
     _discover()
     if "techniques" not in _SORTED:
-        _SORTED["techniques"] = sorted(_REGISTRY.values(), key=lambda t: (t.order, t.name))
-    return list(_SORTED["techniques"])
+        _SORTED["techniques"] = tuple(sorted(_REGISTRY.values(), key=lambda t: (t.order, t.name)))
+    return _SORTED["techniques"]
 
 
-def fields() -> list[Field]:
+def fields() -> tuple[Field, ...]:
     """Every Recipe field, in the recipe's order."""
     _discover()
     if "fields" not in _SORTED:
-        _SORTED["fields"] = sorted((f for t in _REGISTRY.values() for f in t.fields), key=lambda f: (f.slot, f.name))
-    return list(_SORTED["fields"])
+        _SORTED["fields"] = tuple(sorted((f for t in _REGISTRY.values() for f in t.fields),
+                                         key=lambda f: (f.slot, f.name)))
+    return _SORTED["fields"]
 
 
 def field(name: str) -> Field | None:
