@@ -87,7 +87,7 @@ def recipe_flags(parser) -> None:
     means "not given", so a --recipe file's value stands."""
     from memfit.techniques.registry import fields
 
-    types = {"int": int, "count": positive, "optional-count": positive}
+    types = {"int": int, "count": positive, "optional-count": positive, "float": float}
     for field in fields():
         if field.kind == "bool":
             parser.add_argument(field.flag, action="store_true", default=None, help=field.help)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 __all__ = ["Field", "Technique", "Build", "SearchContext", "KINDS", "TRACES"]
 
 #: how a field's value is typed: text (closed or open set), true/false, an integer, a positive
-#: integer, or a positive integer that may be None ("not set")
-KINDS = ("str", "bool", "int", "count", "optional-count")
+#: integer, a positive integer that may be None ("not set"), or a real number (range checked by
+#: the field's own ``check``)
+KINDS = ("str", "bool", "int", "count", "optional-count", "float")
 #: which of the planner's traces a technique's values change (``planner/compose.py``):
 #: graph       the forward/backward trace (one per combination of these fields' values)
 #: optimizer   the optimizer trace (state and step)
