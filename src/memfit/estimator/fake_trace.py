@@ -35,9 +35,6 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
                tick=None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
     ``trace``."""
-    if recipe.optimizer == "adamw4bit":
-        raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
-                          "use memfit.measure, or adamw8bit")
     with quiet_fake_log():
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,

@@ -133,10 +133,21 @@ class _Step:
             self.opt.step()
         for state in getattr(self.opt, "state", {}).values():  # torchao's CPU offload keeps none here
             for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    self.watch.mark(value, Category.OPTIMIZER_STATE)
+                for tensor in _plain_tensors(value):
+                    self.watch.mark(tensor, Category.OPTIMIZER_STATE)
         self.opt.zero_grad(set_to_none=self.set_to_none)
         return total
+
+
+def _plain_tensors(value) -> list:
+    """The tensors that hold ``value``'s memory: a tensor subclass (torchao's quantised optimizer
+    state) has none of its own, only the inner tensors ``__tensor_flatten__`` names."""
+    if not isinstance(value, torch.Tensor):
+        return []
+    if type(value) is torch.Tensor or not hasattr(value, "__tensor_flatten__"):
+        return [value]
+    names, _ = value.__tensor_flatten__()
+    return [t for name in names for t in _plain_tensors(getattr(value, name))]
 
 
 def run_steps(model, batch, *, recipe: Recipe, steps: int, optimizer=None, loss_fn=None, watch=None):

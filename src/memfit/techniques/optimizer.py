@@ -1,7 +1,13 @@
 """Optimizers by name: the ones a user means when they write ``adamw`` or ``sgd``.
 
 Each name maps to torch's own class with the settings people train with; a callable
-``params -> Optimizer`` passes through unchanged, so any optimizer can be estimated.
+``params -> Optimizer`` passes through unchanged, so any optimizer can be estimated. The 8/4-bit
+ones come from bitsandbytes (``adamw8bit``, ``paged_adamw8bit``) and torchao (``ao_adamw8bit``,
+``adamw4bit``, ``ao_adamw_fp8``; their compiled step on fake tensors: ``_lowbit.py``). ``hf_*``
+names are optimizers as Hugging Face's Trainer builds them where that differs from memfit's own
+(``hf_sgd`` has no momentum, ``hf_adafactor`` is transformers' Adafactor, ``hf_adamw4bit`` uses
+blocks of 256); ``hf_optim`` maps every ``TrainingArguments.optim`` name memfit can model to Recipe
+fields, and ``Recipe(optimizer="adamw_torch_fused")`` reads as that mapping.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optim
 #: ``forloop`` (one parameter at a time: one parameter's temporaries)
 IMPLEMENTATIONS = ("auto", "foreach", "fused", "forloop")
 NO_FUSED = ("adafactor",)  # torch has no fused Adafactor
+ONE_IMPL = ("hf_adafactor",)  # transformers' Adafactor has no foreach or fused step
 
 
 def _impl(impl: str) -> dict:
@@ -40,7 +47,16 @@ OPTIMIZERS: dict[str, Callable] = {
     "adam": lambda params, kw: torch.optim.Adam(params, lr=1e-4, **kw),
     "sgd": lambda params, kw: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw),
     "adafactor": lambda params, kw: torch.optim.Adafactor(params, lr=1e-2, **kw),
+    # as transformers' Trainer builds them for optim="sgd" / "adafactor" (trainer_optimizer.py)
+    "hf_sgd": lambda params, kw: torch.optim.SGD(params, lr=1e-3, **kw),
+    "hf_adafactor": lambda params, kw: _hf_adafactor(params),
 }
+
+
+def _hf_adafactor(params):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False)
 
 
 def _bnb(name):
@@ -54,14 +70,17 @@ def _bnb(name):
 
 def _ao(name):
     try:
-        from torchao.optim import AdamW4bit
+        import torchao.optim  # noqa: F401
     except ImportError:
         raise MemfitError(f"optimizer {name} needs torchao: pip install 'memfit[ao]'") from None
-    return lambda params: AdamW4bit(params, lr=1e-4)
+    from memfit.techniques._lowbit import lowbit_optimizer
+
+    return lambda params: lowbit_optimizer(name, params, lr=1e-4)
 
 
 # Approximate optimizers: the state is quantized, so the math changes; used only when named.
-APPROXIMATE = {"adamw8bit": _bnb, "paged_adamw8bit": _bnb, "adamw4bit": _ao}
+APPROXIMATE = {"adamw8bit": _bnb, "paged_adamw8bit": _bnb, "ao_adamw8bit": _ao, "adamw4bit": _ao,
+               "hf_adamw4bit": _ao, "ao_adamw_fp8": _ao}
 
 
 def make_optimizer(spec: OptimizerSpec, params, impl: str = "auto") -> torch.optim.Optimizer:
@@ -96,6 +115,9 @@ def _apply(build) -> None:
 
 
 def _conflicts(r):
+    if r.optimizer_impl != "auto" and r.optimizer in ONE_IMPL:
+        yield (f"optimizer_impl={r.optimizer_impl} and optimizer={r.optimizer} conflict: transformers' Adafactor "
+               "has one implementation; drop optimizer_impl")
     if r.optimizer_impl == "fused" and r.optimizer in NO_FUSED:
         yield f"optimizer_impl=fused and optimizer={r.optimizer} conflict: torch has no fused {r.optimizer}; use foreach"
     if r.optimizer_impl != "auto" and r.optimizer in APPROXIMATE_OPTIMIZERS:
