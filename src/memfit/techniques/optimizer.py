@@ -16,10 +16,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["OPTIMIZERS", "APPROXIMATE", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
+__all__ = ["OPTIMIZERS", "APPROXIMATE", "HF_OPTIM", "hf_optim", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -103,6 +103,56 @@ def make_optimizer(spec: OptimizerSpec, params, impl: str = "auto") -> torch.opt
     return APPROXIMATE[name](name)(params)
 
 
+#: transformers' ``TrainingArguments.optim`` names -> the Recipe fields of the optimizer the Trainer
+#: builds for them (transformers 5.x ``trainer_optimizer.py``): ``adamw_torch`` passes neither
+#: ``foreach`` nor ``fused`` (torch's default: auto); ``adamw_torch_fused`` is the Trainer's default
+#: with torch >= 2.8; ``adamw_torch_4bit`` / ``_8bit`` are torchao's with ``block_size=256``;
+#: ``adamw_bnb_8bit`` is bitsandbytes' ``AdamW(optim_bits=8)``, i.e. ``AdamW8bit``; ``sgd`` has no
+#: momentum; ``adafactor`` is transformers' own Adafactor (``scale_parameter=False, relative_step=False``)
+HF_OPTIM = {
+    "adamw_torch": {"optimizer": "adamw", "optimizer_impl": "auto"},
+    "adamw_torch_fused": {"optimizer": "adamw", "optimizer_impl": "fused"},
+    "adamw_torch_4bit": {"optimizer": "hf_adamw4bit"},
+    "adamw_torch_8bit": {"optimizer": "ao_adamw8bit"},
+    "adamw_bnb_8bit": {"optimizer": "adamw8bit"},
+    "adamw_8bit": {"optimizer": "adamw8bit"},
+    "paged_adamw_8bit": {"optimizer": "paged_adamw8bit"},
+    "adafactor": {"optimizer": "hf_adafactor"},
+    "sgd": {"optimizer": "hf_sgd"},
+}
+
+
+def hf_optim(name: str) -> dict:
+    """The Recipe fields (``optimizer``, and ``optimizer_impl`` where the name sets it) of the
+    optimizer transformers' Trainer builds for ``TrainingArguments(optim=name)``; a one-line
+    ``MemfitError`` for a name memfit cannot model."""
+    key = str(getattr(name, "value", name)).lower()  # an OptimizerNames member or its string
+    if key in HF_OPTIM:
+        return dict(HF_OPTIM[key])
+    from transformers.training_args import OptimizerNames
+
+    what = "a transformers optimizer memfit cannot model" if key in {o.value for o in OptimizerNames} else \
+        "not a transformers optimizer name"
+    raise MemfitError(f"optim={shown(name, 40)} is {what}: use one of {', '.join(HF_OPTIM)}, or pass your "
+                      "optimizer as a callable params -> Optimizer")
+
+
+def _normalize(values: dict) -> dict:
+    """``optimizer`` given as a transformers name (``adamw_torch_fused``) -> memfit's fields."""
+    name = values.get("optimizer")
+    if not isinstance(name, str) or name in OPTIMIZERS or name in APPROXIMATE or name not in HF_OPTIM:
+        return values
+    mapped = hf_optim(name)
+    impl = values.get("optimizer_impl", "auto")
+    if "optimizer_impl" in mapped:
+        if impl not in ("auto", mapped["optimizer_impl"]):
+            raise MemfitError(f"optimizer={name} and optimizer_impl={impl} conflict: {name} is "
+                              f"optimizer_impl={mapped['optimizer_impl']}; drop one")
+        if impl != "auto":
+            mapped.pop("optimizer_impl")
+    return {**values, **mapped}
+
+
 EXACT_OPTIMIZERS = tuple(OPTIMIZERS)
 APPROXIMATE_OPTIMIZERS = tuple(APPROXIMATE)
 #: the 8-bit forms the planner may switch to when ``allow`` names them
@@ -136,10 +186,10 @@ def _search(ctx):
 TECHNIQUE = Technique(
     name="optimizer",
     fields=(Field("optimizer", "adamw", f"one of {', '.join(EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS)} "
-                  "(default adamw; 8/4-bit change the math)", slot=60,
+                  "(default adamw; 8/4-bit change the math), or a transformers optim name (adamw_torch_fused, ...)", slot=60,
                   choices=EXACT_OPTIMIZERS + APPROXIMATE_OPTIMIZERS, flag_choices=False),
             Field("optimizer_impl", "auto", "auto (torch's default on the device) | foreach | fused (no step "
                   "temporaries) | forloop", slot=65, choices=IMPLEMENTATIONS)),
-    order=60, apply=_apply, search=_search, trace="optimizer", conflicts=_conflicts,
+    order=60, apply=_apply, search=_search, trace="optimizer", conflicts=_conflicts, normalize=_normalize,
     approximations=lambda r: [f"optimizer={r.optimizer}"] if r.optimizer in APPROXIMATE_OPTIMIZERS else [],
     allow=SEARCH_APPROXIMATE)

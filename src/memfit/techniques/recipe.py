@@ -10,7 +10,8 @@ checkpointing          off | blocks | blocks:N (every N-th block) | selective | 
 offload_activations    saved activations leave device memory until backward needs them
 attention              auto (as the model is) | sdpa | eager
 chunked_loss           0 (off) or the number of chunks the LM head + cross-entropy run in
-optimizer              adamw | adam | sgd | adafactor | adamw8bit | paged_adamw8bit | adamw4bit
+optimizer              adamw | adam | sgd | adafactor | adamw8bit | paged_adamw8bit | ao_adamw8bit | adamw4bit
+                       | ao_adamw_fp8 | hf_sgd | hf_adafactor | hf_adamw4bit, or a transformers optim name
 optimizer_in_backward  each parameter steps as soon as its gradient is ready
 offload_optimizer      optimizer state and step on the CPU (CUDA devices only)
 micro_batch_size       examples per forward/backward (None: the whole batch / accumulation)
@@ -47,6 +48,9 @@ class Recipe:
     __slots__ = ("_values",)
 
     def __init__(self, **values):
+        for technique in techniques():
+            if technique.normalize is not None:
+                values = technique.normalize(values)
         known = {f.name: f for f in fields()}
         unknown = sorted(shown(k, 30)[1:-1] for k in set(values) - set(known))
         if unknown:

@@ -73,6 +73,9 @@ class Technique:
     approximations: Callable[[object], Iterable[str]] = _nothing  # non-empty: changes the math
     allow: tuple[str, ...] = ()  # names ``plan(allow=...)`` takes to search its math-changing values
     trace: str = "graph"  # one of TRACES
+    # values -> values, before they are checked: a value in another vocabulary (transformers'
+    # optim names) rewritten as this technique's fields
+    normalize: Callable[[dict], dict] | None = None
 
 
 @dataclass
