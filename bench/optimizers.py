@@ -4,6 +4,7 @@
     python bench/optimizers.py measure --out D   # on a GPU: the same steps for real -> D/optimizers-<gpu>.json
     python bench/optimizers.py compare           # both files -> error per case
     python bench/optimizers.py cpu-speed         # this CPU: foreach / fused / for-loop step times
+    python bench/optimizers.py roofline          # the planner's optimizer-step seconds per implementation
 
 The cases are torch's AdamW as foreach, fused and for-loop, SGD foreach and fused, bitsandbytes'
 8-bit AdamW and torchao's 8-bit, 4-bit and FP8 AdamW, on the Llama-shaped model of
@@ -149,6 +150,29 @@ def cpu_speed() -> None:
               f"foreach/fused {times['foreach'] / times['fused']:.2f}")
 
 
+def roofline(model: str = "llama-3.2-1b") -> None:
+    """The planner's optimizer terms (``planner/terms.py``) of ``model`` per implementation: the
+    roofline's step seconds on an H100 and on this CPU, and the optimizer phase's peak."""
+    from memfit.estimator.fake_trace import fake_trace
+    from memfit.hardware.gpus import gpu
+    from memfit.models.source import resolve
+    from memfit.planner.cost import Speed
+    from memfit.planner.terms import optimizer_terms
+
+    source = resolve(model)
+    for target in (gpu("h100-sxm"), None):
+        speed = Speed.from_gpu(target) if target else Speed.host()
+        seconds = {}
+        for impl in ("foreach", "fused", "forloop"):
+            result = fake_trace(source, None, recipe=Recipe(optimizer_impl=impl), loss_fn=None, optimizer=None,
+                                steps=2, batch_size=1, seq_len=32, gpu=target, detail=True)
+            terms = optimizer_terms(result, None, speed)
+            seconds[impl] = terms.optimizer_seconds
+            print(f"{model} {speed.name:10} {impl:8} {terms.optimizer_seconds * 1e3:9.2f} ms  optimizer phase "
+                  f"{terms.optimizer / 2**30:6.2f} GiB")
+        print(f"{model} {speed.name}: foreach/fused {seconds['foreach'] / seconds['fused']:.2f}")
+
+
 def _write(name, meta, rows, out_dir=RESULTS) -> None:
     meta = {**meta, "date": datetime.date.today().isoformat(),
             "model": "Llama-shaped 8 x 1024, vocab 32000, batch 8 x 1024, bf16-mixed"}
@@ -158,10 +182,11 @@ def _write(name, meta, rows, out_dir=RESULTS) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("estimate", "measure", "compare", "cpu-speed"))
+    parser.add_argument("what", choices=("estimate", "measure", "compare", "cpu-speed", "roofline"))
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
-    {"estimate": estimate_all, "measure": lambda: measure_all(args.out), "compare": compare, "cpu-speed": cpu_speed}[args.what]()
+    {"estimate": estimate_all, "measure": lambda: measure_all(args.out), "compare": compare, "cpu-speed": cpu_speed,
+     "roofline": roofline}[args.what]()
 
 
 if __name__ == "__main__":
