@@ -98,3 +98,15 @@ def test_planner_offers_fused_and_its_prediction_is_the_estimate():
     assert any(reason.startswith("optimizer_impl=fused:") for reason in best.reasons)
     full = memfit.estimate(config, recipe=best.recipe, seq_len=64, gpu="rtx-4090")
     assert best.allocated_bytes == full.peak_bytes
+
+
+def test_fused_has_no_step_temporaries_under_cuda_semantics():
+    """Under CUDA semantics ``auto`` is foreach, whose step holds a parameter-sized list
+    (``_foreach_sqrt``); fused holds none: its optimizer phase is params + grads + state + what
+    was live before (batch, cuBLAS workspaces)."""
+    factory, make_batch, loss_fn = CASES["gpt"]
+    reports = {impl: memfit.estimate(factory, make_batch(), loss_fn=loss_fn, device="cuda",
+                                     recipe=Recipe(optimizer_impl=impl)) for impl in ("auto", "fused")}
+    params = reports["fused"].by_category["parameters"]
+    saved = reports["auto"].phase_peaks["optimizer"] - reports["fused"].phase_peaks["optimizer"]
+    assert params <= saved <= params + 4096  # one fp32 list, rounded up to 512 B per tensor
