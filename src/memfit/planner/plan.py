@@ -29,7 +29,7 @@ from memfit.planner.result import NothingFits, Plan, Plans
 from memfit.planner.space import ALLOWABLE, allowed_names, search_space
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
-from memfit.units import parse_size
+from memfit.units import format_size, parse_size
 
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
 
@@ -119,6 +119,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
             break
         if _fits(full, budget_bytes) and fallback is None:
             fallback = (candidate, full)
+    roomy_choice = chosen is not None
     for candidate in ([] if chosen is not None or fallback is not None else fitting[:MAX_CHECKS]):
         full = _checked(engine, candidate.recipe, explicit)
         if _fits(full, budget_bytes):
@@ -131,6 +132,12 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                      "terms its reasons give")
     if rejected:
         notes.append(f"{rejected} faster candidate(s) predicted to fit were over budget by a full estimate")
+    if roomy_choice:
+        tight = [p for p in fitting if p not in roomy and _rank(p) < _rank(chosen)]
+        if tight:
+            notes.append(f"{len(tight)} faster candidate(s) predicted to fit leave less than the measured estimation "
+                         f"error free (the fastest needs {format_size(tight[0].device_bytes)} of "
+                         f"{format_size(budget_bytes)}) and were not tried")
     if chosen is None:
         # Predictions are approximate where they interpolate (every N-th block) and leave out the
         # allocator's reserved memory: the smallest few are checked in full before the answer is
