@@ -69,13 +69,13 @@ class VirtualBudget(TorchDispatchMode):
                 raise MemfitError(f"unknown phase {phase!r} in a fault: choose one of {', '.join(PHASES)}")
             self._faults[(int(step), int(micro), phase)] = int(nth[0]) if nth else 1
         self._where = None
-        self._count = 0  # allocations at the current place
+        self.allocations = 0  # allocations at the current place (since the last ``at``)
         self.fired: list[tuple] = []
 
     def at(self, step: int, micro_batch: int, phase: str) -> None:
         """Where the code under test is now (for fault injection)."""
         self._where = (int(step), int(micro_batch), phase)
-        self._count = 0
+        self.allocations = 0
 
     @property
     def total(self) -> int:
@@ -101,14 +101,14 @@ class VirtualBudget(TorchDispatchMode):
         if not fresh:
             return out
         new = sum(s.nbytes() for s in fresh)
-        self._count += 1
+        self.allocations += 1
         place = self._where
-        if place is not None and self._faults.get(place) == self._count:
+        if place is not None and self._faults.get(place) == self.allocations:
             del self._faults[place]
             self.fired.append(place)
             self.raised += 1
             raise torch.OutOfMemoryError(f"memfit virtual budget: injected out-of-memory at step {place[0]}, "
-                                         f"micro-batch {place[1]}, {place[2]} (allocation {self._count})")
+                                         f"micro-batch {place[1]}, {place[2]} (allocation {self.allocations})")
         if self.limit is not None and self.total + new > self.limit:
             self.raised += 1
             raise torch.OutOfMemoryError(
