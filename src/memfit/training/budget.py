@@ -78,6 +78,11 @@ class VirtualBudget(TorchDispatchMode):
         self.allocations = 0
 
     @property
+    def where(self) -> tuple | None:
+        """The place last told with ``at``: ``(step, micro_batch, phase)``."""
+        return self._where
+
+    @property
     def total(self) -> int:
         """The bytes the cap applies to: what is live inside plus ``resident``."""
         return self.live + self.resident
