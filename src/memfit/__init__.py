@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
     "estimate", "fit", "measure",
-    "parse_size", "plan", "format_size",
+    "parse_size", "plan", "format_size", "train",
 ]
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ _WHERE = {
     "Recipe": "memfit.techniques.recipe",
     "Report": "memfit.report.report",
     "format_size": "memfit.units", "parse_size": "memfit.units",
+    "train": "memfit.training.loop",
 }
 assert set(_WHERE) == set(__all__)
 
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
     from memfit.report.report import Report
     from memfit.techniques.apply import apply
     from memfit.techniques.recipe import Recipe
+    from memfit.training.loop import train
     from memfit.units import format_size, parse_size
 
 

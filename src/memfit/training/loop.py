@@ -291,10 +291,12 @@ class _Progress:
     """A rich progress bar: step, loss, tokens/s, memory peak."""
 
     def __init__(self, total: int, done: int):
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        # on stderr: stdout stays the command's answer (--json)
         self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                                 TimeRemainingColumn(), transient=False)
+                                 TimeRemainingColumn(), console=Console(stderr=True), transient=False)
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
