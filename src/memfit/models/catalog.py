@@ -146,11 +146,6 @@ CATALOG: dict[str, CatalogEntry] = {
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=51200, partial_rotary_factor=0.5, max_position_embeddings=2048,
         hidden_act="gelu_new", layer_norm_eps=1e-5, tie_word_embeddings=False)),
-    # stabilityai/stablelm-base-alpha-3b (GPT-NeoX: parallel residual, rotary on a quarter of each head)
-    "stablelm-alpha-3b": CatalogEntry("gpt_neox", "causal-lm", dict(
-        hidden_size=4096, intermediate_size=16384, num_hidden_layers=16, num_attention_heads=32,
-        vocab_size=50688, rotary_pct=0.25, max_position_embeddings=4096, use_parallel_residual=True,
-        layer_norm_eps=1e-5, tie_word_embeddings=False)),
     # google-bert/bert-base-uncased, bert-large-uncased
     "bert-base": CatalogEntry("bert", "masked-lm", dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
