@@ -243,13 +243,22 @@ def print_table(result: dict) -> None:
         print(f"headline {h['id']}: {h['verdict']} ({_gib(h['device_bytes'])} on the device)")
 
 
+SOURCES = {"torchtune": "torchtune README", "torchao": "torchao optim README", "transformers": "HF single-GPU guide",
+           "litgpt": "LitGPT resource tables"}
+
+
 def markdown(result: dict) -> str:
-    lines = ["| row (source) | metric | published | memfit | error | missing in this tree |", "|---|---|---|---|---|---|"]
+    lines = ["| row | source | measured | published | = GiB | memfit GiB | error | missing in this tree |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        source = next((v for k, v in SOURCES.items() if k in r.get("source", "")), "")
         if r.get("error") is None:
+            lines.append(f"| {r['id']} | {source} | {r['metric']} | {r['value']} {r['unit']} | | not estimated | | "
+                         f"{r.get('failed', '')[:90]} |")
             continue
-        lines.append(f"| {r['id']} ({r['table']}) | {r['metric']} | {r['value']} {r['unit']} | "
-                     f"{_gib(r['estimate_bytes'])} | {r['error']:+.1%} | {', '.join(r['missing']) or '—'} |")
+        lines.append(f"| {r['id']} | {source} | {r['metric']} | {r['value']} {r['unit']} | "
+                     f"{r['published_bytes'] / 2**30:.2f} | {r['estimate_bytes'] / 2**30:.2f} | {r['error']:+.1%} | "
+                     f"{', '.join(r['missing']) or '—'} |")
     return "\n".join(lines)
 
 
@@ -281,7 +290,8 @@ def main() -> None:
         try:
             done[row["id"]] = estimate_row(row)
         except Exception as err:  # noqa: BLE001 one row's failure is a result, not the end of the run
-            done[row["id"]] = {"id": row["id"], "table": row["table"], "metric": row["metric"], "value": row["value"],
+            done[row["id"]] = {"id": row["id"], "source": row["source"], "table": row["table"], "metric": row["metric"],
+                               "value": row["value"],
                                "unit": row["unit"], "failed": f"{type(err).__name__}: {str(err)[:200]}",
                                "missing": []}
         print(f"  {json.dumps({k: done[row['id']].get(k) for k in ('error', 'missing', 'seconds', 'failed')})}",
