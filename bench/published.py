@@ -145,7 +145,7 @@ def _optimizer(row, recipe: dict, missing: list) -> None:
         return
     choices = next(f.choices for f in fields() if f.name == "optimizer")
     bits = "fp8" if lib.endswith("fp8") else re.search(r"\d+bit", recipe["optimizer"]).group()
-    named = [c for c in choices if re.search(r"(^|_)(ao|torchao)(_|$)", c) and bits in c]
+    named = [c for c in choices if re.search(r"(^|_)(ao|torchao)(_|$)", c) and bits in c.replace("_", "")]
     if named:
         recipe["optimizer"] = named[0]
     elif recipe["optimizer"] != "adamw4bit":  # main's adamw4bit is torchao's already
