@@ -200,8 +200,8 @@ _HF = dict(source=HF_GUIDE, commit="0016acf7ef421c7fe8eff7945de52c71896c3b01", d
 _HF_NOTE = ("Trainer 2022 (transformers ~4.15, torch ~1.10): BERT's eager attention (no SDPA then) -> "
             "attention=eager; adamw_hf steps one parameter at a time -> optimizer_impl=forloop. nvml counts "
             "the CUDA context: 1343 MiB on that machine (CUDA 11.2 loads every kernel), memfit's V100 "
-            "context is 384 MiB (lazy loading). torch <= 1.10 softmax also saved its input for backward "
-            "(pytorch/pytorch#49600): 64 MiB per layer at batch 4 that today's step does not keep. ")
+            "context is 384 MiB (lazy loading). softmax then also saved its input for backward "
+            "(pytorch/pytorch#49600, addressed late 2021): 64 MiB per layer at batch 4 that today's step does not keep. ")
 ROWS += [
     dict(_HF, id="hf-bert-vanilla", value=14949, quote="GPU memory occupied: 14949 MB. (Vanilla Training, batch size 4)",
          recipe=dict(attention="eager", optimizer="adamw", optimizer_impl="forloop"), note=_HF_NOTE + "fp32."),
