@@ -98,7 +98,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
           global_tokens: int | None = None, seq_len: int | None = None, steps: int | None = None,
           epochs: float | None = None, lr: float = 1e-4, schedule: str = "cosine", warmup: int = 0,
           out_dir="memfit-run", resume: bool = True, seed: int = 0, checkpoint_every: int = 50, keep: int = 2,
-          micro_tokens: int | None = None, grow_after: int = 20, chunks: int = 8, tokenizer=None,
+          micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20, chunks: int = 8,
+          tokenizer=None,
           pad_id: int = 0, device=None, inject=(), progress: bool = True) -> TrainResult:
     """Train ``model`` on ``data`` with ``recipe`` inside ``budget``; see the module docstring.
 
@@ -106,6 +107,9 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     data           a dataset of ``{"input_ids"}`` examples with ``lengths``, or a path (``data.open_data``)
     recipe         a :class:`memfit.Recipe` (default: the plain step); its micro_batch_size x seq_len
                    is the micro-batch token cap unless ``micro_tokens`` is given
+    batching       ``tokens``: micro-batches by padded tokens, rows sorted by length (the default);
+                   ``rows``: micro_batch_size rows in data order, each padded to its longest (the plain
+                   loop, for comparison; an OOM halves the rows)
     budget         bytes or a size: on the CPU a virtual budget, on CUDA the process's memory fraction
     global_batch_size / global_tokens   examples, or tokens, per optimizer step (one of them)
     steps / epochs how long (one of them)
@@ -118,6 +122,10 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         raise MemfitError("give one of global_batch_size (examples per step) or global_tokens (tokens per step)")
     if (steps is None) == (epochs is None):
         raise MemfitError("give one of steps or epochs")
+    if batching not in ("tokens", "rows"):
+        raise MemfitError(f"unknown batching {batching!r}: choose tokens or rows")
+    if batching == "rows" and recipe.micro_batch_size is None:
+        raise MemfitError("batching='rows' needs the recipe's micro_batch_size")
     if recipe.grad_accum_steps > 1 and micro_tokens is None and recipe.micro_batch_size is None:
         raise MemfitError("the recipe accumulates without a micro_batch_size: set micro_batch_size or micro_tokens")
     if not isinstance(data, torch.utils.data.Dataset):
@@ -163,7 +171,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
 
     cap = None if budget is None else parse_size(budget)
     vb = None
-    if device.type == "cpu":
+    if device.type == "cpu" and (cap is not None or inject):
         resident = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
                        list(model.parameters()) + list(model.buffers())}.values())
         vb = VirtualBudget(cap, resident=resident, inject=inject)
@@ -181,7 +189,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             ids = _global_batch(order, lengths, global_batch_size, global_tokens)
             start = time.perf_counter()
             loss, events = _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, done, device,
-                                     pad_id)
+                                     pad_id, recipe.micro_batch_size if batching == "rows" else None)
             if events:
                 scale = events[-1]["scale"]
                 clean = 0
@@ -198,10 +206,10 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             done += 1
             value = float(loss)
             result.losses.append(value)
-            memory = vb.peak if vb is not None else torch.cuda.max_memory_allocated(device)
+            now, memory = _memory(vb, device)
             log.write(json.dumps({"step": done, "loss": value, "tokens": tokens, "seconds": round(elapsed, 6),
                                   "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
-                                  "memory_now": vb.total if vb is not None else torch.cuda.memory_allocated(device),
+                                  "memory_now": now,
                                   "memory_peak": memory, "micro_token_cap": int(micro_tokens * scale),
                                   "ooms": events}) + "\n")
             log.flush()
@@ -215,20 +223,23 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     if bar is not None:
         bar.close()
     result.steps = done
-    result.peak_bytes = vb.peak if vb is not None else (torch.cuda.max_memory_allocated(device)
-                                                         if device.type == "cuda" else 0)
+    result.peak_bytes = _memory(vb, device)[1] or 0
     result.tokens_per_second = tokens_run / seconds if seconds else 0.0
     return result
 
 
-def _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, index, device, pad_id):
+def _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, index, device, pad_id, rows=None):
     """One global batch to an applied update, whatever out-of-memory errors come; returns its loss
     and the OOM events survived (the last one's ``scale`` is the cap's new scale)."""
     events = []
     while True:
         cap = max(1, int(micro_tokens * scale))
-        groups = micro_batches([int(lengths[i]) for i in ids],
-                               lambda rows, length: rows == 1 or rows * length <= cap)
+        if rows is not None:  # fixed rows in data order
+            size = max(1, int(rows * scale))
+            groups = [[[k] for k in range(j, min(j + size, len(ids)))] for j in range(0, len(ids), size)]
+        else:
+            groups = micro_batches([int(lengths[i]) for i in ids],
+                                   lambda rows, length: rows == 1 or rows * length <= cap)
         micro = [_to(collate([data[ids[i]] for row in g for i in row], pad_id), device) for g in groups]
         try:
             loss = _backward(step_fn, micro, vb, index)
@@ -281,6 +292,16 @@ def _backward(step_fn, micro, vb, index):
         step_fn.watch.begin = original
 
 
+def _memory(vb, device) -> tuple:
+    """(in use now, peak) in bytes: the virtual budget's, CUDA's counters, or (None, None) on a CPU
+    run without a budget (nothing counts there, so nothing slows the step)."""
+    if vb is not None:
+        return vb.total, vb.peak
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    return None, None
+
+
 def _to(batch: dict, device: torch.device) -> dict:
     if device.type != "cuda":
         return batch
@@ -300,11 +321,11 @@ class _Progress:
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
-    def update(self, done: int, loss: float, tokens_per_second: float, peak: int) -> None:
+    def update(self, done: int, loss: float, tokens_per_second: float, peak: int | None) -> None:
         from memfit.units import format_size
 
-        self.progress.update(self.task, completed=done,
-                             info=f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s  peak {format_size(peak)}")
+        memory = "" if peak is None else f"  peak {format_size(peak)}"
+        self.progress.update(self.task, completed=done, info=f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s{memory}")
 
     def close(self) -> None:
         self.progress.stop()
