@@ -175,7 +175,7 @@ def test_cli_shows_managed_memory(capsys, tmp_path):
     from memfit.cli import main
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(_llama().to_dict()))
+    path.write_text(json.dumps(_llama(2).to_dict()))
     args = [str(path), "--seq-len", "64", "--gpu", "rtx-4090", "--optimizer", "paged_adamw8bit", "--full"]
     assert main(["estimate", *args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
