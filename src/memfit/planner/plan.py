@@ -101,7 +101,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = search_space(engine, allowed, optimizer)
     engine.prepare(space)
-    predicted = [engine.predict(r) for r in space]
+    predicted = [engine.predict(r, budget_bytes if target is not None else None) for r in space]
     fitting = sorted((p for p in predicted if p.device_bytes <= budget_bytes), key=_rank)
     notes = list(engine.notes)
     chosen, report, rejected = None, None, 0
@@ -180,8 +180,9 @@ def _checked(engine, recipe: Recipe, budget: int | None):
     from memfit.estimator.verdict import FITS, fit_reserved, limits
 
     if full.verdict == FITS and not full.retries and full.reserved_bytes <= limits(engine.target, budget)[0]:
+        managed = (full.managed_bytes or 0, full.managed_resident_bytes or 0)
         return dataclasses.replace(full, **fit_reserved(full.peak_bytes, full.reserved_bytes, engine.target,
-                                                        budget).report_fields())
+                                                        budget, managed).report_fields())
     return engine.verify(recipe, budget)
 
 

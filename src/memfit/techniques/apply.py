@@ -49,6 +49,9 @@ class _Quiet:
     def mark(self, tensor, category):
         pass
 
+    def manage(self, tensors):
+        pass
+
 
 def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=None, loss_fn=None, watch=None):
     """Apply ``recipe`` to ``model`` (in place); returns ``(model, optimizer, step)``.
