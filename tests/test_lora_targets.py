@@ -135,3 +135,15 @@ def test_the_fields_are_cli_flags(tmp_path, capsys):
     assert (recipe["lora_targets"], recipe["lora_alpha"], recipe["lora_dropout"]) == ("q_proj,v_proj", 8, 0.05)
     assert main(["estimate", str(config), "--seq-len", "16", "--lora", "lora:4", "--lora-targets", "wq"]) == 2
     assert "its layers are q_proj" in capsys.readouterr().err
+
+
+def test_fast_path_equals_full_trace_with_targets_and_dropout():
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=12, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                            architectures=["LlamaForCausalLM"])
+    recipe = Recipe(lora="qlora:8", precision="bf16-mixed", lora_targets="q_proj,v_proj,down_proj",
+                    lora_dropout=0.05, quantize_targets="adapted")
+    fast = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, gpu="rtx-4090", fast=True)
+    full = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, gpu="rtx-4090", fast=False)
+    assert fast.method == "depth" and fast.peak_bytes == full.peak_bytes
+    assert fast.reserved_bytes == full.reserved_bytes and fast.trainable == full.trainable
