@@ -49,14 +49,12 @@ as torchtune's ``quantize_base=True`` does (its frozen layers without adapters s
 a comma-separated list of suffixes names them (heads cannot be quantised: they are trained or tied).
 The base weight is dequantised inside the matmul kernel (forward) and once per layer in backward, so
 activations are about those of LoRA. The quantisation happens before the first step (as loading a
-quantised checkpoint would), not inside it. Left out on purpose: peft's ``prepare_model_for_kbit_training`` (it casts every other
-weight to fp32 and turns on checkpointing by itself; here precision and checkpointing are the
-recipe's own fields). Layers that are not ``nn.Linear`` (GPT-2's ``Conv1D``) stay unquantised; a model with no
-adaptable ``nn.Linear`` at all (GPT-2) is refused, since QLoRA would quantise nothing.
-
-On fake tensors bitsandbytes' ``Params4bit`` cannot wrap a FakeTensor (``_make_subclass``), so the
-quantised weight stays a plain fake parameter carrying the same attributes; bitsandbytes' ops have
-fake kernels, so the forward and backward run its real Python code.
+quantised checkpoint would), not inside it. Left out on purpose: peft's
+``prepare_model_for_kbit_training`` (it casts every other weight to fp32 and turns on checkpointing
+by itself; here precision and checkpointing are the recipe's own fields). Layers that are not
+``nn.Linear`` (GPT-2's ``Conv1D``) stay unquantised; a model with no adaptable ``nn.Linear`` at all
+(GPT-2) is refused, since QLoRA would quantise nothing. The 4-bit layers themselves, on fake tensors
+too, are built in ``_qlora.py``.
 """
 
 from __future__ import annotations
@@ -69,6 +67,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError, shown
 from memfit.scoped import patched
+from memfit.techniques._qlora import bnb_module, quant_state_tensors, quantized_linear
 from memfit.techniques.spec import Field, Technique
 
 __all__ = ["apply_lora", "quantize_base", "prepare_lora", "quant_state_tensors", "lora_plan", "lora_layers",
@@ -211,74 +210,12 @@ def apply_lora(model: torch.nn.Module, *, rank: int, targets: str = ALL_LINEAR, 
     if not layers:
         raise MemfitError(f"lora found no linear layer to adapt in {type(model).__name__}: pass a model with "
                           "nn.Linear layers, or leave lora off")
-    adapted = set(layers)
-    save = [h for h in task_heads(model) if h not in adapted]
+    # a task head trains in full unless the targets put adapters in it
+    save = [h for h in task_heads(model) if not any(n == h or n.startswith(h + ".") for n in layers)]
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank if alpha is None else alpha, lora_dropout=float(dropout),
-                        target_modules=layers, modules_to_save=save or None)
+                             target_modules=layers, modules_to_save=save or None)
     with _no_moves(model):
         return peft.get_peft_model(model, config)
-
-
-def _bnb():
-    with unset_fake_temporarily():  # bitsandbytes caches tables as it imports and here: real tensors
-        try:
-            import bitsandbytes
-            import bitsandbytes.functional as F
-        except ImportError:
-            raise MemfitError("qlora needs bitsandbytes: pip install 'memfit[bnb]'") from None
-        if "dynamic" not in F.name2qmap:
-            F.name2qmap["dynamic"] = F.create_dynamic_map()
-    return bitsandbytes
-
-
-def _fake_state(state, mode) -> None:
-    """Make every real tensor of a ``QuantState`` (the cached code table) fake, as the step expects."""
-    while state is not None:
-        for name, value in vars(state).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-                setattr(state, name, mode.from_tensor(value))
-        state = getattr(state, "state2", None)
-
-
-@contextlib.contextmanager
-def _fake_inputs_allowed(tensor):
-    """bitsandbytes builds its NF4 code table as a new tensor; let the fake mode take it in."""
-    mode = getattr(tensor, "fake_mode", None)
-    if mode is None:
-        yield
-        return
-    before, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
-    try:
-        yield
-    finally:
-        mode.allow_non_fake_inputs = before
-
-
-def _quantized(linear: torch.nn.Linear, bnb) -> torch.nn.Module:
-    kwargs = dict(compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
-    with unset_fake_temporarily():
-        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  device="meta", **kwargs)
-    weight = linear.weight.detach()
-    with torch.no_grad(), _fake_inputs_allowed(weight):
-        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
-                                                      quant_type="nf4")
-    if isinstance(packed, FakeTensor):
-        _fake_state(state, packed.fake_mode)
-        param = torch.nn.Parameter(packed, requires_grad=False)  # a FakeTensor marked as a parameter
-        for name, value in dict(blocksize=64, compress_statistics=True, quant_type="nf4",
-                                quant_storage=torch.uint8, bnb_quantized=True, module=layer).items():
-            setattr(param, name, value)
-        param.quant_state = state
-    else:
-        param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=64,
-                                  compress_statistics=True, quant_type="nf4", bnb_quantized=True, module=layer)
-    layer._parameters["weight"] = param
-    layer.quant_state = state
-    if linear.bias is not None:  # Linear4bit casts its bias to the compute dtype on first use; do it now
-        layer.bias = torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
-    layer.compute_type_is_set = True
-    return layer
 
 
 def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR) -> torch.nn.Module:
@@ -287,7 +224,7 @@ def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_target
 
     Already-quantised models (a bitsandbytes ``Linear4bit`` anywhere) are left as they are.
     """
-    bnb = _bnb()
+    bnb = bnb_module()
     if any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()):
         return model
     if not _linear_names(model):
@@ -300,7 +237,7 @@ def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_target
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, _quantized(getattr(owner, child), bnb))
+        setattr(owner, child, quantized_linear(getattr(owner, child), bnb))
     return model
 
 
@@ -322,18 +259,6 @@ def prepare_lora(model: torch.nn.Module, recipe) -> list[torch.Tensor]:
         return []
     quantize_base(model, recipe.quantize_targets, recipe.lora_targets)
     return quant_state_tensors(model)
-
-
-def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The 4-bit layers' quantisation statistics: memory that is neither a parameter nor a buffer."""
-    found = []
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        while state is not None:
-            found += [t for t in (state.absmax, state.code, getattr(state, "offset", None))
-                      if isinstance(t, torch.Tensor)]
-            state = getattr(state, "state2", None)
-    return found
 
 
 MAX_LORA_RANK = 65536
@@ -392,7 +317,7 @@ TECHNIQUE = Technique(
     fields=(Field("lora", "off", "off | lora[:rank] | qlora[:rank] (changes the math)", slot=110, check=lora_plan),
             Field("lora_targets", ALL_LINEAR, "layers LoRA adapts: all-linear (all but the output head) or "
                   "name suffixes such as q_proj,v_proj (add lm_head for the head)", slot=111, check=check_targets),
-            Field("lora_alpha", None, "LoRA scaling alpha / rank (default 2 x rank; no memory effect)", slot=112,
+            Field("lora_alpha", None, "LoRA alpha: adapters scale by alpha / rank (default 2 x rank; no memory effect)", slot=112,
                   kind="optional-count", check=_check_alpha),
             Field("lora_dropout", 0.0, "dropout on each adapter's input (peft): a saved mask and input copy per "
                   "adapted layer", slot=113, kind="float", check=_check_dropout),
