@@ -32,20 +32,20 @@ __all__ = ["fake_trace"]
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
                detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None,
-               tick=None):
+               tick=None, layout=None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
-    ``trace``."""
+    ``trace``; ``layout`` (a ``models.lengths.MicroBatch``): the made batch has micro-batches of that shape."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
     with quiet_fake_log():
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
-                           budget=budget, tick=tick)
+                           budget=budget, tick=tick, layout=layout)
 
 
 def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime,
-                keep, budget, tick):
+                keep, budget, tick, layout):
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)
@@ -56,7 +56,7 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     try:
         if batch is None:
             with mode:
-                batch = source.make_batch(batch_size, seq_len)
+                batch = source.make_batch(batch_size, seq_len, layout)
         else:
             batch = fake_batch(batch, mode)
     except MemfitError:
