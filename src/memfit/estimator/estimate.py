@@ -132,7 +132,7 @@ def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq
     if layout is not None:
         batch_size = layout.rows * recipe.grad_accum_steps
         if recipe.micro_batch_size and recipe.micro_batch_size != layout.rows:  # a last, shorter micro-batch
-            recipe = dataclasses.replace(recipe, micro_batch_size=layout.rows)
+            recipe = recipe.replace(micro_batch_size=layout.rows)
     if fast is None:
         fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
