@@ -75,13 +75,18 @@ def test_one_flattened_row_from_transformers_collator():
     assert report.peak_bytes == truth
 
 
-def test_not_ragged_runs_dense():
-    """All rows one length: no padding, so transformers skips the mask and so does the estimate."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_not_ragged_runs_dense(packed):
+    """No padding (or one document a row): the real run reads the all-ones mask (or the positions) and
+    skips the 4-D mask; so does the estimate, which still counts the mask's (positions') bytes."""
     factory, config = hf("llama")
-    report = memfit.estimate(config, lengths=[64] * 4, batch_size=2, optimizer="sgd")
+    report = memfit.estimate(config, lengths=[64] * 4, batch_size=2, seq_len=64, packed=packed, optimizer="sgd")
     assert report.micro_batch["ragged"] is False
-    ids = torch.zeros(2, 64, dtype=torch.long)
-    assert report.peak_bytes == true_peak(factory, {"input_ids": ids, "labels": ids.clone()}, optimizer="sgd")
+    batch = _packed([(64,), (64,)], 64) if packed else _padded([64, 64])
+    truth = true_peak(factory, batch, optimizer="sgd")
+    assert report.peak_bytes == truth
+    ragged = estimate_micro_batch(config, 2, 64, packed=packed, optimizer="sgd")
+    assert ragged.peak_bytes > truth
 
 
 def test_accumulation_and_the_last_short_micro_batch():

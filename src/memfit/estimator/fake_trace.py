@@ -23,6 +23,7 @@ from memfit.errors import MemfitError
 from memfit.estimator.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
 from memfit.estimator.trace import trace
 from memfit.hardware.cpu_kernels import CpuKernels
+from memfit.models.lengths import unread_masks
 from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source
 from memfit.techniques.precision import weight_dtype
@@ -64,6 +65,8 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     except Exception as err:  # noqa: BLE001 — a batch factory is the user's code
         raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}: "
                           "check the batch (or batch_size and seq_len)") from None
+    if layout is not None and not layout.ragged:
+        unread_masks(module, layout.packed)
     reads = ScalarReads()
     config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
     top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
