@@ -65,7 +65,8 @@ def test_worst_micro_batch_matches_the_allocator(kind):
 
 
 def test_one_flattened_row_from_transformers_collator():
-    """DataCollatorWithFlattening's batch (one row, position_ids restarting) is the packed shape."""
+    """DataCollatorWithFlattening's batch (one row, position_ids restarting) is the packed shape; given
+    as batch=, its real position ids answer transformers' packing check in the fake trace."""
     factory, config = hf("llama")
     docs = [40, 30, 58]
     features = [{"input_ids": list(range(1, n + 1))} for n in docs]
@@ -73,6 +74,24 @@ def test_one_flattened_row_from_transformers_collator():
     truth = true_peak(factory, batch, optimizer="sgd")
     report = memfit.estimate(config, lengths=docs, packed=True, seq_len=sum(docs), optimizer="sgd")
     assert report.peak_bytes == truth
+    assert memfit.estimate(factory, batch, optimizer="sgd").peak_bytes == truth
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "blocks"])
+def test_dense_positions_build_no_mask(checkpointing):
+    """Checkpointing turns the KV cache off, and then transformers checks every forward's position ids
+    for packing; on fake tensors it cannot read them and assumed packing (a 4-D mask the real run never
+    builds) until ``estimator/packing.py`` answered the check from the real values."""
+    factory, _ = hf("llama")
+    recipe = Recipe(optimizer="sgd", checkpointing=checkpointing)
+    ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(0))
+    dense = {"input_ids": ids, "labels": ids.clone()}
+    assert memfit.estimate(factory, dense, recipe=recipe).peak_bytes == true_peak(factory, dense, recipe=recipe)
+    packed = _packed([(64, 64), (128,)], 128)
+    del packed["use_cache"]  # with checkpointing the cache is off anyway: transformers sees the documents
+    if checkpointing == "blocks":
+        truth = true_peak(factory, packed, recipe=recipe)
+        assert memfit.estimate(factory, packed, recipe=recipe).peak_bytes == truth > true_peak(factory, dense, recipe=recipe)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -34,7 +34,7 @@ import torch
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["MicroBatch", "read_lengths", "micro_batches", "worst_shapes", "shape_batch", "direct", "check_task", "unread_masks",
+__all__ = ["MicroBatch", "read_lengths", "micro_batches", "worst_shapes", "shape_batch", "direct", "check_task", "unread_masks", "positions",
            "MAX_EXAMPLES", "LENGTH_FILES"]
 
 MAX_EXAMPLES = 1 << 24  # examples read from one list or file
@@ -208,35 +208,35 @@ def shape_batch(shape: MicroBatch, repeat: int = 1, *, task: str = "causal-lm") 
     ``use_cache=False``: with transformers 5 a training forward that builds a ``DynamicCache`` (the
     config's default ``use_cache=True``) skips packed-sequence detection, so documents would attend
     to each other. Not ragged: the same tensors, with an all-ones mask or positions that never restart
-    (transformers then runs the dense path: ``unread_masks``).
+    (transformers then runs the dense path; on fake tensors: ``unread_masks``, ``estimator/packing.py``).
     """
     rows, length = shape.rows * repeat, shape.length
     ids = torch.zeros(rows, length, dtype=torch.long)  # token values do not change memory
-    docs = shape.row_docs() * repeat
     if shape.packed:
-        positions = torch.stack([_positions(row, length) for row in docs])
-        return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions, "use_cache": False}
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions(shape, repeat), "use_cache": False}
+    docs = shape.row_docs() * repeat
     mask = torch.stack([torch.arange(length) < row[0] for row in docs]).long()
     labels = ids.masked_fill(mask == 0, -100) if task == "causal-lm" else ids.clone()
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def unread_masks(model: torch.nn.Module, packed: bool) -> None:
-    """Make ``model`` (and its base model) run the dense path for a micro-batch that is not ragged,
-    traced on fake tensors. transformers decides whether to build a 4-D mask from the values of the
-    mask or the positions, and takes every fake tensor for a traced one that may hold padding or
-    document boundaries (``is_tracing``): it would build the mask that the real run, reading an
-    all-ones mask or positions that never restart, skips. So a padded batch's ``attention_mask`` is
-    not passed (it stays in the batch: its bytes are counted), and a packed batch's ``use_cache=False``
-    is not: with the default cache transformers does not look for packing (``position_ids`` still
-    reach the rotary embedding, whose tables they size)."""
-    keys = ("use_cache",) if packed else ("attention_mask",)
-
+def unread_masks(model: torch.nn.Module) -> None:
+    """Keep ``attention_mask`` from reaching ``model`` (and its base model) for a padded micro-batch
+    with no padding, traced on fake tensors. transformers decides whether to build a 4-D mask from the
+    mask's values and takes every fake tensor for a traced one that may hold padding (``is_tracing``):
+    it would build the mask that the real run, reading an all-ones mask, skips. The tensor stays in
+    the batch, so its bytes are counted; the model runs the dense path, as it does for real."""
     def drop(module, args, kwargs):
-        return args, {k: v for k, v in kwargs.items() if k not in keys}
+        return args, {k: v for k, v in kwargs.items() if k != "attention_mask"}
 
     for sub in {model, getattr(model, "base_model", model)}:
         sub.register_forward_pre_hook(drop, with_kwargs=True)
+
+
+def positions(shape: MicroBatch, repeat: int = 1) -> torch.Tensor:
+    """The position ids of a packed ``shape`` (``repeat`` copies stacked): 0 at each document's start,
+    padding continuing the last document."""
+    return torch.stack([_positions(row, shape.length) for row in shape.row_docs() * repeat])
 
 
 def _positions(docs: tuple[int, ...], length: int) -> torch.Tensor:
