@@ -186,3 +186,24 @@ def test_cli(tmp_path, capsys):
                  "--batch-size", "2", "--optimizer", "sgd", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["micro_batch"]["packed"] and data["micro_batch"]["count"] == 4
+
+
+@pytest.mark.parametrize("lengths", [[], [0], [1.5], ["3"], [True], "missing.txt", "lengths.csv", -1, {"a": 1},
+                                     np.array([[1, 2]]), [1 << 30]])
+def test_bad_lengths_are_one_line(lengths):
+    _, config = hf("llama")
+    with pytest.raises(MemfitError) as err:
+        memfit.estimate(config, lengths=lengths, optimizer="sgd")
+    assert "\n" not in str(err.value) and len(str(err.value)) <= 400
+
+
+def test_bad_files_are_one_line(tmp_path):
+    np.save(tmp_path / "f.npy", np.array([1.5, 2.0]))
+    (tmp_path / "g.jsonl").write_text('{"text": "no ids"}\n')
+    (tmp_path / "h.jsonl").write_text("not json\n")
+    for name, match in (("f.npy", "1-D integer"), ("g.jsonl", "neither an input_ids"), ("h.jsonl", "not JSON")):
+        with pytest.raises(MemfitError, match=match):
+            read_lengths(tmp_path / name)
+    _, config = hf("llama")
+    with pytest.raises(MemfitError, match="does not divide"):
+        memfit.estimate(config, lengths=[3, 4, 5], batch_size=3, recipe=Recipe(grad_accum_steps=2))
