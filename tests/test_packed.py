@@ -11,7 +11,7 @@ import transformers as tf
 
 import memfit
 from memfit import MemfitError, Recipe
-from memfit.estimator.estimate import estimate_micro_batch
+from memfit import estimate_micro_batch
 from memfit.estimator.truth import true_peak
 from memfit.models.lengths import micro_batches, read_lengths, worst_shapes
 from memfit.models.zoo import hf
@@ -75,6 +75,21 @@ def test_one_flattened_row_from_transformers_collator():
     report = memfit.estimate(config, lengths=docs, packed=True, seq_len=sum(docs), optimizer="sgd")
     assert report.peak_bytes == truth
     assert memfit.estimate(factory, batch, optimizer="sgd").peak_bytes == truth
+
+
+def test_transformers_isolates_documents_only_without_cache():
+    """Why packed batches carry use_cache=False: with the config's default cache, transformers 5 does
+    not look for packing and documents attend to each other (if this fails, transformers changed)."""
+    factory, _ = hf("llama")
+    torch.manual_seed(0)
+    model = factory().train()
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    alone = model(input_ids=ids[:, 5:], use_cache=False).logits
+    for use_cache, isolated in ((None, False), (False, True)):
+        kwargs = {} if use_cache is None else {"use_cache": use_cache}
+        logits = model(input_ids=ids, position_ids=positions, **kwargs).logits[:, 5:]
+        assert torch.allclose(logits, alone, atol=1e-5) is isolated
 
 
 @pytest.mark.parametrize("checkpointing", ["off", "blocks"])
