@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models import families, tasks
+from memfit.models import families, lengths, tasks
 from memfit.models.catalog import lookup
 from memfit.models.check import check_config, checked_build, import_object, read_config
 
@@ -63,10 +63,15 @@ class Source:
             return None
         return families.default_seq_len(self.config, self.task)
 
-    def make_batch(self, batch_size: int, seq_len: int | None) -> dict[str, torch.Tensor]:
-        """A batch this model trains on, built in the current device / fake mode."""
+    def make_batch(self, batch_size: int, seq_len: int | None, layout=None) -> dict[str, torch.Tensor]:
+        """A batch this model trains on, built in the current device / fake mode. ``layout`` (a
+        ``lengths.MicroBatch``): ``batch_size // layout.rows`` micro-batches of that shape."""
         if self.config is None:
             raise MemfitError(f"{self.name} has no config to build a batch from: pass batch=")
+        if layout is not None:
+            lengths.check_task(self.task, layout.packed, self.name)
+            families.check_seq_len(self.config, self.task, layout.length, self.name)
+            return lengths.shape_batch(layout, batch_size // layout.rows, task=self.task)
         if self.task == "image-classification":
             return tasks.labelled_batch(self.config, self.task, batch_size, None)
         seq_len = seq_len or self.default_seq_len()

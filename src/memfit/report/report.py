@@ -69,6 +69,12 @@ class Report:
     managed_resident_bytes  what must be on the device at once: the paged state of the parameter being
                             updated (the verdict requires reserved + this <= capacity).
     paged_bytes             what does not fit beside reserved and pages to the host each step.
+
+    With ``lengths=`` or ``packed=True`` (``models/lengths.py``) the estimate is for one micro-batch shape,
+    the worst one the lengths make:
+    micro_batch     rows, length (padded length or pack size), packed, ragged (padding, or a row of two
+                    or more documents: transformers builds a 4-D mask), index (0-based, in the order given),
+                    count (micro-batches the lengths make) and tokens (real tokens in it).
     """
 
     peak_bytes: int
@@ -98,6 +104,7 @@ class Report:
     managed_bytes: int | None = None
     managed_resident_bytes: int | None = None
     paged_bytes: int | None = None
+    micro_batch: dict | None = None
 
     @property
     def device_bytes(self) -> int:
