@@ -23,13 +23,15 @@ allocator's events of the compiled step (torch 2.13 CPU on 2 threads, torchao 0.
 parameters, 1-D and 2-D; 8/4-bit: 4 096 to 524 288 values, the same pattern at every size; FP8:
 the new codes are a buffer at 4 096, 8 192 and 32 768 values and are written in place at 65 536 and
 more, so 32 768 < N < 65 536 is assumed, not measured); ``tests/test_lowbit.py`` compiles the real
-step and checks the estimate against the allocator. So 4-bit AdamW's step
-holds 26 bytes per value of its largest parameter at its peak (its quantiser searches the table
-with int64 indices): more than 8-bit's 8 and FP8's none, which can make the 4-bit step peak above
-the 8-bit one although its state is half.
+step and checks the estimate against the allocator. So 4-bit AdamW's step holds 26 bytes per value
+of its largest parameter at its peak (its quantiser searches the table with int64 indices): more
+than 8-bit's 8 and FP8's 0 to 2, which can make the 4-bit step peak above the 8-bit one although
+its state is half.
 
 Known limitations: the pattern is the CPU kernel's; Inductor's CUDA (Triton) kernels may fuse more
-(not yet measured on a GPU: ``bench/lowbit_cuda.py``). ``amsgrad`` and ``bf16_stochastic_round``
+(not yet measured on a GPU: ``python bench/optimizers.py measure``; torchao's published ViT-H peaks,
+where the peak is not in the step, agree within 3.9 %: ``bench/published.py``), and Inductor's CPU
+choices may change with the thread count. ``amsgrad`` and ``bf16_stochastic_round``
 (off in memfit's optimizers) add buffers not modelled here. Written by hand because nothing in torch
 or torchao says what a compiled kernel will allocate without compiling and running it.
 """
