@@ -40,6 +40,14 @@ LOG_LINES: tuple[tuple[str, str, str], ...] = (
     ("torchao", r"Skipping import of cpp extensions",
      "torchao at import (transformers imports it when installed), when its CUDA/C++ kernels do not match "
      "the installed torch: memfit does not run them"),
+    ("torchao", r"Failed to load \S+\.so: Could not load this library",
+     "torchao 0.18 at import (peft imports it when installed): its prebuilt CUDA extensions (mxfp8, cutlass "
+     "sm90a) do not load on a CPU build of torch; memfit runs only torchao's PyTorch optimizers"),
+    ("torchao.kernel.intmm", r"Warning: Detected no triton",
+     "torchao at import without triton (CPU builds of torch): its int-matmul kernels, which memfit never runs"),
+    ("torch.utils._pytree", r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile",
+     "torch 2.13 about enum registrations torchao 0.18 makes at import (KernelPreference, ScaleCalculationMode): "
+     "a deprecation inside torchao, nothing the user can change"),
 )
 
 
