@@ -92,9 +92,14 @@ class _Step:
 
         def pack(tensor):
             watch.mark(tensor, Category.ACTIVATIONS)
+            packed = tensor
             for pack_one, _ in pairs:
-                tensor = pack_one(tensor)
-            return tensor
+                packed = pack_one(packed)
+            # Kept as itself, a saved output would hold its own grad_fn: a cycle through C++ that no
+            # gc sees, so a branch backward never reaches (LLaVA's unused last vision layer) or a
+            # forward that raises would never be freed. Without hooks torch saves outputs without
+            # their grad_fn; a detached alias (same storage, no new memory) does the same.
+            return tensor.detach() if packed is tensor else packed
 
         def unpack(packed):
             for _, unpack_one in reversed(pairs):
