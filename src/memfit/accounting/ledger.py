@@ -182,6 +182,12 @@ class Ledger(TorchDispatchMode):
         self._finalizers.clear()
 
     # -- internals ---------------------------------------------------------------------------
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile runs under the ledger (``techniques/compile.py``): off while dynamo and
+        # Inductor compile (they trace on their own fake tensors), on for the compiled code.
+        return True
+
     def __enter__(self):
         # The global module hooks and the patched ``torch.get_rng_state`` live exactly as long as
         # the mode is pushed (``memfit.scoped``): undone on exit, and on a failed enter.

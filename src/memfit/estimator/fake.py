@@ -109,6 +109,10 @@ class ScalarReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.reads = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # a compiled step runs under it; compiling is not part of the step
         self._all = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -25,6 +25,7 @@ from memfit.estimator.trace import trace
 from memfit.hardware.cpu_kernels import CpuKernels
 from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source
+from memfit.techniques.compile import compile_scope
 from memfit.techniques.precision import weight_dtype
 
 __all__ = ["fake_trace"]
@@ -38,7 +39,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
-    with quiet_fake_log():
+    with quiet_fake_log(), compile_scope(recipe):
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
                            budget=budget, tick=tick)

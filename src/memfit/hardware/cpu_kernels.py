@@ -101,6 +101,10 @@ class CpuKernels(TorchDispatchMode):
         self.state = (check_routing(routing), top_k)
         self._token = None
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # a compiled step runs under it; compiling is not part of the step
+
     def __enter__(self):
         self._token = _ROUTING.set(self.state)
         return super().__enter__()
