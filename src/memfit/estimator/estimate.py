@@ -72,8 +72,12 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     budget = _budget(budget, target)
     batch_size = step_batch(batch_size, recipe)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
+    if fast and recipe.compile:
+        raise MemfitError("fast=True and compile conflict: a compiled step has no per-block records for the depth "
+                          "fast path to write out; leave fast unset (compiled steps are traced in full)")
     if fast is None:
-        fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+        fast = (source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+                and not recipe.compile)  # the compiled graph runs outside the blocks' modules: in full
     tick = _ticker(progress, phases(recipe, steps))  # one trace either way (depth.py traces one copy)
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.estimator.depth import estimate_by_depth

@@ -88,6 +88,9 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     if top_k:
         notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "
                      "only CPU bf16 kernel scratch, every expert tensor is tokens x top_k")
+    if recipe.compile and gpu is not None:
+        notes.append("compile: Inductor's plan for the CPU (C++ kernels) under CUDA semantics; CUDA's Triton "
+                     "kernels fuse and reuse buffers by the same scheduler, not checked on a GPU")
     if reads.reads:
         notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
     if notes:

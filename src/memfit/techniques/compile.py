@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 
 import torch
 
@@ -134,14 +135,25 @@ def compiled_loss(loss_fn, *, fake: bool, budget: float):
 
 @contextlib.contextmanager
 def compile_scope(recipe):
-    """Around a fake trace of ``recipe``: with ``compile``, dynamo is reset after it (its cache
-    entries ran on fake tensors and would only fill dynamo's recompile limit)."""
+    """Around a fake trace of ``recipe``. With ``compile``: Python's cyclic garbage collector is
+    paused while it runs, and dynamo is reset after it (its cache entries ran on fake tensors and
+    would only fill dynamo's recompile limit).
+
+    Why the pause: compiling inside the traced step makes masses of Python garbage, so the
+    collector runs mid-step and frees tensors that reference cycles hold (measured on GPT-2: the
+    first estimate of a process came out 3.8 MB low, later ones exact). A real step compiles in
+    step 1 and peaks in a step that compiles nothing, where the collector does not happen to run.
+    """
     if not recipe.compile:
         yield
         return
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
+        if enabled:
+            gc.enable()
         torch._dynamo.reset()
 
 
