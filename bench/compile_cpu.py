@@ -41,6 +41,10 @@ BATCHES = {
 ROWS = [
     ("mlp", {}), ("gpt", {}), ("gpt", {"activation_memory_budget": 0.3}), ("hf-llama", {}),
     ("hf-llama", {"precision": "bf16-mixed"}), ("hf-gpt2", {}), ("encoder", {}), ("cnn", {}),
+    # compile with the other techniques (each on top of the plain compiled step)
+    ("hf-llama", {"checkpointing": "blocks"}), ("hf-llama", {"grad_accum_steps": 2}),
+    ("hf-llama", {"optimizer_in_backward": True}),
+    ("hf-llama", {"lora": "lora:8"}), ("hf-llama", {"chunked_loss": 4}),
 ]
 
 
@@ -48,6 +52,7 @@ def row(name: str, extra: dict) -> dict:
     factory, _, loss_fn = CASES[name]
     batch = BATCHES[name]()
     eager = Recipe(**{k: v for k, v in extra.items() if k != "activation_memory_budget"})
+    loss_fn = None if "chunked_loss" in extra else loss_fn
     compiled = Recipe(compile=True, **extra)
     start = time.perf_counter()
     estimate = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=compiled).peak_bytes
