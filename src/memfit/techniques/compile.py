@@ -154,8 +154,10 @@ def compile_scope(recipe):
 
     Why the pause: compiling inside the traced step makes masses of Python garbage, so the
     collector runs mid-step and frees tensors that reference cycles hold (measured on GPT-2: the
-    first estimate of a process came out 3.8 MB low, later ones exact). A real step compiles in
-    step 1 and peaks in a step that compiles nothing, where the collector does not happen to run.
+    first estimate of a process came out 3.8 MB low, later ones and the allocator's truth agreed
+    within 48 B). The real step compiles in step 1; in the measured runs the collector did not
+    run inside the steps' peaks, and with it paused the estimate does not depend on what the
+    process compiled before.
     """
     if not recipe.compile:
         yield
