@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test bench setup clean
+.PHONY: demo train-demo test bench setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: setup
 	$(BIN)/memfit plan llama-3.1-8b --gpu rtx-4090 --seq-len 2048 --global-batch-size 64 --allow qlora \
 		--out recipe.yaml
 	$(BIN)/memfit estimate llama-3.1-8b --seq-len 2048 --gpu rtx-4090 --recipe recipe.yaml
+
+# trains a 4-layer byte-level Llama on the repository's own text, on the CPU, under a 256 MiB virtual budget
+train-demo: setup
+	mkdir -p memfit-run
+	$(BIN)/python examples/make_tokens.py memfit-run/tokens.bin
+	$(BIN)/memfit train examples/tiny-llama/config.json --config examples/train-tiny.yaml --no-resume
 
 test: setup
 	$(BIN)/python -m pytest tests

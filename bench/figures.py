@@ -27,8 +27,10 @@ NOISE = {"seconds", "estimate_seconds", "speed", "timeline"}
 
 
 def _clean(value):
+    # a field that is None (a figure the case does not have, such as managed_bytes without a paged
+    # optimizer) compares equal to the field missing: a snapshot from before the field existed
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items() if k not in NOISE}
+        return {k: _clean(v) for k, v in value.items() if k not in NOISE and v is not None}
     if isinstance(value, list):
         return [_clean(v) for v in value]
     return value

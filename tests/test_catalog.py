@@ -8,7 +8,8 @@ from memfit.models.catalog import CATALOG, lookup
 
 # Parameter counts published on the models' cards (rounded as published).
 PUBLISHED = {"llama-3.1-8b": 8.03e9, "llama-3.2-1b": 1.24e9, "qwen2.5-0.5b": 0.494e9, "gemma-2-2b": 2.61e9,
-             "mistral-7b": 7.24e9, "phi-3-mini": 3.82e9, "llama-2-7b": 6.74e9}
+             "mistral-7b": 7.24e9, "phi-3-mini": 3.82e9, "llama-2-7b": 6.74e9,
+             "vit-huge": 0.632e9}  # ViT-H/14: 632M (Dosovitskiy et al. 2021, Table 1)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -1,7 +1,12 @@
 """The verdict (memfit/estimator/verdict.py): the caching allocator replayed under a card's limit, as torch runs it.
 
 Evidence of three kinds, named in each test: rules worked by hand from c10/cuda/CUDACachingAllocator.cpp
-(release-and-retry, expandable segments, the memory-fraction check); the recorded H100 allocator
+(release-and-retry, expandable segments, the memory-fraction check; re-read at pytorch/pytorch
+001074d25084fdb87a799823e395a50f5ec044d3: ``DeviceCachingAllocator::malloc`` tries ``alloc_block``,
+then ``release_available_cached_blocks`` and ``alloc_block``, then ``release_cached_blocks`` and
+``alloc_block(isRetry=true)``, which counts ``num_alloc_retries``, then raises OutOfMemoryError;
+``alloc_block`` refuses ``total_allocated_memory + alloc_size > allowed_memory_maximum`` under a
+memory fraction before any cudaMalloc or page mapping); the recorded H100 allocator
 traces (bench/results/cuda-traces-h100.json.gz) replayed under limits below what they reserved
 (none of the recorded runs hit its card, so no recorded trace shows a retry: these are invariants,
 not a comparison with a measured retry); and the margin recomputed from the measured errors.

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
-    "estimate", "fit", "measure",
-    "parse_size", "plan", "format_size",
+    "estimate", "estimate_micro_batch", "fit", "measure",
+    "parse_size", "plan", "format_size", "train",
 ]
 __version__ = "0.1.0"
 
@@ -27,7 +27,7 @@ _WHERE = {
     "apply": "memfit.techniques.apply",
     "Category": "memfit.categories",
     "MemfitError": "memfit.errors",
-    "estimate": "memfit.estimator.estimate",
+    "estimate": "memfit.estimator.estimate", "estimate_micro_batch": "memfit.estimator.estimate",
     "Fit": "memfit.planner.fit", "NoBatchFits": "memfit.planner.fit", "fit": "memfit.planner.fit",
     "measure": "memfit.estimator.measure",
     "NothingFits": "memfit.planner.plan", "Plan": "memfit.planner.plan", "Plans": "memfit.planner.plan",
@@ -35,19 +35,21 @@ _WHERE = {
     "Recipe": "memfit.techniques.recipe",
     "Report": "memfit.report.report",
     "format_size": "memfit.units", "parse_size": "memfit.units",
+    "train": "memfit.training.loop",
 }
 assert set(_WHERE) == set(__all__)
 
 if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ below imports on first use
     from memfit.categories import Category
     from memfit.errors import MemfitError
-    from memfit.estimator.estimate import estimate
+    from memfit.estimator.estimate import estimate, estimate_micro_batch
     from memfit.estimator.measure import measure
     from memfit.planner.fit import Fit, NoBatchFits, fit
     from memfit.planner.plan import NothingFits, Plan, Plans, plan
     from memfit.report.report import Report
     from memfit.techniques.apply import apply
     from memfit.techniques.recipe import Recipe
+    from memfit.training.loop import train
     from memfit.units import format_size, parse_size
 
 

@@ -34,11 +34,12 @@ from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
 from memfit.categories import PRIORITY, Category
 from memfit.scoped import patched, rng_hop_rules
 
-__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "OUTSIDE", "storage_events"]
+__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED", "OUTSIDE", "storage_events", "managed_peak"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
-# What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule.
-RENAME, KEPT = 4, 5
+# What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule, and of one
+# of managed memory (no device bytes of the allocator).
+RENAME, KEPT, MANAGED = 4, 5, 6
 _BORN = {torch.ops.aten.lift_fresh.default}
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
@@ -62,6 +63,10 @@ class Record:
     # gradients): the module whose tensor it is or derives from. The depth fast path reads it.
     owner: str | None = None
     freed_in: str | None = None  # the module running when it was freed (``OUTSIDE`` if none)
+    # CUDA managed memory (bitsandbytes' paged optimizer state, ``cudaMallocManaged``), not the
+    # caching allocator's: the bytes of every managed buffer of its parameter (they must be on the
+    # device together while that parameter is updated); 0 for device memory.
+    managed: int = 0
 
 
 @dataclass
@@ -176,6 +181,14 @@ class Ledger(TorchDispatchMode):
             record = self.records[index]
             if PRIORITY[category] > PRIORITY[record.category]:
                 record.category = category
+
+    def manage(self, tensors) -> None:
+        """``tensors`` (one parameter's state buffers) live in CUDA managed memory, outside the
+        caching allocator: each tracked storage is marked with their total bytes."""
+        indices = [i for i in (self._ids.get(t.untyped_storage()) for t in tensors) if i is not None]
+        total = sum(self.records[i].nbytes for i in indices)
+        for i in indices:
+            self.records[i].managed = total
 
     def close(self) -> None:
         self._open = False
@@ -364,16 +377,31 @@ def storage_events(ledger):
     A record with a ``donor`` was made by an add that a plain run does in place (``Ledger``'s
     ``_accumulation_donor``): its ALLOC takes over the donor's storage and adds no bytes, so it comes
     out as ``(RENAME, index)``; the donor's later FREE releases nothing (its memory lives on in that
-    record), so it comes out as ``(KEPT, index)``. Every other event comes out as it is.
+    record), so it comes out as ``(KEPT, index)``. Managed memory (``Record.managed``) is not device
+    memory of the allocator: its events come out as ``(MANAGED, index)``, which moves no device
+    bytes (``managed_peak`` counts them). Every other event comes out as it is.
     ``ledger``: anything with ``.records`` and ``.events``, as ``Ledger`` has them."""
     records = ledger.records
     for kind, index in ledger.events:
-        if kind == ALLOC and records[index].donor is not None:
+        if kind in (ALLOC, FREE) and getattr(records[index], "managed", 0):
+            yield MANAGED, index
+        elif kind == ALLOC and records[index].donor is not None:
             yield RENAME, index
         elif kind == FREE and records[index].donated:
             yield KEPT, index
         else:
             yield kind, index
+
+
+def managed_peak(ledger) -> tuple[int, int]:
+    """(highest live bytes of managed memory over the run, the largest set of managed buffers one
+    parameter's update needs on the device at once), from ``Record.managed``; (0, 0) without any."""
+    records, live, peak = ledger.records, 0, 0
+    for kind, index in ledger.events:
+        if kind in (ALLOC, FREE) and getattr(records[index], "managed", 0):
+            live += records[index].nbytes if kind == ALLOC else -records[index].nbytes
+            peak = max(peak, live)
+    return peak, max((getattr(r, "managed", 0) for r in records), default=0)
 
 
 def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import islice
 
-from memfit.accounting.ledger import ALLOC, FREE, KEPT, MARK, RENAME, SPIKE, Ledger, storage_events
+from memfit.accounting.ledger import ALLOC, FREE, KEPT, MARK, RENAME, SPIKE, Ledger, managed_peak, storage_events
 from memfit.categories import Category
 
 __all__ = ["Replay", "replay"]
@@ -36,6 +36,8 @@ class Replay:
     offloaded_scaled: int = 0  # with a prime batch: the part of it that scales with the batch
     ledger: object = None  # trace(keep=True): the ledger replayed, and below the scratch of its sites
     scratch: list | None = None
+    managed_bytes: int = 0  # highest live bytes of CUDA managed memory (not in peak_bytes)
+    managed_resident: int = 0  # of it, what one parameter's update needs on the device at once
 
 
 def replay(ledger: Ledger, scratch: list[int]) -> Replay:
@@ -74,6 +76,7 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
         if now > peak:
             peak, peak_event, peak_cats, peak_scratch = now, number, phase_cats[key], spike
     modules = _modules_at(ledger, peak_event, scratch)
+    managed, resident = managed_peak(ledger)
     return Replay(
         peak_bytes=max(peak, 0),
         peak_event=peak_event,
@@ -83,6 +86,8 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
         modules=modules,
         timeline=_downsample(series),
         scratch_at_peak=peak_scratch,
+        managed_bytes=managed,
+        managed_resident=resident,
     )
 
 
@@ -189,7 +194,7 @@ def event_series(ledger: Ledger, scratch: list[int], prime: int | None = None) -
                 s += sign * record.nbytes
         elif kind == SPIKE:
             spike = scratch[index]
-        else:
+        elif kind == MARK:
             where = index
         live[number], grads[number], state[number], mark[number] = total + spike, g, s, where
         scaled[number] = p

@@ -25,6 +25,7 @@ _VERBS = {
     "estimate": ("estimate", "build", "run", "memory of one training step, on fake tensors (no GPU, no memory)"),
     "fit": ("fit", "build", "run", "the largest micro-batch of a recipe that fits a card or a budget"),
     "plan": ("plan", "build", "run", "the fastest recipe that fits a budget, and why"),
+    "train": ("train", "build", "run", "train inside a budget: OOMs survived, no sample lost, resumable"),
     "models": ("catalog", "build_models", "models", "list the built-in model catalog"),
     "gpus": ("catalog", "build_gpus", "gpus", "list the GPU catalog"),
 }

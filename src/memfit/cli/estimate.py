@@ -28,6 +28,12 @@ def build(est) -> None:
     est.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
                      help="mixture-of-experts only: tokens spread evenly over the experts (default), or all on the "
                           "same top-k experts (worst case for CPU bf16 kernel scratch)")
+    est.add_argument("--lengths", default=None,
+                     help="per-example token counts (.txt one a line, .npy, .jsonl with input_ids or length): "
+                          "the estimate is for the worst micro-batch, padded to its longest row (--seq-len truncates)")
+    est.add_argument("--packed", action="store_true",
+                     help="pack documents into rows of --seq-len tokens with per-document attention "
+                          "(position_ids restarting per document)")
     est.add_argument("--max-batch-size", action="store_true",
                      help="instead: the largest micro-batch of this recipe that fits the budget (as `memfit fit`)")
     _args.add_json(est, help="print the report as JSON")
@@ -35,6 +41,9 @@ def build(est) -> None:
 
 def run(args) -> int:
     if args.max_batch_size:
+        if args.lengths is not None or args.packed:
+            raise MemfitError("--max-batch-size does not take --lengths or --packed yet: estimate the batch sizes "
+                              "you consider with --batch-size")
         if args.batch_size is not None:
             raise MemfitError("--batch-size and --max-batch-size conflict: --max-batch-size finds it; drop --batch-size")
         from memfit.cli import fit
@@ -59,7 +68,8 @@ def run(args) -> int:
                           recipe=recipe, steps=args.steps, batch_size=args.batch_size,
                           seq_len=args.seq_len, fast=False if args.full else None,
                           device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,
-                          budget=args.budget if cuda else None, progress=update)
+                          budget=args.budget if cuda else None, progress=update, lengths=args.lengths,
+                          packed=args.packed)
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:

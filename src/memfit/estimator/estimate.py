@@ -21,7 +21,7 @@ from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.report.report import Report
 from memfit.estimator.trace import phases
 
-__all__ = ["estimate", "resolve_target", "DEFAULT_GPU", "check_args", "step_batch"]
+__all__ = ["estimate", "estimate_micro_batch", "resolve_target", "DEFAULT_GPU", "check_args", "step_batch"]
 
 # Below this depth a full trace is cheap enough that the fast path buys nothing.
 FAST_MIN_DEPTH = 8
@@ -30,7 +30,7 @@ FAST_MIN_DEPTH = 8
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
-             moe_routing: str = "balanced", budget=None, progress=None) -> Report:
+             moe_routing: str = "balanced", budget=None, progress=None, lengths=None, packed: bool = False) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -64,6 +64,14 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                top_k experts). Only CPU kernel scratch depends on it (``cpu_kernels.py``).
     progress   ``progress(done, total)``, called as each phase of each trace (forward, backward,
                optimizer of every step, then the replay) begins.
+    lengths    per-example token counts (a list, or a ``.txt`` / ``.npy`` / ``.jsonl`` path:
+               ``models/lengths.py``) of a Hugging Face causal or masked LM's data. Micro-batches are
+               consecutive examples, padded to their longest row (``seq_len`` truncates), or with
+               ``packed`` rows of ``seq_len`` packed tokens; the estimate is for the worst micro-batch
+               (``report.micro_batch`` says which), every micro-batch of the step having its shape.
+    packed     documents concatenated into rows of ``seq_len`` tokens with per-document attention
+               (``position_ids`` restarting per document, ``use_cache=False``: transformers' block-causal
+               mask); without ``lengths`` every row holds two documents.
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
@@ -72,22 +80,89 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     budget = _budget(budget, target)
     batch_size = step_batch(batch_size, recipe)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
+    shapes = [None]
+    if lengths is not None or packed:
+        shapes = _worst_shapes(source, batch, lengths, packed, recipe, batch_size, seq_len)
+    tick = _ticker(progress, len(shapes) * phases(recipe, steps))  # one trace a shape (depth.py traces one copy)
+    reports = [_estimate(source, batch, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
+                         batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast, tick=tick,
+                         layout=shape) for shape in shapes]
+    return max(reports, key=lambda r: (r.device_bytes, r.peak_bytes))
+
+
+def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False, ragged: bool = True,
+                         **kwargs) -> Report:
+    """The estimate of one micro-batch shape of variable-length data: ``rows`` rows of ``length``
+    tokens, padded (at least one padding token unless ``ragged=False``) or packed (each row holding
+    two documents unless ``ragged=False``); ``kwargs`` as for :func:`estimate` (a ``recipe`` with
+    ``grad_accum_steps``: every micro-batch of the step has this shape). For a trainer forming
+    token-budget micro-batches: the predicted peak of a shape it may form is ``.peak_bytes``
+    (``.device_bytes`` on a GPU)."""
+    from memfit.models.lengths import direct
+
+    for name in ("lengths", "packed", "batch", "batch_size", "seq_len"):
+        if name in kwargs:
+            raise MemfitError(f"estimate_micro_batch takes the shape as rows and length: drop {name}=")
+    return estimate(model, lengths=direct(rows, length, packed, ragged), **kwargs)
+
+
+def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_size: int, seq_len):
+    """The micro-batch shapes of ``lengths`` one of which is the worst (``lengths.worst_shapes``)."""
+    from memfit.models.lengths import MicroBatch, direct, micro_batches, read_lengths, worst_shapes
+
+    if isinstance(lengths, MicroBatch):  # estimate_micro_batch's shape
+        return [lengths]
+    if batch is not None:
+        raise MemfitError("lengths= and packed= make the batch: drop batch=, or pass your own padded or packed batch "
+                          "without them")
+    rows, rest = divmod(batch_size, recipe.grad_accum_steps)
+    if rest:
+        raise MemfitError(f"grad_accum_steps={recipe.grad_accum_steps} does not divide batch_size={batch_size}: "
+                          "pick a divisor")
+    if lengths is None:  # packed rows, each of two documents
+        if seq_len is None:
+            raise MemfitError("packed=True needs seq_len: the tokens of one packed row")
+        return [direct(rows, seq_len, True, True)]
+    return worst_shapes(micro_batches(read_lengths(lengths), rows, packed=packed, seq_len=seq_len))
+
+
+def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq_len, target, budget, fast, tick,
+              layout) -> Report:
+    """One estimate: the depth fast path or a full trace; with ``layout``, of that micro-batch shape."""
+    if layout is not None:
+        batch_size = layout.rows * recipe.grad_accum_steps
+        if recipe.micro_batch_size and recipe.micro_batch_size != layout.rows:  # a last, shorter micro-batch
+            recipe = recipe.replace(micro_batch_size=layout.rows)
     if fast and recipe.compile:
         raise MemfitError("fast=True and compile conflict: a compiled step has no per-block records for the depth "
                           "fast path to write out; leave fast unset (compiled steps are traced in full)")
     if fast is None:
         fast = (source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
                 and not recipe.compile)  # the compiled graph runs outside the blocks' modules: in full
-    tick = _ticker(progress, phases(recipe, steps))  # one trace either way (depth.py traces one copy)
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.estimator.depth import estimate_by_depth
 
-        return estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                                 steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget,
-                                 tick=tick)
-    report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory,
-                           steps=steps, batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick)
-    return report
+        report = estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
+                                   batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
+                                   layout=layout)
+    else:
+        report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
+                               batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
+                               layout=layout)
+    if layout is None:
+        return report
+    return dataclasses.replace(report, micro_batch=layout.summary(), notes=report.notes + [_shape_note(layout)])
+
+
+def _shape_note(shape) -> str:
+    kind = "packed" if shape.packed else "padded"
+    where = (f"micro-batch {shape.index + 1} of {shape.count}, the worst the lengths make: "
+             if shape.index is not None else "")
+    mask = (("rows of two or more documents: transformers builds a block-causal mask per forward"
+             if shape.packed else "padding: transformers builds a 4-D mask per forward")
+            if shape.ragged else "no padding or document boundary: runs as a dense batch, no mask")
+    tokens = f", {shape.tokens:,} real tokens" if shape.tokens is not None else ""
+    return f"{where}{shape.rows} {kind} row(s) of {shape.length} tokens{tokens}; {mask}"
 
 
 def _ticker(progress, total: int):

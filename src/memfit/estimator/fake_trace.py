@@ -23,6 +23,8 @@ from memfit.errors import MemfitError
 from memfit.estimator.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
 from memfit.estimator.trace import trace
 from memfit.hardware.cpu_kernels import CpuKernels
+from memfit.estimator.packing import PackedPositions
+from memfit.models.lengths import positions, unread_masks
 from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source
 from memfit.techniques.compile import compile_scope
@@ -33,20 +35,20 @@ __all__ = ["fake_trace"]
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
                detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None,
-               tick=None):
+               tick=None, layout=None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
-    ``trace``."""
+    ``trace``; ``layout`` (a ``models.lengths.MicroBatch``): the made batch has micro-batches of that shape."""
     if recipe.optimizer == "adamw4bit":
         raise MemfitError("optimizer=adamw4bit cannot be estimated on fake tensors (torchao compiles its step): "
                           "use memfit.measure, or adamw8bit")
     with quiet_fake_log(), compile_scope(recipe):
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
-                           budget=budget, tick=tick)
+                           budget=budget, tick=tick, layout=layout)
 
 
 def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime,
-                keep, budget, tick):
+                keep, budget, tick, layout):
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)
@@ -54,21 +56,30 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
         module = fake_copy(source.module, mode, dtype)
     else:
         module = build_fake(source.build, mode, device, dtype)
+    packing = PackedPositions()
     try:
         if batch is None:
             with mode:
-                batch = source.make_batch(batch_size, seq_len)
+                batch = source.make_batch(batch_size, seq_len, layout)
+            if layout is not None and layout.packed:
+                packing.remember(batch["position_ids"], positions(layout, batch_size // layout.rows))
         else:
+            real = batch
             batch = fake_batch(batch, mode)
+            if isinstance(batch, dict) and isinstance(batch.get("position_ids"), torch.Tensor):
+                given = real.get("position_ids") if isinstance(real, dict) else None
+                packing.remember(batch["position_ids"], given if isinstance(given, torch.Tensor) else None)
     except MemfitError:
         raise
     except Exception as err:  # noqa: BLE001 — a batch factory is the user's code
         raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}: "
                           "check the batch (or batch_size and seq_len)") from None
+    if layout is not None and not layout.ragged and not layout.packed:
+        unread_masks(module)
     reads = ScalarReads()
     config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
     top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
-    with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans():
+    with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans(), packing:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep,
@@ -91,6 +102,9 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     if recipe.compile and gpu is not None:
         notes.append("compile: Inductor's plan for the CPU (C++ kernels) under CUDA semantics; CUDA's Triton "
                      "kernels fuse and reuse buffers by the same scheduler, not checked on a GPU")
+    if packing.unknown:
+        notes.append(f"{packing.unknown} packed-sequence check(s) of the batch's position_ids had no values to read "
+                     "(a batch made on fake tensors) and were answered 'not packed': pass a real batch")
     if reads.reads:
         notes.append(f"{reads.reads} scalar read(s) of fake tensors (.item()) were answered with 0")
     if notes:

@@ -21,7 +21,7 @@ from memfit.estimator.verdict import cuda_fit
 from memfit.report.report import Report
 from memfit.techniques.apply import run_steps
 from memfit.techniques.step import batch_tensors
-from memfit.techniques.lora import lora_plan, quant_state_tensors, quantize_base
+from memfit.techniques.lora import prepare_lora, quant_state_tensors
 from memfit.units import format_size
 
 __all__ = ["trace", "model_device", "numel", "fold_peaks", "phases"]
@@ -47,8 +47,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     (forward, backward, optimizer) begins and once when the replay is done: ``phases(recipe, steps)``.
     """
     device = model_device(model)
-    if lora_plan(recipe.lora)[0] == "qlora":  # the step trains a quantised model; quantising is not part of it
-        quantize_base(model)
+    prepare_lora(model, recipe)  # peft imported, a QLoRA base quantised: neither is part of the step
     ledger = Ledger(device=device, model=model,
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
     ledger.prime = prime

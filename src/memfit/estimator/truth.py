@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from memfit.accounting.allocator_events import allocation_sizes, span
 from memfit.techniques.apply import run_steps
-from memfit.techniques.lora import lora_plan
+from memfit.techniques.lora import prepare_lora
 from memfit.techniques.recipe import recipe_from
 from memfit.techniques.step import batch_tensors
 from memfit.scoped import quiet_profiler
@@ -56,11 +56,7 @@ def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp3
     model = factory()
     if recipe.precision == "bf16":
         model.to(torch.bfloat16)
-    extra = []
-    if lora_plan(recipe.lora)[0] == "qlora":  # a quantised model, as a quantised checkpoint would load
-        from memfit.techniques.lora import quant_state_tensors, quantize_base
-
-        extra = quant_state_tensors(quantize_base(model))
+    extra = prepare_lora(model, recipe)  # a quantised model, as a quantised checkpoint would load
     base = resident_bytes(model, batch, extra)
     peak = allocator_peak(lambda: run_steps(model, batch, recipe=recipe, steps=steps, optimizer=custom,
                                             loss_fn=loss_fn))

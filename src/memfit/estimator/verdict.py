@@ -21,6 +21,19 @@ enforces one, ``torch.cuda.set_per_process_memory_fraction((budget - context) / 
 allocator then refuses a new segment when ``reserved + alloc_size`` would pass ``budget - context``
 (its ``allowed_memory_maximum``), and only then does ``garbage_collection_threshold`` act.
 
+Managed memory (bitsandbytes' paged optimizer state, ``cudaMallocManaged``) is not the allocator's:
+it is left out of the replay (``allocated`` and ``reserved`` stay what torch's counters show) and
+judged apart. It shares the card with the allocator's segments, and the driver evicts it to the
+host when ``cudaMalloc`` needs the room, so from step 2 on (reserved sits at its peak: the cache
+keeps it) it has ``capacity - reserved`` of the card. bnb prefetches a parameter's paged state and
+updates it (``Optimizer8bit.step``: ``prefetch_state`` then ``update_step``), so those pages must be
+on the device together: the step fits only if ``reserved + managed_resident_bytes <= capacity``
+(else ``out_of_memory``, missing the difference: without that room the update runs on page faults,
+and with none at all it cannot run). The rest may page: ``paged_bytes = managed - (capacity -
+reserved)`` does not stay on the card and crosses the host link each step (the planner's cost model
+charges it, ``planner/cost.py``). A lower bound: the driver evicts least recently migrated pages
+first, and a step walks the state in the same order every time, so more may move.
+
 The margin: estimates are not exact, so a step that fits with less headroom than the measured error
 is called ``tight``. The error is taken from ``bench/results/gpu-accuracy-h100.json`` (42 training
 runs on an H100, torch 2.11, against estimates made on this CPU), nearest-rank 90th percentile of
@@ -80,6 +93,11 @@ class CudaFit:
     replayed        True when the verdict comes from replaying the events, False when from a
                     reserved figure alone (``fit_reserved``).
     unlimited       the allocator's statistics with no limit (the default configuration).
+    managed_bytes   CUDA managed memory at its peak (paged optimizer state), outside ``allocated``
+                    and ``reserved``; None without any.
+    managed_resident_bytes  of it, what must be on the device at once (one parameter's paged state).
+    paged_bytes     of it, what does not fit beside ``reserved`` and pages to the host each step
+                    (None without managed memory or on OOM).
     """
 
     verdict: str
@@ -94,6 +112,9 @@ class CudaFit:
     tight: bool
     replayed: bool
     unlimited: AllocatorStats | None = None
+    managed_bytes: int | None = None
+    managed_resident_bytes: int | None = None
+    paged_bytes: int | None = None
 
     @property
     def headroom_bytes(self) -> int:
@@ -104,7 +125,8 @@ class CudaFit:
         return dict(peak_bytes=self.allocated, reserved_bytes=self.reserved, verdict=self.verdict,
                     capacity_bytes=self.capacity_bytes, budget_bytes=self.budget_bytes, retries=self.retries,
                     missing_bytes=self.missing_bytes, error_margin_bytes=self.error_margin_bytes,
-                    tight=self.tight)
+                    tight=self.tight, managed_bytes=self.managed_bytes,
+                    managed_resident_bytes=self.managed_resident_bytes, paged_bytes=self.paged_bytes)
 
 
 def limits(gpu, budget: int | None) -> tuple[int, int | None]:
@@ -179,22 +201,50 @@ def cuda_fit(ledger, gpu, budget: int | None = None, *, garbage_collection_thres
                 else min(unlimited.peak_reserved, expandable.peak_reserved))
         missing = max(need - capacity, 0)
     allocated = unlimited.peak_allocated if verdict == OOM else stats.peak_allocated
+    from memfit.accounting.ledger import managed_peak
+
+    managed = _managed(*managed_peak(ledger), capacity - stats.peak_reserved, verdict)
+    if managed.get("missing") is not None:
+        verdict, missing = OOM, managed.pop("missing")
+    managed.pop("missing", None)
     margin = error_margin(stats.peak_reserved)
     return CudaFit(verdict=verdict, gpu=gpu.name, capacity_bytes=capacity, budget_bytes=budget,
                    allocated=allocated, reserved=stats.peak_reserved, retries=stats.num_alloc_retries,
                    missing_bytes=missing, error_margin_bytes=margin,
-                   tight=verdict != OOM and capacity - stats.peak_reserved < margin, replayed=True,
-                   unlimited=unlimited)
+                   tight=verdict != OOM and capacity - stats.peak_reserved - (managed["managed_resident_bytes"] or 0)
+                   < margin, replayed=True, unlimited=unlimited, **managed)
 
 
-def fit_reserved(allocated: int, reserved: int, gpu, budget: int | None = None) -> CudaFit:
+def _managed(total: int, resident: int, room: int, verdict: str) -> dict:
+    """``total`` bytes of managed memory, ``resident`` of them needed at once, beside ``room`` bytes
+    the allocator leaves on the card (module docstring): the CudaFit fields, and ``missing`` when
+    the resident part does not fit."""
+    if not total:
+        return dict(managed_bytes=None, managed_resident_bytes=None, paged_bytes=None)
+    out = dict(managed_bytes=total, managed_resident_bytes=resident, paged_bytes=None)
+    if verdict != OOM and room < resident:
+        out["missing"] = resident - room
+    elif verdict != OOM:
+        out["paged_bytes"] = max(total - room, 0)
+    return out
+
+
+def fit_reserved(allocated: int, reserved: int, gpu, budget: int | None = None,
+                 managed: tuple[int, int] = (0, 0)) -> CudaFit:
     """A verdict from a reserved figure alone (no event stream to replay): it fits if the unlimited
     reserved peak does, else out of memory, with ``reserved`` capped at the capacity. Release-and-
-    retry and expandable segments cannot be judged without the events, so this errs towards OOM."""
+    retry and expandable segments cannot be judged without the events, so this errs towards OOM.
+    ``managed``: (bytes, resident bytes) of managed memory, judged as ``cuda_fit`` does."""
     capacity, _ = limits(gpu, budget)
     fits = reserved <= capacity
+    missing = None if fits else reserved - capacity
+    extra = _managed(*managed, capacity - reserved, FITS if fits else OOM)
+    if extra.get("missing") is not None:
+        fits, missing = False, extra["missing"]
+    extra.pop("missing", None)
     margin = error_margin(min(reserved, capacity))
     return CudaFit(verdict=FITS if fits else OOM, gpu=gpu.name, capacity_bytes=capacity, budget_bytes=budget,
                    allocated=allocated, reserved=min(reserved, capacity), retries=0,
-                   missing_bytes=None if fits else reserved - capacity, error_margin_bytes=margin,
-                   tight=fits and capacity - reserved < margin, replayed=False)
+                   missing_bytes=missing, error_margin_bytes=margin,
+                   tight=fits and capacity - reserved - (extra["managed_resident_bytes"] or 0) < margin,
+                   replayed=False, **extra)

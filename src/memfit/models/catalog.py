@@ -141,6 +141,11 @@ CATALOG: dict[str, CatalogEntry] = {
                            projection_dim=768, hidden_act="quick_gelu"),
         image_token_id=32000, image_seq_length=576, vision_feature_layer=-2,
         vision_feature_select_strategy="default", projector_hidden_act="gelu", tie_word_embeddings=False)),
+    # microsoft/phi-1_5 (partial rotary: half of each head)
+    "phi-1.5": CatalogEntry("phi", "causal-lm", dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=51200, partial_rotary_factor=0.5, max_position_embeddings=2048,
+        hidden_act="gelu_new", layer_norm_eps=1e-5, tie_word_embeddings=False)),
     # google-bert/bert-base-uncased, bert-large-uncased
     "bert-base": CatalogEntry("bert", "masked-lm", dict(
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -162,6 +167,15 @@ CATALOG: dict[str, CatalogEntry] = {
     "vit-large": CatalogEntry("vit", "image-classification", dict(
         hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
         image_size=224, patch_size=16, num_labels=1000)),
+    # google/vit-huge-patch14-224-in21k
+    "vit-huge": CatalogEntry("vit", "image-classification", dict(
+        hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120,
+        image_size=224, patch_size=14, num_labels=1000)),
+    # facebook/dinov2-giant (SwiGLU MLP: 2 x 4096 in, 4096 out; layer scale)
+    "dinov2-giant": CatalogEntry("dinov2", "image-classification", dict(
+        hidden_size=1536, num_hidden_layers=40, num_attention_heads=24, mlp_ratio=4, use_swiglu_ffn=True,
+        image_size=518, patch_size=14, layerscale_value=1.0, layer_norm_eps=1e-6, qkv_bias=True,
+        num_labels=1000, architectures=["Dinov2ForImageClassification"])),
 }
 
 

@@ -73,7 +73,7 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, _grad_last):
-        dA, C = ctx.held[4], ctx.held[5]
+        dA = ctx.held[4]
         b, d, length, n = dA.shape
         device = dA.device
         a_dtype, u_dtype, c_dtype = ctx.dtypes

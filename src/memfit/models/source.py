@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models import families
+from memfit.models import families, lengths, tasks
 from memfit.models.catalog import lookup
 from memfit.models.check import check_config, checked_build, import_object, read_config
 
@@ -63,20 +63,23 @@ class Source:
             return None
         return families.default_seq_len(self.config, self.task)
 
-    def make_batch(self, batch_size: int, seq_len: int | None) -> dict[str, torch.Tensor]:
-        """A batch this model trains on, built in the current device / fake mode."""
+    def make_batch(self, batch_size: int, seq_len: int | None, layout=None) -> dict[str, torch.Tensor]:
+        """A batch this model trains on, built in the current device / fake mode. ``layout`` (a
+        ``lengths.MicroBatch``): ``batch_size // layout.rows`` micro-batches of that shape."""
         if self.config is None:
             raise MemfitError(f"{self.name} has no config to build a batch from: pass batch=")
+        if layout is not None:
+            lengths.check_task(self.task, layout.packed, self.name)
+            families.check_seq_len(self.config, self.task, layout.length, self.name)
+            return lengths.shape_batch(layout, batch_size // layout.rows, task=self.task)
         if self.task == "image-classification":
-            size = self.config.image_size
-            return {
-                "pixel_values": torch.randn(batch_size, self.config.num_channels, size, size),
-                "labels": torch.randint(0, self.config.num_labels, (batch_size,)),
-            }
+            return tasks.labelled_batch(self.config, self.task, batch_size, None)
         seq_len = seq_len or self.default_seq_len()
         families.check_seq_len(self.config, self.task, seq_len, self.name)
         if self.task in families.BATCHES:
             return families.BATCHES[self.task](self.config, batch_size, seq_len)
+        if self.task in tasks.LABELLED:
+            return tasks.labelled_batch(self.config, self.task, batch_size, seq_len)
         ids = torch.randint(0, self.config.vocab_size, (batch_size, seq_len))
         return {"input_ids": ids, "labels": ids.clone()}
 
@@ -128,14 +131,7 @@ def _task(config) -> str:
     if hasattr(config, "vision_config") or hasattr(config, "audio_config"):
         raise MemfitError(f"memfit cannot make a batch for {config.model_type} (multimodal inputs): pass a factory "
                           "and batch=, e.g. estimate(lambda: Model(config), batch)")
-    archs = getattr(config, "architectures", None)
-    for arch in [a for a in archs if isinstance(a, str)] if isinstance(archs, (list, tuple)) else ():
-        for suffix, task in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"),
-                             ("ForMaskedLM", "masked-lm"), ("ForConditionalGeneration", "seq2seq"),
-                             ("ForImageClassification", "image-classification")):
-            if arch.endswith(suffix):
-                return task
-    return _TASKS.get(config.model_type, "causal-lm")
+    return tasks.task_of(getattr(config, "architectures", None)) or _TASKS.get(config.model_type, "causal-lm")
 
 
 def _from_factory(spec: str) -> Source:
@@ -146,14 +142,7 @@ def _hf_source(name: str, config, task: str) -> Source:
     def build():
         import transformers
 
-        auto = {
-            "causal-lm": transformers.AutoModelForCausalLM,
-            "masked-lm": transformers.AutoModelForMaskedLM,
-            "seq2seq": transformers.AutoModelForSeq2SeqLM,
-            "image-classification": transformers.AutoModelForImageClassification,
-            "speech-seq2seq": transformers.AutoModelForSpeechSeq2Seq,
-            "image-text-to-text": transformers.AutoModelForImageTextToText,
-        }[task]
+        auto = getattr(transformers, tasks.AUTO_CLASSES[task])
         try:
             return auto.from_config(config)
         except ValueError as err:
@@ -161,4 +150,5 @@ def _hf_source(name: str, config, task: str) -> Source:
                               f"{str(err).splitlines()[0][:120]}") from None
 
     check_config(config, name)
+    config = tasks.with_pad_token(config, task)
     return Source(name, build=checked_build(build, name, user=False), config=config, task=task)

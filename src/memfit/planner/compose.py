@@ -178,7 +178,9 @@ class Engine:
         every = int(r.checkpointing.split(":")[1])
         return math.ceil(self.depth / every) / self.depth
 
-    def predict(self, r: Recipe) -> Plan:
+    def predict(self, r: Recipe, budget: int | None = None) -> Plan:
+        """``r``'s predicted memory and step time; ``budget`` (bytes, context included): the room
+        paged optimizer state has beside the prediction, whose overflow the step pays to page."""
         key = self._graph_key(r)
         share = self._share(r)
         graphs, optims = {}, {}
@@ -190,9 +192,9 @@ class Engine:
             graphs[depth] = g
             optims[depth] = self._optims[self._optim_key(r)][depth]
         return self._compose(r, terms_at_depth(graphs, self.depths, self.depth),
-                             terms_at_depth(optims, self.depths, self.depth))
+                             terms_at_depth(optims, self.depths, self.depth), budget)
 
-    def _compose(self, r: Recipe, g: GraphTerms, o: OptimizerTerms) -> Plan:
+    def _compose(self, r: Recipe, g: GraphTerms, o: OptimizerTerms, budget: int | None = None) -> Plan:
         k = r.grad_accum_steps
         state = o.state
         # Graph traces run one step: from step 2 on, forward also holds the cuBLAS workspace that
@@ -212,6 +214,8 @@ class Engine:
         # a prediction is allocated bytes plus the CUDA context.
         allocated = int(peak + max(0.0, o.rounding))
         device = allocated + (0 if self.target is None else self.target.cuda_context_bytes)
+        if o.managed and budget is not None:  # paged state beyond the card's room moves each step
+            seconds += self.speed.paging_seconds(o.managed - max(budget - device, 0))
         reserved = None
         samples = self.global_batch_size / seconds
         tokens = samples * self.seq_len if self.seq_len and self.source.config is not None and \
@@ -252,7 +256,8 @@ class Engine:
                     def demand(report):  # on out of memory: what it held at the limit and what was missing
                         return report.reserved_bytes + (report.missing_bytes or 0)
 
-                    cuda = fit_reserved(peak, line(demand(two), demand(three)), self.target, budget).report_fields()
+                    cuda = fit_reserved(peak, line(demand(two), demand(three)), self.target, budget,
+                                        (three.managed_bytes or 0, three.managed_resident_bytes or 0)).report_fields()
                 if cuda and (cuda["verdict"] != FITS or cuda["tight"]) and k <= FULL_ACCUMULATION:
                     # Near or past the limit the line cannot say what torch does there (free and
                     # retry, expandable segments): up to FULL_ACCUMULATION micro-batches are traced

@@ -5,7 +5,10 @@ Each kernel row of a traced step (``accounting/ops.py``: FLOPs, bytes moved, mat
 tensor cores, everything else by memory, and eager PyTorch pays a fixed cost per kernel. Activation
 offload adds its bytes over the host link twice (out after forward, back for backward; the copies
 are synchronous in ``techniques/offload_activations.py``). The planner sums these per micro-batch and adds the
-optimizer's kernels.
+optimizer's kernels. Paged optimizer state (bitsandbytes, CUDA managed memory) that does not fit
+on the card beside the allocator's reserved memory is evicted to the host and brought back each
+step: ``paging_seconds`` charges those bytes over the host link both ways (``estimator/verdict.py``
+says which part pages).
 
 Rates: for a catalog GPU, its datasheet peaks (``gpus.py``) times the fraction eager PyTorch
 reaches (``EFFICIENCY``, checked against the H100 runs recorded in ``bench/results``; see
@@ -64,6 +67,11 @@ class Speed:
 
     def transfer_seconds(self, nbytes: float) -> float:
         return nbytes / self.host_link if self.host_link else 0.0
+
+    def paging_seconds(self, paged: float) -> float:
+        """Seconds a step spends paging ``paged`` bytes of managed memory: in before their update,
+        out (written back, the update dirtied them) to make room for the next ones."""
+        return 2 * self.transfer_seconds(max(paged, 0.0))
 
 
 def _timed(fn, repeat: int = 3) -> float:

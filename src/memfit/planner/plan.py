@@ -29,7 +29,7 @@ from memfit.planner.result import NothingFits, Plan, Plans
 from memfit.planner.space import ALLOWABLE, allowed_names, search_space
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
-from memfit.units import parse_size
+from memfit.units import format_size, parse_size
 
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
 
@@ -101,7 +101,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = search_space(engine, allowed, optimizer)
     engine.prepare(space)
-    predicted = [engine.predict(r) for r in space]
+    predicted = [engine.predict(r, budget_bytes if target is not None else None) for r in space]
     fitting = sorted((p for p in predicted if p.device_bytes <= budget_bytes), key=_rank)
     notes = list(engine.notes)
     chosen, report, rejected = None, None, 0
@@ -119,6 +119,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
             break
         if _fits(full, budget_bytes) and fallback is None:
             fallback = (candidate, full)
+    roomy_choice = chosen is not None
     for candidate in ([] if chosen is not None or fallback is not None else fitting[:MAX_CHECKS]):
         full = _checked(engine, candidate.recipe, explicit)
         if _fits(full, budget_bytes):
@@ -131,6 +132,12 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                      "terms its reasons give")
     if rejected:
         notes.append(f"{rejected} faster candidate(s) predicted to fit were over budget by a full estimate")
+    if roomy_choice:
+        tight = [p for p in fitting if p not in roomy and _rank(p) < _rank(chosen)]
+        if tight:
+            notes.append(f"{len(tight)} faster candidate(s) predicted to fit leave less than the measured estimation "
+                         f"error free (the fastest needs {format_size(tight[0].device_bytes)} of "
+                         f"{format_size(budget_bytes)}) and were not tried")
     if chosen is None:
         # Predictions are approximate where they interpolate (every N-th block) and leave out the
         # allocator's reserved memory: the smallest few are checked in full before the answer is
@@ -173,8 +180,9 @@ def _checked(engine, recipe: Recipe, budget: int | None):
     from memfit.estimator.verdict import FITS, fit_reserved, limits
 
     if full.verdict == FITS and not full.retries and full.reserved_bytes <= limits(engine.target, budget)[0]:
+        managed = (full.managed_bytes or 0, full.managed_resident_bytes or 0)
         return dataclasses.replace(full, **fit_reserved(full.peak_bytes, full.reserved_bytes, engine.target,
-                                                        budget).report_fields())
+                                                        budget, managed).report_fields())
     return engine.verify(recipe, budget)
 
 

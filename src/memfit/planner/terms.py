@@ -44,6 +44,7 @@ class OptimizerTerms:
     inbwd_extra: float  # stepping inside backward: bytes over plain backward's peak (0 if it cannot)
     inbwd_seconds: float  # stepping inside backward: seconds over plain backward's kernels
     rounding: float  # CUDA: the allocator's 512-byte rounding, mostly of the many small weights, grads, states
+    managed: float = 0.0  # CUDA: paged optimizer state in managed memory, outside every figure above
 
 
 def lerp(a, b, w):
@@ -204,4 +205,5 @@ def optimizer_terms(plain, inbwd, speed: Speed) -> OptimizerTerms:
         inbwd_extra=inbwd_extra,
         inbwd_seconds=inbwd_seconds,
         rounding=0.0 if replay.allocator is None else float(replay.allocator.peak_allocated - live.max()),
+        managed=float(replay.managed_bytes),
     )

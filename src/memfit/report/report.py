@@ -62,6 +62,19 @@ class Report:
     retries         cudaFree-and-retry rounds torch would go through (each synchronises: slow).
     missing_bytes   on "out_of_memory": more memory that would let the step run.
     error_margin_bytes  headroom the measured estimation error asks for; ``tight`` when less is left.
+
+    Managed memory (bitsandbytes' paged optimizer state, ``cudaMallocManaged``) is in neither
+    ``peak_bytes`` nor ``reserved_bytes`` (torch's counters do not see it) nor ``by_category``:
+    managed_bytes           its peak; None without any (always on CPU semantics: bnb does not page there).
+    managed_resident_bytes  what must be on the device at once: the paged state of the parameter being
+                            updated (the verdict requires reserved + this <= capacity).
+    paged_bytes             what does not fit beside reserved and pages to the host each step.
+
+    With ``lengths=`` or ``packed=True`` (``models/lengths.py``) the estimate is for one micro-batch shape,
+    the worst one the lengths make:
+    micro_batch     rows, length (padded length or pack size), packed, ragged (padding, or a row of two
+                    or more documents: transformers builds a 4-D mask), index (0-based, in the order given),
+                    count (micro-batches the lengths make) and tokens (real tokens in it).
     """
 
     peak_bytes: int
@@ -88,6 +101,10 @@ class Report:
     missing_bytes: int | None = None
     error_margin_bytes: int | None = None
     tight: bool | None = None
+    managed_bytes: int | None = None
+    managed_resident_bytes: int | None = None
+    paged_bytes: int | None = None
+    micro_batch: dict | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -131,6 +148,9 @@ class Report:
             f"{self.bytes_per_parameter:.1f} bytes/param over {self.parameters:,} params)",
             "at the peak:",
         ]
+        if self.managed_bytes:
+            lines.insert(1, f"managed memory (paged optimizer state, outside the peak): "
+                            f"{format_size(self.managed_bytes)}")
         if self.reserved_bytes is not None:
             lines.insert(1, f"{self.gpu}: reserved {format_size(self.reserved_bytes)} + CUDA context "
                             f"{format_size(self.context_bytes or 0)} = {format_size(self.device_bytes)} on the device")
@@ -163,4 +183,17 @@ def verdict_line(report: Report) -> str:
     if report.tight:
         text += (f"; tight: {format_size(report.headroom_bytes)} left is less than the measured error "
                  f"({format_size(report.error_margin_bytes)})")
+    return text + managed_line(report)
+
+
+def managed_line(report: Report) -> str:
+    """What the verdict says of managed memory (paged optimizer state), or "" without any."""
+    if not report.managed_bytes:
+        return ""
+    text = (f"; paged optimizer state: {format_size(report.managed_bytes)} of managed memory outside reserved, "
+            f"{format_size(report.managed_resident_bytes or 0)} of it on the device while its parameter updates")
+    if report.paged_bytes:
+        text += f"; {format_size(report.paged_bytes)} does not fit beside reserved and pages to the host each step"
+    elif report.paged_bytes == 0:
+        text += "; all of it stays on the card"
     return text

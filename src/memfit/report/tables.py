@@ -24,7 +24,8 @@ def verdict(report: Report, budget: int | None = None) -> dict:
 
     On a GPU (``report.verdict`` set) what torch's allocator would do on the card, replayed under its
     limit (``memfit/estimator/verdict.py``): ``verdict``, ``alloc_conf`` (the setting it needs, if any), ``retries``,
-    ``missing_bytes``, ``tight`` and the error margin; ``budget_bytes`` is the card's memory or the
+    ``missing_bytes``, ``tight`` and the error margin; with paged optimizer state, ``managed_bytes``,
+    ``managed_resident_bytes`` and ``paged_bytes`` (``Report``); ``budget_bytes`` is the card's memory or the
     budget the report was made for, ``margin_bytes`` what is left. On the CPU the peak against ``budget``.
     """
     if report.verdict is None:
@@ -32,7 +33,10 @@ def verdict(report: Report, budget: int | None = None) -> dict:
         return {"budget_bytes": budget, "needed_bytes": report.device_bytes, "fits": margin >= 0,
                 "margin_bytes": margin}
     limit = report.capacity_bytes + (report.context_bytes or 0)
-    return {"verdict": report.verdict, "fits": report.verdict != OOM,
+    managed = {} if not report.managed_bytes else {
+        "managed_bytes": report.managed_bytes, "managed_resident_bytes": report.managed_resident_bytes,
+        "paged_bytes": report.paged_bytes}
+    return managed | {"verdict": report.verdict, "fits": report.verdict != OOM,
             "alloc_conf": "expandable_segments:True" if report.verdict == EXPANDABLE else None,
             "budget_bytes": limit, "needed_bytes": report.device_bytes, "margin_bytes": report.headroom_bytes,
             "capacity_bytes": report.capacity_bytes, "retries": report.retries,
@@ -60,7 +64,9 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
     if report.reserved_bytes is not None:
         parts.append(Text(f"{report.gpu}: allocated {format_size(report.peak_bytes)}, reserved "
                           f"{format_size(report.reserved_bytes)} + CUDA context {format_size(report.context_bytes or 0)} "
-                          f"= {format_size(report.device_bytes)} on the device"))
+                          f"= {format_size(report.device_bytes)} on the device"
+                          + (f"; managed memory (paged optimizer state) {format_size(report.managed_bytes)} beside it"
+                             if report.managed_bytes else "")))
     if report.verdict is not None:
         style = "bold red" if report.verdict == OOM else ("yellow" if report.tight or report.retries
                                                           or report.verdict == EXPANDABLE else "green")
@@ -87,6 +93,9 @@ def _categories(report: Report) -> Table:
         if nbytes:
             table.add_row(cat, format_size(nbytes), f"{100 * nbytes / max(report.peak_bytes, 1):.1f}%",
                           f"{nbytes / max(report.parameters, 1):.2f}")
+    if report.managed_bytes:  # outside the peak: torch's counters do not see it
+        table.add_row("optimizer_state (managed, paged)", format_size(report.managed_bytes), "outside",
+                      f"{report.managed_bytes / max(report.parameters, 1):.2f}")
     return table
 
 

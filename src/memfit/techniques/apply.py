@@ -49,6 +49,9 @@ class _Quiet:
     def mark(self, tensor, category):
         pass
 
+    def manage(self, tensors):
+        pass
+
 
 def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=None, loss_fn=None, watch=None):
     """Apply ``recipe`` to ``model`` (in place); returns ``(model, optimizer, step)``.
@@ -101,14 +104,26 @@ class _Step:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _forward(self, part):
-        with self._hooks(), contextlib.ExitStack() as stack:
+        # No hooks when nothing packs and nobody watches: an identity pack hook keeps a saved output
+        # and its grad_fn in a cycle torch's gc cannot see, so a forward that raises (an OOM) would
+        # leak its partial graph; backward breaks the cycle, an exception does not.
+        hooks = self._hooks() if self.pack or not isinstance(self.watch, _Quiet) else contextlib.nullcontext()
+        with hooks, contextlib.ExitStack() as stack:
             for context in self.contexts:
                 stack.enter_context(context())
             return self.loss_fn(self.model, part)
 
     def __call__(self, batch):
-        index, self.count = self.count, self.count + 1
-        micro = self.split(batch)
+        """One optimizer step over ``batch``, split as the recipe says."""
+        total = self.backward(self.split(batch))
+        self.update()
+        return total
+
+    def backward(self, micro: list):
+        """Forward and backward of each micro-batch of ``micro`` (one global batch), losses weighted
+        so the accumulated gradients are the whole batch's; returns the batch's loss. The optimizer
+        has not stepped: ``update`` does that (a trainer may redo this after an out-of-memory error)."""
+        index = self.count
         weights = token_weights(self.model, micro) if len(micro) > 1 else [None]
         total = None
         for part, weight in zip(micro, weights):
@@ -123,6 +138,11 @@ class _Step:
         for param in self.model.parameters():
             if param.grad is not None:
                 self.watch.mark(param.grad, Category.GRADIENTS)
+        return total
+
+    def update(self, step=None) -> None:
+        """The optimizer step (``step()`` instead of ``opt.step()`` if given), then gradients zeroed."""
+        index = self.count
         self.watch.begin("optimizer", index)
         if self.scaler:
             before = self.scaler.get_scale()
@@ -130,13 +150,13 @@ class _Step:
             self.scaler.update()
             self.skipped += self.scaler.get_scale() < before  # the scale backs off only on a skip
         else:
-            self.opt.step()
+            (step or self.opt.step)()
         for state in getattr(self.opt, "state", {}).values():  # torchao's CPU offload keeps none here
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self.watch.mark(value, Category.OPTIMIZER_STATE)
         self.opt.zero_grad(set_to_none=self.set_to_none)
-        return total
+        self.count += 1
 
 
 def run_steps(model, batch, *, recipe: Recipe, steps: int, optimizer=None, loss_fn=None, watch=None):

@@ -2,10 +2,18 @@
 
 Each name maps to torch's own class with the settings people train with; a callable
 ``params -> Optimizer`` passes through unchanged, so any optimizer can be estimated.
+
+Paged optimizers (bitsandbytes' ``paged_adamw8bit``, or any bnb optimizer with ``is_paged``) keep
+the state of each parameter of at least ``PAGED_MIN_NUMEL`` elements in CUDA managed memory
+(``F.get_paged``: ``cudaMallocManaged``), outside torch's caching allocator, so it never shows in
+``max_memory_allocated`` / ``max_memory_reserved`` and the driver pages it to the host under
+pressure. Traced with CUDA semantics on the CPU, bnb takes its CPU path (plain tensors, a warning);
+``page_state`` then tells the ledger which buffers a GPU would have made managed.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -13,7 +21,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["OPTIMIZERS", "APPROXIMATE", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
+__all__ = ["PAGED_MIN_NUMEL", "page_state", "OPTIMIZERS", "APPROXIMATE", "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -90,9 +98,45 @@ APPROXIMATE_OPTIMIZERS = tuple(APPROXIMATE)
 SEARCH_APPROXIMATE = ("adamw8bit", "paged_adamw8bit")
 
 
+#: bitsandbytes ``Optimizer8bit.get_state_buffer`` (0.50): on a GPU, a paged optimizer's state
+#: buffer is ``F.get_paged`` (managed memory) unless ``p.numel() < 1e5``; then, and for the
+#: ``absmax`` / ``qmap`` tensors of 8-bit state, a plain ``torch.zeros`` on the device.
+#: ``tests/test_managed.py`` runs bnb's own method to check this.
+PAGED_MIN_NUMEL = 100_000
+
+
+def page_state(opt, watch) -> None:
+    """Under CUDA semantics (``hardware.cuda.active()``), mark the state buffers of a paged bnb
+    optimizer that a GPU would allocate as managed memory: ``watch.manage(buffers)`` with all the
+    managed buffers of one parameter (bnb prefetches them together before its update)."""
+    from memfit.hardware.cuda import active
+
+    manage = getattr(watch, "manage", None)
+    if not getattr(opt, "is_paged", False) or manage is None or not active():
+        return
+    plain, buffers = opt.get_state_buffer, {}
+
+    def get_state_buffer(p, dtype=torch.float32):
+        with warnings.catch_warnings():  # bnb's "not supported on CPU": the trace's CPU, not the GPU's step
+            warnings.filterwarnings("ignore", "Paged optimizers are not supported on CPU")
+            buff = plain(p, dtype=dtype)
+        if p.numel() >= PAGED_MIN_NUMEL:
+            buffers.setdefault(id(p), []).append(buff)
+            manage(buffers[id(p)])
+        return buff
+
+    opt.get_state_buffer = get_state_buffer
+
+
 def _apply(build) -> None:
-    spec, impl = build.optimizer_spec, build.recipe.optimizer_impl
-    build.make_optimizer = lambda params: make_optimizer(spec, params, impl)
+    spec, impl, watch = build.optimizer_spec, build.recipe.optimizer_impl, build.watch
+
+    def make(params):
+        opt = make_optimizer(spec, params, impl)
+        page_state(opt, watch)
+        return opt
+
+    build.make_optimizer = make
 
 
 def _conflicts(r):

@@ -1,0 +1,321 @@
+"""memfit against GPU peak-memory figures that others measured and published.
+
+    python bench/published.py                    # every row; writes bench/results/published.json
+    python bench/published.py --rows tt-8b-full-4090,hf-bert-vanilla   # a few (merged into the file)
+    python bench/published.py --json             # the result as JSON on stdout
+    python bench/published.py --markdown         # the README table, from the results file (no estimates)
+
+The rows (``bench/published_rows.py``) quote torchtune's README tables, torchao's optimizer
+benchmarks, the Hugging Face single-GPU training guide and LitGPT's resource tables: each names its
+source, commit and row, the run's settings, and what was measured. memfit's figure of the same kind
+is compared: ``active`` / ``allocated`` with ``peak_bytes``, ``reserved`` with ``reserved_bytes``,
+``nvidia-smi`` with ``device_bytes`` (reserved + the catalog's CUDA context). This is the only
+independent truth a CPU-only machine has for whole recipes at full size; the figures were taken by
+other people on other software versions, so a row's error mixes memfit's error with version drift.
+
+Features being built beside this bench are detected, not assumed: a Recipe field the tree does not
+have (``compile``, ``lora_targets``, ``lora_alpha``, ``lora_dropout``, ``offload_gradients``), an
+``estimate`` keyword it does not take (``packed``), a report without ``managed_bytes`` (paged
+optimizer state counted inside the allocator), or a torchao optimizer it cannot trace: the row runs
+without it and lists it under ``missing``. Rows are never dropped for a miss; the summary gives the
+median over all rows and over the rows that miss nothing. A row this tree refuses to estimate at
+all (``offload_optimizer`` cannot be traced with CUDA semantics) is listed as not estimated, with
+the refusal, and left out of the medians.
+
+Written by hand (no library compares an estimator with published tables). The two loss functions
+below restate what torchtune's recipes and LitGPT's ``finetune/lora.py`` compute, because the
+Hugging Face ``model(**batch).loss`` upcasts the whole logits to fp32 and they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import memfit  # noqa: E402
+from memfit.techniques.recipe import Recipe  # noqa: E402
+from memfit.techniques.registry import fields  # noqa: E402
+from published_rows import EXCLUDED, ROWS  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results", "published.json")
+UNITS = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20}
+FIGURE = {"active": "peak_bytes", "allocated": "peak_bytes", "reserved": "reserved_bytes",
+          "nvidia-smi": "device_bytes"}
+IGNORE = -100
+
+
+# --- the losses the sources compute ---------------------------------------------------------------
+
+def _lm_parts(model):
+    """(decoder without head, head) of a Hugging Face causal LM, through a peft wrapper."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model.base_model, model.get_output_embeddings()
+
+
+def torchtune_loss(chunks: int):
+    """torchtune's recipe loss: labels shifted by one with an ignored last position. ``chunks`` 0:
+    ``nn.CrossEntropyLoss`` on the bf16 logits (no upcast); else ``CEWithChunkedOutputLoss``: the
+    decoder's output projection per sequence chunk (all chunks kept), each chunk upcast to fp32 in
+    its own cross-entropy (torchtune/modules/loss/ce_chunked_output_loss.py)."""
+
+    def loss_fn(model, batch):
+        base, head = _lm_parts(model)
+        hidden = base(input_ids=batch["input_ids"]).last_hidden_state
+        labels = batch["labels"]
+        labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
+        if not chunks:
+            logits = head(hidden)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
+        for piece, y in zip(logits, labels.chunk(chunks, dim=1)):
+            total = total + F.cross_entropy(piece.reshape(-1, piece.shape[-1]).float(), y.reshape(-1),
+                                            ignore_index=IGNORE, reduction="sum")
+        return total / (labels != IGNORE).sum()
+
+    return loss_fn
+
+
+def litgpt_loss(chunk_tokens: int):
+    """LitGPT 8641822 ``finetune/lora.py``: ``model(x, lm_head_chunk_size=128)`` returns the head's
+    bf16 output per 128-token chunk, ``chunked_cross_entropy`` takes each chunk's cross-entropy
+    (reduction none, no upcast) and the mean of their concatenation."""
+
+    def loss_fn(model, batch):
+        base, head = _lm_parts(model)
+        hidden = base(input_ids=batch["input_ids"]).last_hidden_state
+        logits = [head(h) for h in hidden.split(chunk_tokens, dim=1)]
+        logits[-1] = logits[-1][:, :-1]
+        targets = batch["labels"][:, 1:].split(chunk_tokens, dim=1)
+        losses = [F.cross_entropy(piece.reshape(-1, piece.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
+                                  reduction="none") for piece, y in zip(logits, targets)]
+        return torch.cat(losses).mean()
+
+    return loss_fn
+
+
+LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"]),
+          "litgpt": lambda spec: litgpt_loss(spec["chunk_tokens"])}
+
+
+# --- one row -------------------------------------------------------------------------------------
+
+def _model(row):
+    """What ``estimate`` gets as the model (and its batch, for heads the catalog does not build)."""
+    if "config" not in row:
+        return row["model"], None
+    from transformers import AutoConfig
+
+    from memfit.models.catalog import lookup
+
+    entry = lookup(row["model"])
+    config = AutoConfig.for_model(entry.model_type, **{**entry.config, **row["config"]})
+    if row.get("head") != "sequence-classification":
+        return config, None
+    from transformers import AutoModelForSequenceClassification
+
+    rows, seq = row["batch_size"], row["seq_len"]
+    batch = lambda: {"input_ids": torch.randint(100, 30000, (rows, seq)),  # noqa: E731 the guide's data
+                     "labels": torch.zeros(rows, dtype=torch.long)}
+    return (lambda: AutoModelForSequenceClassification.from_config(config)), batch
+
+
+def _optimizer(row, recipe: dict, missing: list) -> None:
+    """Pick the torchao optimizer a row names if this tree has one by name, else keep the row's
+    stand-in (same state bytes) and say so."""
+    lib = row.get("optimizer_lib")
+    if not lib:
+        return
+    choices = next(f.choices for f in fields() if f.name == "optimizer")
+    bits = "fp8" if lib.endswith("fp8") else re.search(r"\d+bit", recipe["optimizer"]).group()
+    named = [c for c in choices if re.search(r"(^|_)(ao|torchao)(_|$)", c) and bits in c.replace("_", "")]
+    if named:
+        recipe["optimizer"] = named[0]
+    elif recipe["optimizer"] != "adamw4bit":  # main's adamw4bit is torchao's already
+        missing.append(f"torchao {bits} optimizer")  # bitsandbytes' of the same bits stands in: same state bytes
+
+
+def estimate_row(row) -> dict:
+    known = {f.name for f in fields()}
+    takes = inspect.signature(memfit.estimate).parameters
+    recipe = {k: v for k, v in row["recipe"].items() if k in known}
+    missing = [k for k in row["recipe"] if k not in known]
+    _optimizer(row, recipe, missing)
+    kwargs = {}
+    if row.get("packed"):
+        if "packed" in takes:
+            kwargs["packed"] = True
+        else:
+            missing.append("packed")
+    if "loss" in row:
+        kwargs["loss_fn"] = LOSSES[row["loss"]["kind"]](row["loss"])
+    model, batch = _model(row)
+    start = time.perf_counter()
+    try:
+        report = memfit.estimate(model, batch, recipe=Recipe(**recipe), gpu=row["gpu"], batch_size=row["batch_size"],
+                                 seq_len=row.get("seq_len"), **kwargs)
+    except Exception as err:  # noqa: BLE001 a row that cannot run yet is reported, not fatal
+        if recipe.get("optimizer") != "adamw4bit":
+            raise
+        missing.append("adamw4bit on fake tensors")  # 8-bit stands in: twice the 4-bit state
+        recipe["optimizer"] = "adamw8bit"
+        report = memfit.estimate(model, batch, recipe=Recipe(**recipe), gpu=row["gpu"], batch_size=row["batch_size"],
+                                 seq_len=row.get("seq_len"), **kwargs)
+    if str(recipe.get("optimizer", "")).startswith("paged") and not hasattr(report, "managed_bytes"):
+        missing.append("managed_bytes")  # paged state still counted inside the allocator
+    return _compare(row, report, recipe, missing, time.perf_counter() - start)
+
+
+def _compare(row, report, recipe, missing, seconds) -> dict:
+    published = round(row["value"] * UNITS[row["unit"]])
+    estimate = getattr(report, FIGURE[row["metric"]])
+    out = {k: row[k] for k in ("id", "source", "commit", "date", "table", "quote", "metric", "gpu", "model", "note")}
+    out.update(value=row["value"], unit=row["unit"], published_bytes=published, estimate_bytes=estimate,
+               error=(estimate - published) / published, missing=missing, recipe=recipe,
+               seq_len=row.get("seq_len"), batch_size=row["batch_size"], packed=bool(row.get("packed")),
+               loss=row.get("loss"), peak_bytes=report.peak_bytes, reserved_bytes=report.reserved_bytes,
+               device_bytes=report.device_bytes, verdict=report.verdict, seconds=round(seconds, 1),
+               managed_bytes=getattr(report, "managed_bytes", None), headline=bool(row.get("headline")))
+    if "published_context_mib" in row and report.reserved_bytes is not None:
+        # the same comparison with the context the source measured on its own machine
+        with_context = report.reserved_bytes + row["published_context_mib"] * 2**20
+        out["error_with_published_context"] = (with_context - published) / published
+    return out
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+def summary(rows: list[dict]) -> dict:
+    done = [r for r in rows if "error" in r and r.get("error") is not None]
+    errors = [abs(r["error"]) for r in done]
+    complete = [abs(r["error"]) for r in done if not r["missing"]]
+    worst = max(done, key=lambda r: abs(r["error"])) if done else None
+    return {"rows": len(done), "median_abs_error": statistics.median(errors) if errors else None,
+            "complete_rows": len(complete),
+            "median_abs_error_complete": statistics.median(complete) if complete else None,
+            "worst": {"id": worst["id"], "error": worst["error"]} if worst else None,
+            "beyond_10_percent": [r["id"] for r in done if abs(r["error"]) > 0.10],
+            "not_estimated": {r["id"]: r["failed"] for r in rows if r.get("failed")},
+            "headline": [{"id": r["id"], "verdict": r["verdict"], "device_bytes": r["device_bytes"]}
+                         for r in done if r.get("headline")]}
+
+
+def _gib(n) -> str:
+    return "" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"memfit vs published GPU peaks ({result['date']})", expand=False)
+    for col in ("row", "metric", "published", "memfit", "error", "missing"):
+        table.add_column(col)
+    for r in result["rows"]:
+        table.add_row(r["id"], r["metric"], f"{r['value']} {r['unit']}", _gib(r.get("estimate_bytes")),
+                      f"{r['error']:+.1%}" if r.get("error") is not None else r.get("failed", ""),
+                      ", ".join(r.get("missing", [])))
+    Console(width=150).print(table)
+    s = result["summary"]
+    print(f"{s['rows']} rows: median |error| {s['median_abs_error']:.1%}; "
+          f"{s['complete_rows']} rows missing nothing: median {s['median_abs_error_complete'] or 0:.1%}; "
+          f"worst {s['worst']['id']} {s['worst']['error']:+.1%}; beyond 10%: {', '.join(s['beyond_10_percent'])}")
+    for rid, why in s["not_estimated"].items():
+        print(f"not estimated: {rid}: {why}")
+    for h in s["headline"]:
+        print(f"headline {h['id']}: {h['verdict']} ({_gib(h['device_bytes'])} on the device)")
+
+
+SOURCES = {"torchtune": "torchtune README", "torchao": "torchao optim README", "transformers": "HF single-GPU guide",
+           "litgpt": "LitGPT resource tables"}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| row | source | measured | published | = GiB | memfit GiB | error | missing in this tree |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        source = next((v for k, v in SOURCES.items() if k in r.get("source", "")), "")
+        if r.get("error") is None:
+            lines.append(f"| {r['id']} | {source} | {r['metric']} | {r['value']} {r['unit']} | | not estimated | | "
+                         f"{r.get('failed', '')[:90]} |")
+            continue
+        lines.append(f"| {r['id']} | {source} | {r['metric']} | {r['value']} {r['unit']} | "
+                     f"{r['published_bytes'] / 2**30:.2f} | {r['estimate_bytes'] / 2**30:.2f} | {r['error']:+.1%} | "
+                     f"{', '.join(r['missing']) or '—'} |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated row ids (merged into the results file)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the README table from the results file")
+    args = parser.parse_args()
+    if args.markdown:
+        with open(RESULTS) as f:
+            print(markdown(json.load(f)))
+        return
+    wanted = set(args.rows.split(",")) if args.rows else {r["id"] for r in ROWS}
+    unknown = wanted - {r["id"] for r in ROWS}
+    if unknown:
+        sys.exit(f"unknown row(s) {', '.join(sorted(unknown))}: see bench/published_rows.py")
+    done = {}
+    for row in (r for r in ROWS if r["id"] in wanted):
+        print(f"{row['id']} ...", file=sys.stderr, flush=True)
+        try:
+            done[row["id"]] = estimate_row(row)
+        except Exception as err:  # noqa: BLE001 one row's failure is a result, not the end of the run
+            done[row["id"]] = {"id": row["id"], "source": row["source"], "table": row["table"], "metric": row["metric"],
+                               "value": row["value"],
+                               "unit": row["unit"], "failed": f"{type(err).__name__}: {str(err)[:200]}",
+                               "missing": []}
+        print(f"  {json.dumps({k: done[row['id']].get(k) for k in ('error', 'missing', 'seconds', 'failed')})}",
+              file=sys.stderr, flush=True)
+    old = {}
+    if args.rows and os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            old = {r["id"]: r for r in json.load(f)["rows"]}
+    rows = [done.get(r["id"]) or old.get(r["id"]) for r in ROWS if r["id"] in done or r["id"] in old]
+    features = sorted({f.name for f in fields()} & {"compile", "lora_targets", "lora_alpha", "lora_dropout",
+                                                    "offload_gradients", "activation_memory_budget"})
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "memfit_commit": _commit(), "torch": torch.__version__, "features": features,
+              "estimate_takes_packed": "packed" in inspect.signature(memfit.estimate).parameters,
+              "rows": rows, "summary": summary(rows), "excluded": EXCLUDED}
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(result, f, indent=2)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

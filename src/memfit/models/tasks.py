@@ -1,0 +1,119 @@
+"""Task heads: which head a config's ``architectures`` asks for, the Auto class that builds it, and
+the labels that head trains on.
+
+A ``config.json`` names its head in ``architectures`` (``BertForSequenceClassification``): that is
+the model people fine-tune, and its memory differs from the masked LM the model type alone suggests
+(a ``num_labels``-wide classifier instead of a vocabulary-wide decoder, and a loss over one label
+per example). The made batch carries the labels transformers' own loss reads for that head:
+
+====================  ==============================  =============================================
+task                  Auto class                      labels
+====================  ==============================  =============================================
+sequence-classif.     AutoModelForSequenceClassif.    ``labels`` (batch,): class ids below ``num_labels``;
+                                                      floats for regression (``num_labels == 1``) and
+                                                      (batch, num_labels) floats for multi-label
+token-classification  AutoModelForTokenClassification ``labels`` (batch, seq): class ids
+question-answering    AutoModelForQuestionAnswering   ``start_positions``, ``end_positions`` (batch,)
+image-classification  AutoModelForImageClassification ``pixel_values`` and ``labels`` (batch,)
+====================  ==============================  =============================================
+
+(causal and masked LMs and encoder-decoders train on ``input_ids`` + ``labels`` of the same shape:
+``source.py``.) A decoder classifying by its last token (``LlamaForSequenceClassification``) finds
+that token through ``pad_token_id`` and refuses a batch above one without it; a config without one
+gets ``eos_token_id`` (or 0), as fine-tuning scripts set ``model.config.pad_token_id``.
+
+Written by hand: transformers maps architectures to Auto classes only by model type
+(``MODEL_FOR_..._MAPPING_NAMES``), and makes no example batches.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["task_of", "AUTO_CLASSES", "LABELLED", "labelled_batch", "with_pad_token"]
+
+# architecture name suffix -> task (first match wins)
+_SUFFIXES = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+             ("ForSequenceClassification", "sequence-classification"),
+             ("ForTokenClassification", "token-classification"), ("ForQuestionAnswering", "question-answering"),
+             ("ForConditionalGeneration", "seq2seq"), ("ForImageClassification", "image-classification"))
+
+# task -> the transformers Auto class that builds its head
+AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "image-classification": "AutoModelForImageClassification",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "image-text-to-text": "AutoModelForImageTextToText",
+}
+
+
+def task_of(architectures) -> str | None:
+    """The task of the first architecture name with a known head suffix, or None."""
+    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, (list, tuple)) else []
+    for arch in names:
+        for suffix, task in _SUFFIXES:
+            if arch.endswith(suffix):
+                return task
+    return None
+
+
+def with_pad_token(config, task: str):
+    """``config``, or a copy with a padding id where a sequence classifier needs one to find the last token."""
+    if task != "sequence-classification" or getattr(config, "pad_token_id", None) is not None:
+        return config
+    config = copy.deepcopy(config)
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    config.pad_token_id = eos if isinstance(eos, int) and 0 <= eos < config.vocab_size else 0
+    return config
+
+
+def _class_labels(config, rows: int, *shape) -> torch.Tensor:
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression" or (problem is None and config.num_labels == 1):
+        return torch.randn(rows, *shape)
+    if problem == "multi_label_classification":
+        return torch.randint(0, 2, (rows, *shape, config.num_labels)).float()
+    return torch.randint(0, config.num_labels, (rows, *shape))
+
+
+def _text(config, batch_size: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (batch_size, seq_len))
+
+
+def _sequence(config, batch_size: int, seq_len: int) -> dict:
+    return {"input_ids": _text(config, batch_size, seq_len), "labels": _class_labels(config, batch_size)}
+
+
+def _token(config, batch_size: int, seq_len: int) -> dict:
+    return {"input_ids": _text(config, batch_size, seq_len),
+            "labels": torch.randint(0, config.num_labels, (batch_size, seq_len))}
+
+
+def _answer(config, batch_size: int, seq_len: int) -> dict:
+    return {"input_ids": _text(config, batch_size, seq_len),
+            "start_positions": torch.randint(0, seq_len, (batch_size,)),
+            "end_positions": torch.randint(0, seq_len, (batch_size,))}
+
+
+def _image(config, batch_size: int, seq_len) -> dict:
+    size = config.image_size
+    return {"pixel_values": torch.randn(batch_size, config.num_channels, size, size),
+            "labels": _class_labels(config, batch_size)}
+
+
+# task -> batch(config, batch_size, seq_len) for the heads whose labels are not the input tokens
+LABELLED = {"sequence-classification": _sequence, "token-classification": _token,
+            "question-answering": _answer, "image-classification": _image}
+
+
+def labelled_batch(config, task: str, batch_size: int, seq_len) -> dict:
+    """A batch for the head of ``task`` (one of ``LABELLED``), built in the current device / fake mode."""
+    return LABELLED[task](config, batch_size, seq_len)

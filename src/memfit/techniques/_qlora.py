@@ -1,0 +1,96 @@
+"""QLoRA's 4-bit layers, on real and on fake tensors: bitsandbytes' ``Linear4bit`` built from a
+``nn.Linear`` (NF4, double-quantised absmax, blocks of 64, bf16 compute), and the quantisation
+statistics it holds. Which layers, and why, is ``lora.py``'s business.
+
+On fake tensors bitsandbytes' ``Params4bit`` cannot wrap a FakeTensor (``_make_subclass``), so the
+quantised weight stays a plain fake parameter carrying the same attributes; bitsandbytes' ops have
+fake kernels, so the forward and backward run its real Python code.
+
+Written by hand because bitsandbytes quantises on load (``from_pretrained``) or on ``.cuda()``,
+neither of which runs on fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from memfit.errors import MemfitError
+
+__all__ = ["bnb_module", "quantized_linear", "quant_state_tensors"]
+
+
+def bnb_module():
+    with unset_fake_temporarily():  # bitsandbytes caches tables as it imports and here: real tensors
+        try:
+            import bitsandbytes
+            import bitsandbytes.functional as F
+        except ImportError:
+            raise MemfitError("qlora needs bitsandbytes: pip install 'memfit[bnb]'") from None
+        if "dynamic" not in F.name2qmap:
+            F.name2qmap["dynamic"] = F.create_dynamic_map()
+    return bitsandbytes
+
+
+def _fake_state(state, mode) -> None:
+    """Make every real tensor of a ``QuantState`` (the cached code table) fake, as the step expects."""
+    while state is not None:
+        for name, value in vars(state).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+                setattr(state, name, mode.from_tensor(value))
+        state = getattr(state, "state2", None)
+
+
+@contextlib.contextmanager
+def _fake_inputs_allowed(tensor):
+    """bitsandbytes builds its NF4 code table as a new tensor; let the fake mode take it in."""
+    mode = getattr(tensor, "fake_mode", None)
+    if mode is None:
+        yield
+        return
+    before, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = before
+
+
+def quantized_linear(linear: torch.nn.Linear, bnb) -> torch.nn.Module:
+    kwargs = dict(compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+    with unset_fake_temporarily():
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  device="meta", **kwargs)
+    weight = linear.weight.detach()
+    with torch.no_grad(), _fake_inputs_allowed(weight):
+        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
+                                                      quant_type="nf4")
+    if isinstance(packed, FakeTensor):
+        _fake_state(state, packed.fake_mode)
+        param = torch.nn.Parameter(packed, requires_grad=False)  # a FakeTensor marked as a parameter
+        for name, value in dict(blocksize=64, compress_statistics=True, quant_type="nf4",
+                                quant_storage=torch.uint8, bnb_quantized=True, module=layer).items():
+            setattr(param, name, value)
+        param.quant_state = state
+    else:
+        param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=64,
+                                  compress_statistics=True, quant_type="nf4", bnb_quantized=True, module=layer)
+    layer._parameters["weight"] = param
+    layer.quant_state = state
+    if linear.bias is not None:  # Linear4bit casts its bias to the compute dtype on first use; do it now
+        layer.bias = torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+    layer.compute_type_is_set = True
+    return layer
+
+
+def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The 4-bit layers' quantisation statistics: memory that is neither a parameter nor a buffer."""
+    found = []
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        while state is not None:
+            found += [t for t in (state.absmax, state.code, getattr(state, "offset", None))
+                      if isinstance(t, torch.Tensor)]
+            state = getattr(state, "state2", None)
+    return found

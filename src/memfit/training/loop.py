@@ -1,0 +1,331 @@
+"""``train``: run a recipe's step over a dataset inside a memory budget, surviving out-of-memory
+errors without losing or repeating a sample, resumable from atomic checkpoints.
+
+One optimizer step takes the next global batch from a seeded, resumable order (``data.Order``):
+``global_batch_size`` examples, or examples until ``global_tokens`` tokens. The batch is cut into
+micro-batches by their padded tokens (``batching.micro_batches``): the planned micro-batch's
+tokens are the cap, so short rows come many to a micro-batch and long ones few. The step is
+``apply()``'s (what was estimated is what runs): forward and backward of each micro-batch with
+losses weighted by tokens, then the optimizer through ``SafeStep``.
+
+An out-of-memory error in forward or backward drops the gradients, halves the token cap and
+redoes the same global batch; one inside the optimizer step is rolled back chunk by chunk by
+``SafeStep`` and the step goes on. Either way the global batch, and so the update, is unchanged,
+and the event is logged (step, phase, micro-batch, cap). After ``grow_after`` clean steps the cap
+doubles back toward the plan's. On the CPU ``budget`` is a ``VirtualBudget`` (real tensors, a byte
+cap); on CUDA ``torch.cuda.set_per_process_memory_fraction``.
+
+Every ``checkpoint_every`` steps (and at the end) weights, optimizer, scheduler, RNG states, the
+data position and the cap are saved atomically (``checkpoint.py``); ``resume=True`` continues
+from the newest checkpoint exactly where it was. ``metrics.jsonl`` gets one line per step: loss,
+tokens, tokens/s, the example ids of the batch, memory, and OOM events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.techniques.apply import apply
+from memfit.techniques.recipe import Recipe
+from memfit.training.batching import micro_batches
+from memfit.training.budget import VirtualBudget
+from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from memfit.training.data import Order, collate, open_data
+from memfit.training.safe_step import SafeStep
+from memfit.units import parse_size
+
+__all__ = ["train", "TrainResult"]
+
+SCHEDULES = ("constant", "cosine")
+MAX_STEP_RETRIES = 3  # an optimizer step rolled back this many times in a row is out of memory for good
+
+
+@dataclass
+class TrainResult:
+    """What a run did."""
+
+    steps: int  # optimizer steps taken in total (resumed ones included)
+    losses: list[float]  # the loss of each step this call ran
+    ooms: list[dict] = field(default_factory=list)  # one per out-of-memory error survived
+    peak_bytes: int = 0  # the highest memory in use (virtual budget or CUDA max_memory_allocated)
+    tokens_per_second: float = 0.0
+    out_dir: Path | None = None
+    resumed_from: int = 0  # the step the run resumed at (0: fresh)
+
+
+def _schedule(name: str, lr: float, warmup: int, total: int):
+    if name not in SCHEDULES:
+        raise MemfitError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if name == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _global_batch(order: Order, lengths, rows: int | None, tokens: int | None) -> list[int]:
+    if rows is not None:
+        return order.take(rows)
+    ids, count = [], 0
+    while count < tokens:
+        (i,) = order.take(1)
+        ids.append(i)
+        count += int(lengths[i])
+    return ids
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batch_size: int | None = None,
+          global_tokens: int | None = None, seq_len: int | None = None, steps: int | None = None,
+          epochs: float | None = None, lr: float = 1e-4, schedule: str = "cosine", warmup: int = 0,
+          out_dir="memfit-run", resume: bool = True, seed: int = 0, checkpoint_every: int = 50, keep: int = 2,
+          micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20, chunks: int = 8,
+          tokenizer=None,
+          pad_id: int = 0, device=None, inject=(), progress: bool = True) -> TrainResult:
+    """Train ``model`` on ``data`` with ``recipe`` inside ``budget``; see the module docstring.
+
+    model          an ``nn.Module`` (trained in place)
+    data           a dataset of ``{"input_ids"}`` examples with ``lengths``, or a path (``data.open_data``)
+    recipe         a :class:`memfit.Recipe` (default: the plain step); its micro_batch_size x seq_len
+                   is the micro-batch token cap unless ``micro_tokens`` is given
+    batching       ``tokens``: micro-batches by padded tokens, rows sorted by length (the default);
+                   ``rows``: micro_batch_size rows in data order, each padded to its longest (the plain
+                   loop, for comparison; an OOM halves the rows)
+    budget         bytes or a size: on the CPU a virtual budget, on CUDA the process's memory fraction
+    global_batch_size / global_tokens   examples, or tokens, per optimizer step (one of them)
+    steps / epochs how long (one of them)
+    inject         faults for tests: ``(step, micro_batch, phase[, nth])`` (``budget.VirtualBudget``)
+    """
+    recipe = recipe or Recipe()
+    if not isinstance(recipe, Recipe):
+        raise MemfitError(f"recipe must be a memfit.Recipe, got {type(recipe).__name__}: plan one with memfit.plan")
+    if (global_batch_size is None) == (global_tokens is None):
+        raise MemfitError("give one of global_batch_size (examples per step) or global_tokens (tokens per step)")
+    if (steps is None) == (epochs is None):
+        raise MemfitError("give one of steps or epochs")
+    if batching not in ("tokens", "rows"):
+        raise MemfitError(f"unknown batching {batching!r}: choose tokens or rows")
+    if batching == "rows" and recipe.micro_batch_size is None:
+        raise MemfitError("batching='rows' needs the recipe's micro_batch_size")
+    if recipe.grad_accum_steps > 1 and micro_tokens is None and recipe.micro_batch_size is None:
+        raise MemfitError("the recipe accumulates without a micro_batch_size: set micro_batch_size or micro_tokens")
+    if not isinstance(data, torch.utils.data.Dataset):
+        if seq_len is None:
+            raise MemfitError("reading data from a path needs seq_len (tokens per example at most)")
+        data = open_data(data, seq_len=seq_len, tokenizer=tokenizer)
+    lengths = getattr(data, "lengths", None)
+    if lengths is None:
+        raise MemfitError("the dataset needs a lengths array (tokens per example): use memfit.training.data")
+    longest = int(max(lengths)) if seq_len is None else seq_len
+    if micro_tokens is None:
+        rows = recipe.micro_batch_size or (global_batch_size if global_batch_size else max(1, global_tokens // longest))
+        micro_tokens = rows * longest
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    order = Order(len(data), seed=seed)
+    per_epoch = (len(data) / global_batch_size) if global_batch_size else (int(sum(lengths)) / global_tokens)
+    total_steps = steps if steps is not None else max(1, math.ceil(epochs * per_epoch))
+
+    torch.manual_seed(seed)
+    model, opt, step_fn = apply(model, recipe)
+    stepper = SafeStep(opt, chunks) if hasattr(opt, "param_groups") and not step_fn.scaler else None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(schedule, lr, warmup, total_steps)) \
+        if hasattr(opt, "param_groups") else None
+    if sched is not None:
+        for group in opt.param_groups:
+            group["lr"] = lr * sched.lr_lambdas[0](sched.last_epoch)
+            group["initial_lr"] = lr
+        sched.base_lrs = [lr] * len(opt.param_groups)
+
+    out_dir = Path(out_dir)
+    scale, clean, done, resumed = 1.0, 0, 0, 0
+    newest = latest_checkpoint(out_dir) if resume else None
+    if newest is not None:
+        state = load_checkpoint(newest, model)
+        opt.load_state_dict(state["optimizer"])
+        if sched is not None:
+            sched.load_state_dict(state["scheduler"])
+        order.load_state_dict(state["order"])
+        set_rng_state(state["rng"])
+        scale, clean, done = state["scale"], state["clean"], state["step"]
+        resumed = done
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    cap = None if budget is None else parse_size(budget)
+    vb = None
+    if device.type == "cpu" and (cap is not None or inject):
+        resident = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
+                       list(model.parameters()) + list(model.buffers())}.values())
+        vb = VirtualBudget(cap, resident=resident, inject=inject)
+    elif cap is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    result = TrainResult(steps=done, losses=[], out_dir=out_dir, resumed_from=resumed)
+    bar = _Progress(total_steps, done) if progress else None
+    tokens_run, seconds = 0, 0.0
+    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as log, (vb if vb is not None else contextlib.nullcontext()):
+        while done < total_steps:
+            ids = _global_batch(order, lengths, global_batch_size, global_tokens)
+            start = time.perf_counter()
+            loss, events = _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, done, device,
+                                     pad_id, recipe.micro_batch_size if batching == "rows" else None)
+            if events:
+                scale = events[-1]["scale"]
+                clean = 0
+                result.ooms.extend(events)
+            else:
+                clean += 1
+                if scale < 1.0 and clean >= grow_after:
+                    scale, clean = min(1.0, scale * 2), 0
+            if sched is not None:
+                sched.step()
+            elapsed = time.perf_counter() - start
+            tokens = int(sum(lengths[i] for i in ids))
+            tokens_run, seconds = tokens_run + tokens, seconds + elapsed
+            done += 1
+            value = float(loss)
+            result.losses.append(value)
+            now, memory = _memory(vb, device)
+            log.write(json.dumps({"step": done, "loss": value, "tokens": tokens, "seconds": round(elapsed, 6),
+                                  "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
+                                  "memory_now": now,
+                                  "memory_peak": memory, "micro_token_cap": int(micro_tokens * scale),
+                                  "ooms": events}) + "\n")
+            log.flush()
+            if bar is not None:
+                bar.update(done, value, tokens / elapsed, memory)
+            if done % checkpoint_every == 0 or done == total_steps:
+                save_checkpoint(out_dir, done, model, {
+                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else {},
+                    "order": order.state_dict(), "rng": rng_state(), "scale": scale, "clean": clean, "step": done},
+                    keep=keep)
+    if bar is not None:
+        bar.close()
+    result.steps = done
+    result.peak_bytes = _memory(vb, device)[1] or 0
+    result.tokens_per_second = tokens_run / seconds if seconds else 0.0
+    return result
+
+
+def _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, index, device, pad_id, rows=None):
+    """One global batch to an applied update, whatever out-of-memory errors come; returns its loss
+    and the OOM events survived (the last one's ``scale`` is the cap's new scale)."""
+    events = []
+    while True:
+        cap = max(1, int(micro_tokens * scale))
+        if rows is not None:  # fixed rows in data order
+            size = max(1, int(rows * scale))
+            groups = [[[k] for k in range(j, min(j + size, len(ids)))] for j in range(0, len(ids), size)]
+        else:
+            groups = micro_batches([int(lengths[i]) for i in ids],
+                                   lambda rows, length: rows == 1 or rows * length <= cap)
+        micro = [_to(collate([data[ids[i]] for row in g for i in row], pad_id), device) for g in groups]
+        try:
+            loss = _backward(step_fn, micro, vb, index)
+            break
+        except torch.OutOfMemoryError as err:
+            where = vb.where if vb is not None and vb.where else (index, None, "forward or backward")
+            step_fn.opt.zero_grad(set_to_none=True)  # the partial gradients go; the batch is redone whole
+            del micro
+            if all(len(g) == 1 for g in groups):
+                raise MemfitError("out of memory with one row per micro-batch: raise the budget, shorten the "
+                                  "sequences or use a recipe that saves more memory") from None
+            scale /= 2
+            events.append({"step": index + 1, "phase": where[2], "micro_batch": where[1], "micro_batches": len(groups),
+                           "cap": cap, "scale": scale, "error": str(err).splitlines()[0]})
+        _free(device)  # out of the except block: the error's frames (and the graph they hold) are gone
+    for attempt in range(MAX_STEP_RETRIES + 1):
+        if vb is not None:
+            vb.at(index, 0, "optimizer")
+        try:
+            step_fn.update(stepper)
+            return loss, events
+        except torch.OutOfMemoryError as err:
+            if stepper is None:
+                raise MemfitError("out of memory inside an optimizer step that cannot be rolled back (fp16 with a "
+                                  "GradScaler): raise the budget or use bf16") from None
+            events.append({"step": index + 1, "phase": "optimizer", "micro_batch": None, "scale": scale,
+                           "rolled_back": True, "error": str(err).splitlines()[0]})
+        _free(device)
+    raise MemfitError(f"out of memory in the optimizer step {MAX_STEP_RETRIES + 1} times, one parameter at a time: "
+                      "raise the budget or use an optimizer with less state")
+
+
+def _backward(step_fn, micro, vb, index):
+    if vb is None:
+        return step_fn.backward(micro)
+    # the step's phases, told to the virtual budget as they begin
+    original = step_fn.watch.begin
+    counter = {"part": -1}
+
+    def begin(phase, step):
+        if phase == "forward":
+            counter["part"] += 1
+        vb.at(index, counter["part"], phase)
+        original(phase, step)
+
+    step_fn.watch.begin = begin
+    try:
+        return step_fn.backward(micro)
+    finally:
+        step_fn.watch.begin = original
+
+
+def _memory(vb, device) -> tuple:
+    """(in use now, peak) in bytes: the virtual budget's, CUDA's counters, or (None, None) on a CPU
+    run without a budget (nothing counts there, so nothing slows the step)."""
+    if vb is not None:
+        return vb.total, vb.peak
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    return None, None
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class _Progress:
+    """A rich progress bar: step, loss, tokens/s, memory peak."""
+
+    def __init__(self, total: int, done: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        # on stderr: stdout stays the command's answer (--json)
+        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                 TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        self.task = self.progress.add_task("train", total=total, completed=done, info="")
+        self.progress.start()
+
+    def update(self, done: int, loss: float, tokens_per_second: float, peak: int | None) -> None:
+        from memfit.units import format_size
+
+        memory = "" if peak is None else f"  peak {format_size(peak)}"
+        self.progress.update(self.task, completed=done, info=f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s{memory}")
+
+    def close(self) -> None:
+        self.progress.stop()

@@ -1,0 +1,108 @@
+"""SafeStep: the same update as optimizer.step() bit for bit; an OOM injected at every allocation
+of the step leaves no parameter half updated and the run ends where a fault-free run ends; a plain
+foreach step hit the same way does not; and chunking lowers the step's peak."""
+
+import pytest
+import torch
+
+from memfit import MemfitError
+from memfit.training.budget import VirtualBudget
+from memfit.training.safe_step import SafeStep
+
+OPTIMIZERS = {
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw-forloop": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def _grads(model, step):
+    torch.manual_seed(100 + step)
+    model(torch.randn(16, 32)).pow(2).mean().backward()
+
+
+def _run(name, steps=3, fault=None, safe=True, chunks=4):
+    """Train ``steps`` steps; ``fault=(step, nth)`` fails the nth allocation of that step's update."""
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters())
+    stepper = SafeStep(opt, chunks) if safe else opt.step
+    inject = [] if fault is None else [(fault[0], 0, "optimizer", fault[1])]
+    escaped = 0
+    with VirtualBudget(inject=inject) as budget:
+        for step in range(steps):
+            budget.at(step, 0, "forward")
+            _grads(model, step)
+            budget.at(step, 0, "optimizer")
+            try:
+                stepper()
+            except torch.OutOfMemoryError:
+                escaped += 1
+                stepper()  # memory freed: go on with the same gradients
+            opt.zero_grad()
+    return model, opt, budget, escaped
+
+
+def _same(a, b):
+    (ma, oa), (mb, ob) = a, b
+    if not all(torch.equal(x, y) for x, y in zip(ma.parameters(), mb.parameters())):
+        return False
+    for pa, pb in zip(ma.parameters(), mb.parameters()):
+        sa, sb = oa.state[pa], ob.state[pb]
+        if sa.keys() != sb.keys() or not all(torch.equal(sa[k], sb[k]) for k in sa):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_same_update_as_a_plain_step(name):
+    plain, opt, _, _ = _run(name, safe=False)
+    safe, sopt, _, _ = _run(name)
+    assert _same((plain, opt), (safe, sopt))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_oom_at_any_allocation_of_the_step_loses_nothing(name):
+    reference, ref_opt, _, _ = _run(name)
+    probe = _run(name, steps=2, fault=(1, 10**9))[2]  # counts the allocations of step 1's update
+    count = probe.allocations
+    assert count > 4
+    for nth in range(1, count + 1):
+        model, opt, budget, escaped = _run(name, fault=(1, nth))
+        assert budget.fired == [(1, 0, "optimizer")]
+        assert _same((reference, ref_opt), (model, opt)), f"fault at allocation {nth} of {count}"
+
+
+def test_a_plain_foreach_step_hit_by_an_oom_is_half_applied():
+    reference, ref_opt, _, _ = _run("adamw-foreach", safe=False)
+    broken = 0
+    probe = _run("adamw-foreach", steps=2, fault=(1, 10**9), safe=False)[2]
+    for nth in range(1, probe.allocations + 1):
+        model, opt, _, escaped = _run("adamw-foreach", fault=(1, nth), safe=False)
+        broken += escaped and not _same((reference, ref_opt), (model, opt))
+    assert broken > 0  # the reason SafeStep exists
+
+
+def test_chunks_lower_the_step_peak():
+    peaks = {}
+    for chunks, safe in ((1, False), (8, True)):
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        step = SafeStep(opt, chunks) if safe else opt.step
+        model(torch.randn(4, 256)).sum().backward()
+        step()  # state exists
+        model(torch.randn(4, 256)).sum().backward()
+        with VirtualBudget() as budget:
+            step()
+        peaks[chunks] = budget.peak
+    assert peaks[8] < 0.7 * peaks[1]
+
+
+def test_lbfgs_is_refused():
+    with pytest.raises(MemfitError, match="LBFGS"):
+        SafeStep(torch.optim.LBFGS(_model().parameters()))
