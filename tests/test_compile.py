@@ -38,12 +38,12 @@ def test_compiled_step_matches_the_allocator():
 
 
 def test_checkpointed_blocks_compile_as_one_graph():
-    """memfit's own hooks (module attribution, the RNG-state count, saved-tensor marks) stay out of
-    dynamo's way: a checkpointed compiled step is one graph, as it is without memfit watching (it
-    broke into four before, 10.7 % low on the zoo's Llama)."""
+    """memfit's own hooks stay out of dynamo's way (module attribution, the RNG-state count,
+    saved-tensor marks, the packed-sequence answer): a checkpointed compiled step is one graph, as
+    it is without memfit watching (it broke into four before, 10.7 % low on the zoo's Llama)."""
     from torch._dynamo.utils import counters
 
-    factory, make_batch, loss_fn = CASES["gpt"]
+    factory, make_batch, loss_fn = CASES["hf-llama"]  # HF: also transformers' packed-sequence check
     batch = make_batch()
     recipe = Recipe(compile=True, checkpointing="blocks")
     counters.clear()
