@@ -16,6 +16,10 @@ the duration of a trace or a measurement and restored exactly on exit, exception
 Dispatcher registrations (``torch.library.Library(..., "IMPL")`` in ``hardware/cuda.py``) are made
 on enter and ``_destroy()``-ed on exit, which removes the kernels and brings back any kernel they
 overrode; logging (``estimator/fake.py``'s ``quiet_fake_log``) is restored the same way.
+The one registration kept for the process: ``rng_hop_rules(mode_class)`` gives each of memfit's own
+dispatch modes a rule for torch's two RNG higher-order operators, which a compiled step with a
+random op inside a checkpointed region calls at run time and which refuse a mode without a rule
+(``torch/_prims/rng_prims.py``); it touches no class but memfit's.
 ``tests/test_torch_state.py`` checks that an estimate leaves all of it as it found it.
 """
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["patched", "environ", "quiet_profiler"]
+__all__ = ["patched", "environ", "quiet_profiler", "rng_hop_rules"]
 
 _MISSING = object()
 
@@ -60,3 +64,25 @@ def environ(name: str, value: str):
 def quiet_profiler():
     """Silence kineto's two lines per profiler start (see the module docstring)."""
     return environ("KINETO_LOG_LEVEL", "6")
+
+
+def rng_hop_rules(mode_class) -> None:
+    """Torch's CPU rules for ``run_and_save_rng_state`` / ``run_with_rng_state`` under
+    ``mode_class`` (see the module docstring): read the generator's state (a 5,056-byte tensor),
+    and run the op through the mode, as the dispatcher would have."""
+    import torch
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    def save(mode, op, *args, **kwargs):
+        return torch.get_rng_state(), mode.__torch_dispatch__(op, (), args, kwargs)
+
+    def run_with(mode, rng_state, op, *args, **kwargs):
+        current = torch.get_rng_state()
+        torch.set_rng_state(rng_state)
+        try:
+            return mode.__torch_dispatch__(op, (), args, kwargs)
+        finally:
+            torch.set_rng_state(current)
+
+    run_and_save_rng_state.py_impl(mode_class)(save)
+    run_with_rng_state.py_impl(mode_class)(run_with)

@@ -103,9 +103,13 @@ class ModuleStack:
             handle.remove()
 
     def _push(self, module, args):
+        if torch.compiler.is_compiling():  # dynamo traces module hooks: keep memfit out of the graph
+            return
         self.stack.append(self._name(module))
 
     def _pop(self, module, args, out):
+        if torch.compiler.is_compiling():
+            return
         self.flush()
         if self.stack:
             self.stack.pop()

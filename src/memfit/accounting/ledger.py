@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
 from memfit.categories import PRIORITY, Category
-from memfit.scoped import patched
+from memfit.scoped import patched, rng_hop_rules
 
 __all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED", "OUTSIDE", "storage_events", "managed_peak"]
 
@@ -174,6 +174,8 @@ class Ledger(TorchDispatchMode):
 
     def mark(self, tensor: torch.Tensor, category: Category) -> None:
         """Give ``tensor``'s storage a stronger role, if it is tracked."""
+        if torch.compiler.is_compiling():  # dynamo traces saved-tensor hooks: no graph break for memfit
+            return
         index = self._ids.get(tensor.untyped_storage())
         if index is not None:
             record = self.records[index]
@@ -195,6 +197,12 @@ class Ledger(TorchDispatchMode):
         self._finalizers.clear()
 
     # -- internals ---------------------------------------------------------------------------
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile runs under the ledger (``techniques/compile.py``): off while dynamo and
+        # Inductor compile (they trace on their own fake tensors), on for the compiled code.
+        return True
+
     def __enter__(self):
         # The global module hooks and the patched ``torch.get_rng_state`` live exactly as long as
         # the mode is pushed (``memfit.scoped``): undone on exit, and on a failed enter.
@@ -217,6 +225,8 @@ class Ledger(TorchDispatchMode):
         # The CPU generator's state (5,056 bytes) is allocated without passing the dispatcher;
         # activation checkpointing keeps one per checkpointed region until its backward.
         state = self._rng_state()
+        if torch.compiler.is_compiling():  # traced by dynamo (a checkpoint inside a compiled step)
+            return state
         self._track(state.untyped_storage(), Category.TEMPORARIES)
         return state
 
@@ -406,3 +416,5 @@ def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:
     slope = sum((size // prime) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size % prime == 0)
     return slope * prime * tensor.element_size()
 
+
+rng_hop_rules(Ledger)  # a compiled step's RNG operators run under it (``memfit.scoped``)

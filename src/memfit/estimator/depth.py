@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from memfit.accounting.replay import replay
+from memfit.errors import MemfitError
 from memfit.accounting.synth import synthesise
 from memfit.techniques.checkpointing import checkpoint_plan
 from memfit.estimator.fake_trace import fake_trace
@@ -64,6 +65,9 @@ def block_unit(source: Source, recipe=None) -> int | None:
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
                       gpu=None, budget: int | None = None, tick=None, layout=None) -> Report:
+    if recipe.compile:
+        raise MemfitError("compile and the depth fast path conflict: a compiled step has no per-block records to "
+                          "write out; trace it in full (fast=False, --full)")
     depth, unit = source.depth, block_unit(source, recipe)
     if unit is None or not depth or depth % unit or depth <= TEMPLATE_UNITS * unit:
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,

@@ -133,8 +133,12 @@ def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq
         batch_size = layout.rows * recipe.grad_accum_steps
         if recipe.micro_batch_size and recipe.micro_batch_size != layout.rows:  # a last, shorter micro-batch
             recipe = recipe.replace(micro_batch_size=layout.rows)
+    if fast and recipe.compile:
+        raise MemfitError("fast=True and compile conflict: a compiled step has no per-block records for the depth "
+                          "fast path to write out; leave fast unset (compiled steps are traced in full)")
     if fast is None:
-        fast = source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+        fast = (source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
+                and not recipe.compile)  # the compiled graph runs outside the blocks' modules: in full
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.estimator.depth import estimate_by_depth
 

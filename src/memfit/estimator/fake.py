@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.scoped import rng_hop_rules
+
 __all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads", "quiet_fake_log"]
 
 
@@ -109,6 +111,10 @@ class ScalarReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.reads = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # a compiled step runs under it; compiling is not part of the step
         self._all = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -125,3 +131,5 @@ class ScalarReads(TorchDispatchMode):
             self._all[out] = True
         return out
 
+
+rng_hop_rules(ScalarReads)  # a compiled step's RNG operators run under it (``memfit.scoped``)

@@ -27,6 +27,7 @@ from memfit.estimator.packing import PackedPositions
 from memfit.models.lengths import positions, unread_masks
 from memfit.models.mamba_scan import collapsed_scans
 from memfit.models.source import Source
+from memfit.techniques.compile import compile_scope
 from memfit.techniques.precision import weight_dtype
 
 __all__ = ["fake_trace"]
@@ -37,7 +38,7 @@ def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batc
                tick=None, layout=None):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
     ``trace``; ``layout`` (a ``models.lengths.MicroBatch``): the made batch has micro-batches of that shape."""
-    with quiet_fake_log():
+    with quiet_fake_log(), compile_scope(recipe):
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
                            budget=budget, tick=tick, layout=layout)
@@ -95,6 +96,9 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     if top_k:
         notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "
                      "only CPU bf16 kernel scratch, every expert tensor is tokens x top_k")
+    if recipe.compile and gpu is not None:
+        notes.append("compile: Inductor's plan for the CPU (C++ kernels) under CUDA semantics; CUDA's Triton "
+                     "kernels fuse and reuse buffers by the same scheduler, not checked on a GPU")
     if packing.unknown:
         notes.append(f"{packing.unknown} packed-sequence check(s) of the batch's position_ids had no values to read "
                      "(a batch made on fake tensors) and were answered 'not packed': pass a real batch")

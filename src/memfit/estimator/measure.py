@@ -28,6 +28,9 @@ def measure(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: st
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
+    if recipe.compile:  # the ledger sees the dispatcher; Inductor's wrapper allocates past it
+        raise MemfitError("compile and measure conflict: Inductor's compiled code allocates its buffers outside "
+                          "the dispatcher that measure's ledger watches; use memfit.estimate with the recipe")
     batch_size = step_batch(batch_size, recipe)
     source = resolve(model)
     module = source.build()

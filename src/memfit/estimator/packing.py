@@ -60,6 +60,8 @@ class PackedPositions:
             original = masking.find_packed_sequence_indices
 
             def find_packed_sequence_indices(position_ids):
+                if torch.compiler.is_compiling():  # traced by dynamo (compile): the real run traces the original
+                    return original(position_ids)
                 found = original(position_ids)  # on the fake tensor: the real run's temporaries
                 if found is None or not isinstance(position_ids, torch.Tensor):
                     return found

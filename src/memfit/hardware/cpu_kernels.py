@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import MemfitError
+from memfit.scoped import rng_hop_rules
 
 __all__ = ["CpuKernels", "ROUTINGS", "check_routing", "probe_operands"]
 
@@ -101,6 +102,10 @@ class CpuKernels(TorchDispatchMode):
         self.state = (check_routing(routing), top_k)
         self._token = None
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # a compiled step runs under it; compiling is not part of the step
+
     def __enter__(self):
         self._token = _ROUTING.set(self.state)
         return super().__enter__()
@@ -122,3 +127,6 @@ class CpuKernels(TorchDispatchMode):
                     raise RuntimeError(f"grouped_mm needs operands of one dtype, got {a.dtype} and {b.dtype}")
                 return torch.empty(_grouped_mm_shape(a, b, offs), dtype=out_dtype, device=a.device)
         return func(*args, **kwargs)
+
+
+rng_hop_rules(CpuKernels)  # a compiled step's RNG operators run under it (``memfit.scoped``)

@@ -192,9 +192,9 @@ class _Search:
     def predict_answer(self) -> int | None:
         """The largest micro-batch whose composed prediction fits, or None without predictions."""
         r = self.recipe
-        if r.attention != "auto" or r.offload_optimizer:
-            self.notes.append("attention / offload_optimizer are outside the planner's traces: searched by full "
-                              "estimates only")
+        if r.attention != "auto" or r.offload_optimizer or r.compile:
+            self.notes.append("attention / offload_optimizer / compile are outside the planner's traces: searched "
+                              "by full estimates only")
             return None
         from memfit.planner.compose import Engine
         from memfit.planner.cost import Speed
