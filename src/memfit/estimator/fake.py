@@ -111,11 +111,11 @@ class ScalarReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.reads = 0
+        self._all = WeakIdKeyDictionary()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True  # a compiled step runs under it; compiling is not part of the step
-        self._all = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:

@@ -99,7 +99,7 @@ class _Step:
             # gc sees, so a branch backward never reaches (LLaVA's unused last vision layer) or a
             # forward that raises would never be freed. Without hooks torch saves outputs without
             # their grad_fn; a detached alias (same storage, no new memory) does the same.
-            return tensor.detach() if packed is tensor else packed
+            return tensor.detach() if packed is tensor and tensor.grad_fn is not None else packed
 
         def unpack(packed):
             for _, unpack_one in reversed(pairs):
