@@ -31,6 +31,11 @@ from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size, parse_size
 
+#: a candidate that fits only with a setting (expandable segments) or tightly is taken over clean ones
+#: that are slower than it by more than this factor (fused AdamW made fp32 recipes fit an H200 cleanly
+#: at 746 tokens/s beside a bf16-mixed one needing expandable segments at 6,847)
+CLEAN_SLOWDOWN = 1.25
+
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
 
 NO_BLOCKS = ("checkpointing left out of the search: the model has no repeated blocks to checkpoint "
@@ -111,7 +116,11 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     # One that fits only on those terms is kept as the fallback; then the rest, as before.
     fallback, tried = None, set()
     roomy = [p for p in fitting if p.device_bytes + _margin(p.device_bytes, target) <= budget_bytes]
+    slower = False
     for candidate in roomy[:MAX_CHECKS]:
+        if fallback is not None and candidate.step_seconds > fallback[0].step_seconds * CLEAN_SLOWDOWN:
+            slower = True  # a clean fit this much slower is a worse answer than a setting
+            break
         full = _checked(engine, candidate.recipe, explicit)
         tried.add(candidate.recipe)
         if _fits(full, budget_bytes) and _clean(full):
@@ -128,8 +137,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         rejected += 1
     if chosen is None and fallback is not None:
         chosen, report = fallback
-        notes.append("no recipe fits with the measured error to spare by a full estimate: this one fits on the "
-                     "terms its reasons give")
+        notes.append(f"recipes that fit cleanly are over {CLEAN_SLOWDOWN:.2f}x slower: this one fits on the terms its "
+                     "reasons give" if slower else "no recipe fits with the measured error to spare by a full "
+                     "estimate: this one fits on the terms its reasons give")
     if rejected:
         notes.append(f"{rejected} faster candidate(s) predicted to fit were over budget by a full estimate")
     if roomy_choice:
