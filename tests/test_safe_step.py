@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from memfit import MemfitError
+from memfit.techniques.safe_step import SafeStep
 from memfit.training.budget import VirtualBudget
-from memfit.training.safe_step import SafeStep
 
 OPTIMIZERS = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
@@ -106,3 +106,53 @@ def test_chunks_lower_the_step_peak():
 def test_lbfgs_is_refused():
     with pytest.raises(MemfitError, match="LBFGS"):
         SafeStep(torch.optim.LBFGS(_model().parameters()))
+
+
+# --- as a technique: Recipe(safe_step=k) is what estimate traces and memfit train runs ------------
+
+@pytest.mark.parametrize("name", ["mlp", "hf-llama"])
+def test_the_chunked_step_is_estimated_as_the_allocator_runs_it(name):
+    import memfit
+    from memfit import Recipe
+    from memfit.estimator.truth import true_peak
+    from memfit.models.zoo import CASES
+
+    factory, make_batch, loss_fn = CASES[name]
+    peaks = {}
+    for chunks in (None, 8):
+        recipe = Recipe(safe_step=chunks, optimizer_impl="foreach")
+        batch = make_batch()
+        report = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=recipe)
+        measured = true_peak(factory, batch, loss_fn=loss_fn, recipe=recipe)
+        assert abs(report.peak_bytes - measured) <= 16, (chunks, report.peak_bytes, measured)
+        peaks[chunks] = report.phase_peaks["optimizer"]
+    # each chunk holds copies of its parameters and state (AdamW: 3x its bytes) and its own temporaries:
+    # lower than foreach's temporaries over everything when parameters are many and even (the Llama),
+    # higher when one weight is most of the model (the MLP)
+    assert (peaks[8] < peaks[None]) == (name == "hf-llama"), peaks
+
+
+def test_the_fast_path_traces_it_in_full():
+    # chunks are cut by the bytes of all parameters, not block by block: nothing to write out by depth
+    import transformers as tf
+
+    import memfit
+    from memfit import Recipe
+
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=12, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+                            architectures=["LlamaForCausalLM"])
+    recipe = Recipe(safe_step=8, precision="bf16-mixed")
+    fast = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, fast=True)
+    full = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, fast=False)
+    assert fast.method == full.method and fast.peak_bytes == full.peak_bytes
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(precision="fp16-mixed"), "GradScaler"), (dict(optimizer_in_backward=True), "no optimizer step"),
+    (dict(optimizer="adamw8bit"), "quantised state"), (dict(safe_step=0), "number of chunks")])
+def test_what_cannot_be_chunked_is_refused_in_one_line(changes, message):
+    from memfit import Recipe
+
+    with pytest.raises(MemfitError, match=message):
+        Recipe(**{"safe_step": 4, **changes})

@@ -69,8 +69,8 @@ def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path):
 
 
 def test_a_tight_virtual_budget_is_survived_with_smaller_micro_batches(tmp_path):
-    # one micro-batch of 16 rows as planned: activations dominate, so a smaller cap is survivable
-    kw = dict(steps=2, global_batch_size=16, recipe=Recipe())
+    # a token cap of 16 full rows (not the estimate): activations dominate, so a smaller cap is survivable
+    kw = dict(steps=2, global_batch_size=16, recipe=Recipe(), micro_tokens=16 * 64)
     _, free, _ = _run(tmp_path / "free", budget="1GiB", **kw)  # a budget never reached: counts the peak
     limit = int(free.peak_bytes * 0.8)
     _, tight, lines = _run(tmp_path / "tight", budget=limit, **kw)
@@ -79,8 +79,42 @@ def test_a_tight_virtual_budget_is_survived_with_smaller_micro_batches(tmp_path)
     assert lines[-1]["micro_token_cap"] < lines[0]["ooms"][0]["cap"]
 
 
+def test_micro_batches_sized_by_the_estimate_fit_without_an_oom(tmp_path):
+    kw = dict(steps=3, global_batch_size=16, recipe=Recipe())
+    _, free, free_lines = _run(tmp_path / "free", budget="1GiB", **kw)
+    assert all(x["micro_batches"] == 1 for x in free_lines)  # everything fits one micro-batch
+    limit = int(free.peak_bytes * 0.8)
+    _, tight, lines = _run(tmp_path / "tight", budget=limit, **kw)
+    assert not tight.ooms and tight.peak_bytes <= limit  # the estimate sized them: no OOM to recover from
+    assert max(x["micro_batches"] for x in lines) > 1
+    for x in lines:  # the estimate of the largest shape the step formed bounds what the allocator held
+        assert x["memory_peak"] <= x["predicted"] <= limit, x
+    assert lines[0]["estimate_seconds"] > 0 and lines[-1]["estimate_seconds"] == 0  # estimated once, then cached
+    assert [x["examples"] for x in lines] == [x["examples"] for x in free_lines]
+
+
+def test_dataloader_workers_give_the_same_run(tmp_path):
+    _, plain, _ = _run(tmp_path / "plain", steps=2)
+    _, workers, _ = _run(tmp_path / "workers", steps=2, workers=2)
+    assert plain.losses == workers.losses
+    with pytest.raises(MemfitError, match="workers must be"):
+        _run(tmp_path / "bad", steps=1, workers=-1)
+
+
 def test_bad_arguments_are_one_line(tmp_path):
     with pytest.raises(MemfitError, match="one of global_batch_size"):
         train(_model(), _Tokens(), steps=1, out_dir=tmp_path)
     with pytest.raises(MemfitError, match="one of steps or epochs"):
         train(_model(), _Tokens(), global_batch_size=2, out_dir=tmp_path)
+
+
+def test_tensorboard_gets_the_metrics(tmp_path):
+    pytest.importorskip("tensorboard")  # in the dev extra; the run writes metrics.jsonl without it
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, result, lines = _run(tmp_path / "tb", steps=3, tensorboard=True)
+    board = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    board.Reload()
+    logged = [event.value for event in board.Scalars("train/loss")]
+    assert [event.step for event in board.Scalars("train/loss")] == [1, 2, 3]
+    assert logged == pytest.approx(result.losses, rel=1e-6) and len(board.Scalars("train/lr")) == 3

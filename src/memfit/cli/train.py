@@ -17,7 +17,7 @@ from memfit.errors import MemfitError
 _DEFAULTS = {"data": None, "tokenizer": None, "seq_len": None, "global_batch_size": None, "global_tokens": None,
              "steps": None, "epochs": None, "lr": 1e-4, "schedule": "cosine", "warmup": 0, "budget": None,
              "out_dir": "memfit-run", "resume": True, "seed": 0, "checkpoint_every": 50, "keep": 2,
-             "device": None, "recipe": None, "dtype": "uint16"}
+             "device": None, "recipe": None, "dtype": "uint16", "workers": 0, "gpu": None, "tensorboard": None}
 
 
 def build(train) -> None:
@@ -40,6 +40,13 @@ def build(train) -> None:
                      "an OOM past it), on CUDA the process's memory fraction")
     train.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where to train (default: cuda if "
                        "available)")
+    train.add_argument("--gpu", default=None, help="on CUDA, the catalog GPU the micro-batch estimates follow "
+                       "(see `memfit gpus`; default h100-sxm); without --budget its memory is the budget")
+    train.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (default 0)")
+    train.add_argument("--tensorboard", dest="tensorboard", action="store_true", default=None,
+                       help="require TensorBoard scalars in --out-dir/tensorboard (default: when installed)")
+    train.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                       help="no TensorBoard scalars even if installed")
     train.add_argument("--out-dir", default=None, help="checkpoints and metrics.jsonl (default memfit-run)")
     train.add_argument("--no-resume", dest="resume", action="store_false", default=None,
                        help="start fresh even if --out-dir has checkpoints")
@@ -118,7 +125,8 @@ def run(args) -> int:
                    global_tokens=s["global_tokens"], seq_len=s["seq_len"], steps=s["steps"], epochs=s["epochs"],
                    lr=float(s["lr"]), schedule=s["schedule"], warmup=int(s["warmup"]), out_dir=s["out_dir"],
                    resume=bool(s["resume"]), seed=int(s["seed"]), checkpoint_every=int(s["checkpoint_every"]),
-                   keep=int(s["keep"]), progress=True)
+                   keep=int(s["keep"]), workers=int(s["workers"]), gpu=s["gpu"], tensorboard=s["tensorboard"],
+                   progress=True)
     summary = {"steps": result.steps, "resumed_from": result.resumed_from,
                "final_loss": result.losses[-1] if result.losses else None, "ooms": result.ooms,
                "peak_bytes": result.peak_bytes, "tokens_per_second": round(result.tokens_per_second, 1),

@@ -69,7 +69,8 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         raise MemfitError("compile and the depth fast path conflict: a compiled step has no per-block records to "
                           "write out; trace it in full (fast=False, --full)")
     depth, unit = source.depth, block_unit(source, recipe)
-    if unit is None or not depth or depth % unit or depth <= TEMPLATE_UNITS * unit:
+    # safe_step's chunks are cut by the bytes of all parameters, not per block: traced in full
+    if unit is None or not depth or depth % unit or depth <= TEMPLATE_UNITS * unit or recipe.safe_step is not None:
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=tick,
                                layout=layout)

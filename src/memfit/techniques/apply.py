@@ -84,6 +84,7 @@ class _Step:
         self.contexts, self.pack = list(build.forward_contexts), list(build.pack)
         self.split = build.split or (lambda batch: [batch])
         self.set_to_none = build.set_to_none
+        self.stepper = build.wrap_step(opt) if build.wrap_step is not None else None  # safe_step's SafeStep
         self.count = 0
         self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
 
@@ -146,7 +147,9 @@ class _Step:
         return total
 
     def update(self, step=None) -> None:
-        """The optimizer step (``step()`` instead of ``opt.step()`` if given), then gradients zeroed."""
+        """The optimizer step (``step()`` instead of the recipe's step if given), then gradients zeroed.
+        The recipe's step is ``opt.step()``, or ``SafeStep`` with ``safe_step``: after an out-of-memory
+        error it escaped, calling ``update`` again steps only what was left."""
         index = self.count
         self.watch.begin("optimizer", index)
         if self.scaler:
@@ -155,7 +158,7 @@ class _Step:
             self.scaler.update()
             self.skipped += self.scaler.get_scale() < before  # the scale backs off only on a skip
         else:
-            (step or self.opt.step)()
+            (step or self.stepper or self.opt.step)()
         for state in getattr(self.opt, "state", {}).values():  # torchao's CPU offload keeps none here
             for value in state.values():
                 for tensor in _plain_tensors(value):

@@ -95,6 +95,7 @@ class Build:
     scaler: object = None  # a GradScaler the step scales the loss with and steps through
     split: Callable | None = None  # batch -> micro-batches (None: the batch is one micro-batch)
     set_to_none: bool = True  # zero_grad frees the gradients (True) or zeroes them in place
+    wrap_step: Callable | None = None  # optimizer -> the callable the step runs instead of optimizer.step
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,18 @@ errors without losing or repeating a sample, resumable from atomic checkpoints.
 
 One optimizer step takes the next global batch from a seeded, resumable order (``data.Order``):
 ``global_batch_size`` examples, or examples until ``global_tokens`` tokens. The batch is cut into
-micro-batches by their padded tokens (``batching.micro_batches``): the planned micro-batch's
-tokens are the cap, so short rows come many to a micro-batch and long ones few. The step is
-``apply()``'s (what was estimated is what runs): forward and backward of each micro-batch with
-losses weighted by tokens, then the optimizer through ``SafeStep``.
+micro-batches, rows sorted by length (``batching.micro_batches``), so short rows come many to a
+micro-batch and long ones few. With a budget each micro-batch is as many rows as memfit's estimate
+of that shape says fit (``predict.ShapeBudget``: the shape's predicted peak within the budget,
+micro-batches padded to 1/16-length buckets so the shape estimated is the shape run); without
+one, or with ``micro_tokens``, the cap is padded tokens (the recipe's micro_batch_size x the
+longest example). The step is ``apply()``'s (what was estimated is what runs): forward and
+backward of each micro-batch with losses weighted by tokens, then the optimizer through
+``SafeStep`` (the recipe's ``safe_step``, 8 chunks unless it says otherwise). Batches are read by a
+``DataLoader`` (``workers`` processes; on CUDA pinned and copied with ``non_blocking``).
 
-An out-of-memory error in forward or backward drops the gradients, halves the token cap and
-redoes the same global batch; one inside the optimizer step is rolled back chunk by chunk by
+An out-of-memory error in forward or backward drops the gradients, halves the micro-batches'
+rows (or token cap) and redoes the same global batch; one inside the optimizer step is rolled back chunk by chunk by
 ``SafeStep`` and the step goes on. Either way the global batch, and so the update, is unchanged,
 and the event is logged (step, phase, micro-batch, cap). After ``grow_after`` clean steps the cap
 doubles back toward the plan's. On the CPU ``budget`` is a ``VirtualBudget`` (real tensors, a byte
@@ -18,13 +23,17 @@ cap); on CUDA ``torch.cuda.set_per_process_memory_fraction``.
 Every ``checkpoint_every`` steps (and at the end) weights, optimizer, scheduler, RNG states, the
 data position and the cap are saved atomically (``checkpoint.py``); ``resume=True`` continues
 from the newest checkpoint exactly where it was. ``metrics.jsonl`` gets one line per step: loss,
-tokens, tokens/s, the example ids of the batch, memory, and OOM events.
+tokens, tokens/s, the example ids of the batch, memory (now, peak, predicted), the micro-batches,
+and OOM events; the same scalars go to TensorBoard when it is installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import gc
+import itertools
 import json
 import math
 import time
@@ -36,11 +45,12 @@ import torch
 from memfit.errors import MemfitError
 from memfit.techniques.apply import apply
 from memfit.techniques.recipe import Recipe
+from memfit.techniques.safe_step import TRAIN_CHUNKS
 from memfit.training.batching import micro_batches
 from memfit.training.budget import VirtualBudget
 from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from memfit.training.data import Order, collate, open_data
-from memfit.training.safe_step import SafeStep
+from memfit.training.predict import ShapeBudget
 from memfit.units import parse_size
 
 __all__ = ["train", "TrainResult"]
@@ -98,19 +108,27 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
           global_tokens: int | None = None, seq_len: int | None = None, steps: int | None = None,
           epochs: float | None = None, lr: float = 1e-4, schedule: str = "cosine", warmup: int = 0,
           out_dir="memfit-run", resume: bool = True, seed: int = 0, checkpoint_every: int = 50, keep: int = 2,
-          micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20, chunks: int = 8,
-          tokenizer=None,
-          pad_id: int = 0, device=None, inject=(), progress: bool = True) -> TrainResult:
+          micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20,
+          chunks: int | None = TRAIN_CHUNKS, tokenizer=None, pad_id: int = 0, device=None, gpu=None, workers: int = 0,
+          tensorboard: bool | None = None, inject=(), progress: bool = True) -> TrainResult:
     """Train ``model`` on ``data`` with ``recipe`` inside ``budget``; see the module docstring.
 
     model          an ``nn.Module`` (trained in place)
     data           a dataset of ``{"input_ids"}`` examples with ``lengths``, or a path (``data.open_data``)
     recipe         a :class:`memfit.Recipe` (default: the plain step); its micro_batch_size x seq_len
-                   is the micro-batch token cap unless ``micro_tokens`` is given
+                   is the micro-batch token cap when there is no budget and no ``micro_tokens``
     batching       ``tokens``: micro-batches by padded tokens, rows sorted by length (the default);
                    ``rows``: micro_batch_size rows in data order, each padded to its longest (the plain
                    loop, for comparison; an OOM halves the rows)
-    budget         bytes or a size: on the CPU a virtual budget, on CUDA the process's memory fraction
+    budget         bytes or a size: on the CPU a virtual budget, on CUDA the process's memory fraction;
+                   micro-batches are then sized by their estimated peak (``predict.ShapeBudget``)
+    gpu            on CUDA, the catalog GPU the estimates follow (``memfit.estimate``'s ``gpu``); with no
+                   budget, its memory less its context is the budget
+    chunks         the optimizer step in this many chunks, rolled back on OOM (``Recipe.safe_step``; the
+                   recipe's own value wins; None: the plain step, an OOM inside it is fatal)
+    workers        DataLoader worker processes collating micro-batches (0: in this process)
+    tensorboard    also write the metrics as TensorBoard scalars to ``out_dir/tensorboard`` (None: when
+                   the ``tensorboard`` package is installed; True: required)
     global_batch_size / global_tokens   examples, or tokens, per optimizer step (one of them)
     steps / epochs how long (one of them)
     inject         faults for tests: ``(step, micro_batch, phase[, nth])`` (``budget.VirtualBudget``)
@@ -118,6 +136,11 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     recipe = recipe or Recipe()
     if not isinstance(recipe, Recipe):
         raise MemfitError(f"recipe must be a memfit.Recipe, got {type(recipe).__name__}: plan one with memfit.plan")
+    if recipe.safe_step is None and chunks is not None:
+        with contextlib.suppress(MemfitError):  # fp16-mixed, in-backward, 8-bit: the plain step
+            recipe = recipe.replace(safe_step=chunks)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise MemfitError(f"workers must be 0 or more DataLoader processes, got {workers!r}")
     if (global_batch_size is None) == (global_tokens is None):
         raise MemfitError("give one of global_batch_size (examples per step) or global_tokens (tokens per step)")
     if (steps is None) == (epochs is None):
@@ -136,6 +159,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     if lengths is None:
         raise MemfitError("the dataset needs a lengths array (tokens per example): use memfit.training.data")
     longest = int(max(lengths)) if seq_len is None else seq_len
+    by_estimate = micro_tokens is None and batching == "tokens"  # with a budget: ShapeBudget sizes micro-batches
     if micro_tokens is None:
         rows = recipe.micro_batch_size or (global_batch_size if global_batch_size else max(1, global_tokens // longest))
         micro_tokens = rows * longest
@@ -144,9 +168,20 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     per_epoch = (len(data) / global_batch_size) if global_batch_size else (int(sum(lengths)) / global_tokens)
     total_steps = steps if steps is not None else max(1, math.ceil(epochs * per_epoch))
 
+    cap = None if budget is None else parse_size(budget)
+    if cap is None and gpu is not None and device.type == "cuda":
+        from memfit.hardware.gpus import gpu as catalog_gpu
+
+        cap = (catalog_gpu(gpu) if isinstance(gpu, str) else gpu).usable_bytes()
+    shapes = None
+    if cap is not None and by_estimate:
+        template = _meta_copy(model)  # apply changes the model in place; estimates start from this
+        most = global_batch_size or max(1, global_tokens // max(1, int(min(lengths))))
+        shapes = ShapeBudget(lambda: copy.deepcopy(template), recipe, cap, longest=longest, max_rows=most,
+                             gpu=(gpu or "h100-sxm") if device.type == "cuda" else None, pad_id=pad_id)
+
     torch.manual_seed(seed)
     model, opt, step_fn = apply(model, recipe)
-    stepper = SafeStep(opt, chunks) if hasattr(opt, "param_groups") and not step_fn.scaler else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(schedule, lr, warmup, total_steps)) \
         if hasattr(opt, "param_groups") else None
     if sched is not None:
@@ -169,7 +204,6 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         resumed = done
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    cap = None if budget is None else parse_size(budget)
     vb = None
     if device.type == "cpu" and (cap is not None or inject):
         resident = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
@@ -184,12 +218,15 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     result = TrainResult(steps=done, losses=[], out_dir=out_dir, resumed_from=resumed)
     bar = _Progress(total_steps, done) if progress else None
     tokens_run, seconds = 0, 0.0
+    reader = _Reader(data, pad_id, workers, device)
+    board = _board(out_dir, tensorboard)
     with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as log, (vb if vb is not None else contextlib.nullcontext()):
         while done < total_steps:
             ids = _global_batch(order, lengths, global_batch_size, global_tokens)
             start = time.perf_counter()
-            loss, events = _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, done, device,
-                                     pad_id, recipe.micro_batch_size if batching == "rows" else None)
+            loss, events, predicted, estimating, parts = _one_step(
+                step_fn, reader, ids, lengths, micro_tokens, scale, vb, done, device,
+                recipe.micro_batch_size if batching == "rows" else None, shapes)
             if events:
                 scale = events[-1]["scale"]
                 clean = 0
@@ -200,7 +237,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                     scale, clean = min(1.0, scale * 2), 0
             if sched is not None:
                 sched.step()
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - start - estimating  # estimates are timed apart
             tokens = int(sum(lengths[i] for i in ids))
             tokens_run, seconds = tokens_run + tokens, seconds + elapsed
             done += 1
@@ -209,17 +246,27 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             now, memory = _memory(vb, device)
             log.write(json.dumps({"step": done, "loss": value, "tokens": tokens, "seconds": round(elapsed, 6),
                                   "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
-                                  "memory_now": now,
-                                  "memory_peak": memory, "micro_token_cap": int(micro_tokens * scale),
+                                  "memory_now": now, "memory_peak": memory, "predicted": predicted,
+                                  "estimate_seconds": round(estimating, 3), "micro_batches": parts,
+                                  "micro_token_cap": None if shapes is not None else int(micro_tokens * scale),
                                   "ooms": events}) + "\n")
             log.flush()
             if bar is not None:
-                bar.update(done, value, tokens / elapsed, memory)
+                bar.update(done, value, tokens / elapsed, now, memory, predicted)
+            if board is not None:
+                for name, number in (("loss", value), ("tokens_per_second", tokens / elapsed), ("memory_peak", memory),
+                                     ("predicted", predicted), ("ooms", len(events)),
+                                     ("lr", opt.param_groups[0]["lr"] if hasattr(opt, "param_groups") else None)):
+                    if number is not None:
+                        board.add_scalar(f"train/{name}", number, done)
             if done % checkpoint_every == 0 or done == total_steps:
                 save_checkpoint(out_dir, done, model, {
                     "optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else {},
                     "order": order.state_dict(), "rng": rng_state(), "scale": scale, "clean": clean, "step": done},
                     keep=keep)
+    reader.close()
+    if board is not None:
+        board.close()
     if bar is not None:
         bar.close()
     result.steps = done
@@ -228,19 +275,28 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     return result
 
 
-def _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, index, device, pad_id, rows=None):
-    """One global batch to an applied update, whatever out-of-memory errors come; returns its loss
-    and the OOM events survived (the last one's ``scale`` is the cap's new scale)."""
-    events = []
+def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, device, rows, shapes):
+    """One global batch to an applied update, whatever out-of-memory errors come; returns its loss,
+    the OOM events survived (the last one's ``scale`` is the new scale), the predicted peak of its
+    largest micro-batch (``ShapeBudget.bound``; None without a budget), the seconds spent estimating
+    and the number of micro-batches."""
+    events, estimating = [], 0.0
     while True:
-        cap = max(1, int(micro_tokens * scale))
+        began = time.perf_counter()
+        cap = None
         if rows is not None:  # fixed rows in data order
             size = max(1, int(rows * scale))
             groups = [[[k] for k in range(j, min(j + size, len(ids)))] for j in range(0, len(ids), size)]
-        else:
-            groups = micro_batches([int(lengths[i]) for i in ids],
-                                   lambda rows, length: rows == 1 or rows * length <= cap)
-        micro = [_to(collate([data[ids[i]] for row in g for i in row], pad_id), device) for g in groups]
+        elif shapes is not None:  # rows by the estimate of each shape
+            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: shapes.fits(n, length, scale))
+        else:  # rows by padded tokens
+            cap = max(1, int(micro_tokens * scale))
+            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: n == 1 or n * length <= cap)
+        members = [[ids[i] for row in g for i in row] for g in groups]
+        predicted = None if shapes is None else max(
+            shapes.bound(len(g), max(int(lengths[i]) for i in m)) for g, m in zip(groups, members))
+        estimating += time.perf_counter() - began
+        micro = reader.read(members, shapes)
         try:
             loss = _backward(step_fn, micro, vb, index)
             break
@@ -253,18 +309,20 @@ def _one_step(step_fn, stepper, data, ids, lengths, micro_tokens, scale, vb, ind
                                   "sequences or use a recipe that saves more memory") from None
             scale /= 2
             events.append({"step": index + 1, "phase": where[2], "micro_batch": where[1], "micro_batches": len(groups),
-                           "cap": cap, "scale": scale, "error": str(err).splitlines()[0]})
+                           "rows": max(len(g) for g in groups), "cap": cap, "predicted": predicted, "scale": scale,
+                           "error": str(err).splitlines()[0]})
         _free(device)  # out of the except block: the error's frames (and the graph they hold) are gone
     for attempt in range(MAX_STEP_RETRIES + 1):
         if vb is not None:
             vb.at(index, 0, "optimizer")
         try:
-            step_fn.update(stepper)
-            return loss, events
+            step_fn.update()
+            return loss, events, predicted, estimating, len(groups)
         except torch.OutOfMemoryError as err:
-            if stepper is None:
+            if step_fn.stepper is None:
                 raise MemfitError("out of memory inside an optimizer step that cannot be rolled back (fp16 with a "
-                                  "GradScaler): raise the budget or use bf16") from None
+                                  "GradScaler, an 8-bit optimizer, or chunks=None): raise the budget, or use bf16 "
+                                  "and a torch optimizer") from None
             events.append({"step": index + 1, "phase": "optimizer", "micro_batch": None, "scale": scale,
                            "rolled_back": True, "error": str(err).splitlines()[0]})
         _free(device)
@@ -302,10 +360,81 @@ def _memory(vb, device) -> tuple:
     return None, None
 
 
-def _to(batch: dict, device: torch.device) -> dict:
-    if device.type != "cuda":
-        return batch
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+def _board(out_dir: Path, wanted: bool | None):
+    """A TensorBoard ``SummaryWriter`` in ``out_dir/tensorboard``, or None."""
+    if wanted is False:
+        return None
+    try:
+        import tensorboard  # noqa: F401  torch's writer needs the package
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if wanted:
+            raise MemfitError("tensorboard=True needs the tensorboard package: pip install tensorboard") from None
+        return None
+    return SummaryWriter(str(out_dir / "tensorboard"))
+
+
+def _meta_copy(model):
+    """``model`` with every parameter and buffer on the meta device: what the estimates build from
+    (``apply`` then changes the real model in place: LoRA, checkpointing wrappers)."""
+    memo = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+class _Groups:
+    """A DataLoader batch sampler whose batches are set before each pass: one global batch's micro-batches."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+
+    def __iter__(self):
+        return iter(list(self.batches))
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def _collate(examples, pad_id, step, longest):
+    length = None
+    if step is not None:  # padded to the length's bucket: the shape ShapeBudget estimated
+        longest_row = max(len(e["input_ids"]) for e in examples)
+        length = min(longest, max(step, -(-longest_row // step) * step))
+    return collate(examples, pad_id, length)
+
+
+class _Reader:
+    """Micro-batches read through a ``DataLoader``: ``workers`` processes (kept between steps), on
+    CUDA pinned memory and ``non_blocking`` copies."""
+
+    def __init__(self, data, pad_id: int, workers: int, device: torch.device):
+        self.data, self.pad_id, self.workers, self.device = data, pad_id, workers, device
+        self.sampler = _Groups()
+        self.loader, self.step = None, None
+
+    def read(self, members: list[list[int]], shapes) -> list[dict]:
+        step = None if shapes is None else (shapes.step, shapes.longest)
+        if self.loader is None or step != self.step:
+            self.close()
+            self.step = step
+            self.loader = torch.utils.data.DataLoader(
+                self.data, batch_sampler=self.sampler, num_workers=self.workers,
+                collate_fn=functools.partial(_collate, pad_id=self.pad_id, step=step and step[0],
+                                             longest=step and step[1]),
+                pin_memory=self.device.type == "cuda", persistent_workers=self.workers > 0)
+        self.sampler.batches = members
+        if self.device.type != "cuda":
+            return list(self.loader)
+        return [{k: v.to(self.device, non_blocking=True) for k, v in batch.items()} for batch in self.loader]
+
+    def close(self) -> None:
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader = None
 
 
 class _Progress:
@@ -321,10 +450,13 @@ class _Progress:
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.progress.start()
 
-    def update(self, done: int, loss: float, tokens_per_second: float, peak: int | None) -> None:
+    def update(self, done: int, loss: float, tokens_per_second: float, now: int | None, peak: int | None,
+               predicted: int | None) -> None:
         from memfit.units import format_size
 
-        memory = "" if peak is None else f"  peak {format_size(peak)}"
+        memory = "" if peak is None else f"  memory {format_size(now)} now / {format_size(peak)} peak"
+        if predicted is not None:
+            memory += f" / {format_size(predicted)} predicted"
         self.progress.update(self.task, completed=done, info=f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s{memory}")
 
     def close(self) -> None:

@@ -1,0 +1,151 @@
+"""Micro-batch shapes by their predicted peak: how many rows of a length fit the budget, from
+memfit's own estimate of that shape.
+
+``train`` cuts each global batch into micro-batches with ``fits(rows, length)``
+(``batching.micro_batches``). With a budget, ``ShapeBudget.fits`` answers it from
+``memfit.estimate`` of exactly that micro-batch shape under the run's recipe: the model (made fake,
+so nothing real is allocated), a batch of ``rows`` padded rows (one row ragged, as real data is, so
+the attention mask is built), two such micro-batches a step so the gradients of the first are live
+through the second's forward (accumulation), and the step's optimizer (``safe_step`` included). A
+shape fits when its peak is within the budget: on the CPU the allocator's peak
+(``peak_bytes``, the figure ``VirtualBudget`` caps); on CUDA the caching allocator's reserved peak
+(``reserved_bytes``, what ``set_per_process_memory_fraction`` caps).
+
+Lengths are padded up to buckets (a multiple of ``step`` tokens: 1/16 of the longest example
+rounded up to 8, at least 32; the longest itself the last): a micro-batch is collated to its bucket, so what was estimated is the shape that
+runs, and a run estimates at most 16 lengths. For a length, the largest row count that fits is
+searched by estimates: a first guess from one and two rows of the first bucket searched (the
+bytes a row adds, scaled to the bucket's tokens), then up or down from it until the answer
+is bracketed (typically two estimates: the count fits, one more does not). Answers are monotone
+(a longer bucket never takes more rows), estimates cached per (rows, bucket).
+
+Cost: about a second an estimate on a small model, two to four per bucket seen, once per run; a
+resumed run estimates again. Estimates run with the budget's dispatch mode set aside, so
+their fake tensors are not counted.
+
+Why by hand: no trainer sizes micro-batches from a prediction (Composer halves after an OOM,
+Lightning's finder and Hugging Face's ``auto_find_batch_size`` search by crashing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memfit.errors import MemfitError
+from memfit.training.data import collate
+
+__all__ = ["ShapeBudget", "bucket_step"]
+
+BUCKETS = 16  # lengths per run that are estimated at most
+MIN_STEP = 32  # tokens: padding this many costs next to nothing, and short data needs fewer estimates
+
+
+def bucket_step(longest: int) -> int:
+    """Tokens per bucket for data whose longest example has ``longest`` tokens."""
+    return max(MIN_STEP, math.ceil(longest / BUCKETS / 8) * 8)
+
+
+class ShapeBudget:
+    """``fits(rows, length)`` for micro-batches of ``model`` under ``recipe`` within ``budget`` bytes.
+
+    gpu        on CUDA, the catalog GPU whose semantics the estimates follow (``memfit.estimate``'s
+               ``gpu``); None on the CPU
+    max_rows   the most rows a micro-batch can have (the global batch's)
+    """
+
+    def __init__(self, model, recipe, budget: int, *, longest: int, max_rows: int, gpu=None, pad_id: int = 0,
+                 loss_fn=None):
+        self.model, self.budget, self.gpu, self.pad_id, self.loss_fn = model, int(budget), gpu, pad_id, loss_fn
+        self.step = bucket_step(longest)
+        self.longest = int(longest)  # the last bucket: never past the data's (or model's) longest
+        self.max_rows = max(1, int(max_rows))
+        # two micro-batches a step (the second's forward runs with the first's gradients live),
+        # one where the optimizer steps in backward (nothing accumulates)
+        self.parts = 1 if recipe.optimizer_in_backward else 2
+        self.recipe = recipe
+        self._peaks: dict[tuple[int, int], int] = {}
+        self._rows: dict[int, int] = {}
+        self._line = None  # (bucket, fixed bytes, bytes a row adds) of the first bucket searched
+        self.estimates = 0
+
+    def bucket(self, length: int) -> int:
+        """The padded length a micro-batch whose longest row is ``length`` is collated to."""
+        return min(self.longest, max(self.step, math.ceil(length / self.step) * self.step))
+
+    def peak(self, rows: int, length: int) -> int:
+        """The predicted peak (bytes the budget caps) of ``rows`` rows of ``length``'s bucket."""
+        key = (int(rows), self.bucket(length))
+        if key not in self._peaks:
+            self._peaks[key] = self._estimate(*key)
+        return self._peaks[key]
+
+    def _estimate(self, rows: int, length: int) -> int:
+        from memfit.estimator.estimate import estimate
+
+        examples = [{"input_ids": torch.zeros(length if k == 0 else length - 1, dtype=torch.long)}
+                    for k in range(rows)] if length > 1 else [{"input_ids": torch.zeros(1, dtype=torch.long)}] * rows
+        micro = collate(examples, self.pad_id, length=length)
+        batch = {k: torch.cat([v] * self.parts) for k, v in micro.items()}
+        recipe = self.recipe.replace(micro_batch_size=rows, grad_accum_steps=self.parts)
+        with _disable_current_modes():  # a VirtualBudget around the caller must not count fake tensors
+            report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, gpu=self.gpu,
+                              fast=False)
+        self.estimates += 1
+        return report.reserved_bytes if report.reserved_bytes is not None else report.peak_bytes
+
+    def max_rows_at(self, length: int) -> int:
+        """The most rows of ``length``'s bucket whose predicted peak is within the budget (at least 1:
+        one row is always tried; the run's out-of-memory handling says when even that fails)."""
+        length = self.bucket(length)
+        if length not in self._rows:
+            self._rows[length] = self._search(length)
+        return self._rows[length]
+
+    def _search(self, length: int) -> int:
+        lo, hi = 1, self.max_rows + 1  # lo rows fit (one is always tried), hi do not
+        for other, rows in self._rows.items():  # fewer rows fit a longer bucket, never more
+            if other < length:
+                hi = min(hi, rows + 1)
+            elif other > length:
+                lo = max(lo, rows)
+        if hi - lo <= 1:
+            return lo
+        if self._line is not None:  # the first bucket's bytes a row adds, scaled by the row's tokens
+            first, fixed, per_row = self._line
+            guess = (self.budget - fixed) * first // max(1, per_row * length)
+        else:  # the bytes a row adds, from one and two rows
+            one = self.peak(1, length)
+            two = self.peak(2, length) if one <= self.budget else one
+            if two > self.budget:
+                return 1
+            lo = max(lo, 2)
+            self._line = (length, one - (two - one), max(1, two - one))
+            guess = 1 + (self.budget - one) // max(1, two - one)
+        # gallop from the guess until the answer is bracketed, then bisect; typically two estimates
+        step, heading = 1, None
+        while hi - lo > 1:
+            rows = min(max(guess, lo + 1), hi - 1)
+            fits = self.peak(rows, length) <= self.budget
+            lo, hi = (rows, hi) if fits else (lo, rows)
+            if heading in (None, fits):
+                guess, step, heading = rows + step if fits else rows - step, step * 2, fits
+            else:
+                guess = (lo + hi) // 2
+        return lo
+
+    def bound(self, rows: int, length: int) -> int:
+        """The predicted peak of ``rows`` rows of ``length``'s bucket if that shape was estimated;
+        otherwise the bucket's largest fitting shape's (an upper bound, one estimate a bucket)."""
+        key = (int(rows), self.bucket(length))
+        if key in self._peaks:
+            return self._peaks[key]
+        return self.peak(self.max_rows_at(length), length)
+
+    def fits(self, rows: int, length: int, scale: float = 1.0) -> bool:
+        """Whether ``rows`` rows padded to ``length`` fit; ``scale`` < 1 after out-of-memory errors."""
+        if not 0 < scale <= 1:
+            raise MemfitError(f"scale must be in (0, 1], got {scale}")
+        return rows <= max(1, int(self.max_rows_at(length) * scale))
