@@ -52,7 +52,7 @@ from memfit.errors import MemfitError, shown
 from memfit.scoped import patched
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["TECHNIQUE", "compiled_loss", "compile_scope"]
+__all__ = ["TECHNIQUE", "compiled", "compiled_loss", "compile_layers", "compile_scope"]
 
 
 def _check_budget(value) -> None:
@@ -133,17 +133,77 @@ def _is_fake(model) -> bool:
     return any(is_fake(p) for p in model.parameters())
 
 
+def _any_fake(args, kwargs) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(x, torch.Tensor) and is_fake(x) for x in tree_leaves((args, kwargs)))
+
+
+def compiled(fn, *, fake: bool | None = None, budget: float | None = None, dynamic: bool | None = None):
+    """``fn`` compiled by Inductor, as ``torch.compile(fn)`` compiles it; on fake tensors Inductor's
+    plan runs with no-op kernels instead (the module docstring). ``fake`` None: chosen at each call
+    by whether an argument is a fake tensor, so a piece of the caller's own ``loss_fn`` that their
+    training compiles (torchtune's compiled cross-entropy) is estimated as it trains. ``budget``:
+    the ``activation_memory_budget`` it runs with (None: torch's setting); ``dynamic`` as torch.compile's."""
+    made: dict = {}
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        planned = _any_fake(args, kwargs) if fake is None else fake
+        if planned not in made:
+            made[planned] = torch.compile(fn, backend=_planning_backend if planned else "inductor",
+                                          dynamic=dynamic)
+        if budget is None:
+            return made[planned](*args, **kwargs)
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return made[planned](*args, **kwargs)
+
+    return run
+
+
 def compiled_loss(loss_fn, *, fake: bool, budget: float):
     """``loss_fn`` compiled with Inductor (``fake``: planned only, see the module docstring), run
     with ``activation_memory_budget`` = ``budget``."""
-    compiled = torch.compile(loss_fn, backend=_planning_backend if fake else "inductor")
+    return compiled(loss_fn, fake=fake, budget=budget)
 
-    @functools.wraps(loss_fn)
-    def run(model, batch):
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compiled(model, batch)
 
-    return run
+def compile_layers(model, *, fake: bool, budget: float) -> list[str]:
+    """Each repeated block of ``model`` compiled on its own (``torchtune.training.compile_model``),
+    inside its checkpoint where checkpointing wraps it; returns the blocks' paths."""
+    from memfit.techniques.checkpointing import find_blocks, no_kv_cache
+
+    blocks = find_blocks(model)
+    if not blocks:
+        raise MemfitError("compile=layers found no repeated blocks in the model: use compile=true (the whole "
+                          "loss_fn compiled as one graph)")
+    for _, block in blocks:
+        forward = block.forward
+        if hasattr(forward, "checkpointed"):  # checkpoint(compiled block), as torchtune wraps it
+            forward.checkpointed = compiled(forward.checkpointed, fake=fake, budget=budget)
+        else:
+            block.forward = compiled(forward, fake=fake, budget=budget)
+    # a KV cache filled in training hands each layer its own cache entry: every layer would compile
+    # anew (dynamo guards on the entry) and past dynamo's recompile limit (8) run eager; torchtune's
+    # layers have no cache in training
+    no_kv_cache(model)
+    return [name for name, _ in blocks]
+
+
+def _compile_loss_part(build, fake: bool, budget: float) -> None:
+    """compile="layers": the loss compiled on its own (``torchtune.training.compile_loss``): a Hugging
+    Face model's ``loss_function`` (its upcast and cross-entropy), or chunked_loss's per-chunk
+    upcast and cross-entropy (torchtune's chunked loss compiles that part, not the head)."""
+    from memfit.techniques.chunked_loss import chunk_cross_entropy, chunked_lm_loss
+
+    if build.recipe.chunked_loss:
+        # static shapes: the shorter last chunk gets its own graph; a dynamic graph made for it would
+        # also serve the other chunks' recomputation, saving other tensors than their forward did
+        piece = compiled(chunk_cross_entropy, fake=fake, budget=budget, dynamic=False)
+        build.loss_fn = chunked_lm_loss(build.recipe.chunked_loss, cross_entropy=piece)
+    model = build.model.get_base_model() if hasattr(build.model, "get_base_model") else build.model
+    if isinstance(getattr(type(model), "loss_function", None), property):
+        model.loss_function = compiled(model.loss_function, fake=fake, budget=budget)
 
 
 @contextlib.contextmanager
@@ -178,14 +238,19 @@ def _apply(build) -> None:
         return
     from memfit.techniques.step import default_loss
 
-    build.loss_fn = compiled_loss(build.loss_fn or default_loss, fake=_is_fake(build.model),
-                                  budget=float(recipe.activation_memory_budget))
+    fake, budget = _is_fake(build.model), float(recipe.activation_memory_budget)
+    if recipe.compile == "layers":
+        compile_layers(build.model, fake=fake, budget=budget)
+        _compile_loss_part(build, fake, budget)
+        return
+    build.loss_fn = compiled_loss(build.loss_fn or default_loss, fake=fake, budget=budget)
 
 
 def _conflicts(r):
-    if r.compile and r.offload_activations:
-        yield ("compile and offload_activations conflict: the compiled graph saves its tensors past the offload "
-               "hooks, so nothing moves (measured on the zoo's Llama: the same peak as compile alone); drop one")
+    if r.compile is True and r.offload_activations:
+        yield ("compile=true and offload_activations conflict: the one compiled graph saves its tensors at its end "
+               "and takes them all back at its backward's start, so nothing moves (measured on the zoo's Llama: "
+               "the same peak as compile alone); use compile=layers or drop one")
     if r.activation_memory_budget != 1.0 and not r.compile:
         yield (f"activation_memory_budget={r.activation_memory_budget} needs compile: it is the compiled "
                "partitioner's knob; set compile=true or drop it")
@@ -193,8 +258,9 @@ def _conflicts(r):
 
 TECHNIQUE = Technique(
     name="compile",
-    fields=(Field("compile", False, "torch.compile the forward and loss (Inductor): fused kernels, the "
-                  "partitioner's saved set; costs compile time", slot=55, kind="bool"),
+    fields=(Field("compile", False, "torch.compile (Inductor): true: loss_fn (forward and loss) as one graph; "
+                  "layers: each block and the loss on their own (torchtune); fused kernels, the partitioner's "
+                  "saved set; costs compile time", slot=55, kind="bool", choices=("layers",)),
             Field("activation_memory_budget", 1.0, "compile only: fraction (0, 1] of the partitioner's "
                   "saved bytes to keep (lower recomputes more in backward)", slot=56, kind="float",
                   check=_check_budget)),
