@@ -132,6 +132,8 @@ def test_bad_compile_settings_are_one_line():
         memfit.measure(*_mlp()[:2], loss_fn=_mlp()[2], recipe=Recipe(compile=True))
     with pytest.raises(MemfitError, match="fast=True and compile conflict"):
         memfit.estimate("llama-3.2-1b", seq_len=128, fast=True, recipe=Recipe(compile=True))
+    with pytest.raises(MemfitError, match="fast=True and compile conflict"):
+        memfit.estimate("llama-3.2-1b", seq_len=128, fast=True, recipe=Recipe(compile="layers"))
 
 
 def test_the_depth_path_refuses_compile_in_one_line():
