@@ -1,4 +1,4 @@
-"""torch.compile: the loss computation (model forward and loss) compiled by Inductor.
+"""torch.compile: the loss computation compiled by Inductor, as one graph or block by block.
 
 Memory: AOTAutograd's min-cut partitioner chooses what the forward saves for backward (it
 recomputes cheap pointwise ops in backward instead of saving their outputs), and Inductor fuses
@@ -8,9 +8,25 @@ fastest) makes the partitioner recompute more, down to what fits that fraction o
 saved bytes. Cost: compile time (tens of seconds per graph on 2 CPU cores); the step itself is
 usually faster. Does not change the math beyond rounding.
 
-What is compiled: ``loss_fn(model, batch)`` as one function (forward and loss in one graph;
-torchtune compiles each layer and the loss); the backward is AOTAutograd's compiled backward;
+What is compiled. ``compile=true``: ``loss_fn(model, batch)`` as one function (forward and loss in
+one graph). ``compile=layers``: what ``torchtune.training.compile_model`` and ``compile_loss`` do:
+each repeated block (``checkpointing.find_blocks``) compiled on its own, inside its checkpoint
+where checkpointing wraps it (torchtune's checkpoint wrapper around a compiled layer), and the loss
+on its own: a Hugging Face model's ``loss_function`` (upcast and cross-entropy), or with
+``chunked_loss`` each chunk's upcast and cross-entropy (torchtune's chunked loss compiles that part,
+not the head); a caller's own ``loss_fn`` compiles its pieces with ``compiled(fn)``, which plans on
+fake tensors and compiles for real ones. Everything else (embedding, final norm, head) runs eager,
+and the model's KV cache is off (as checkpointing turns it off): filled in training it hands each
+layer its own entry, dynamo recompiles every layer on it and past its recompile limit (8) runs the
+rest eager. One graph then serves every block. The backward is AOTAutograd's compiled backward;
 the optimizer step is not compiled.
+
+Why both: per block, the checkpointed step keeps checkpoint's saving (each block's saved set
+exists in backward one block at a time), and activation offload moves each block's saved set as
+the block ends; one whole graph re-plans the checkpointed regions (measured: +23 % over the eager
+checkpointed peak on the zoo's Llama, and on Llama-3.1-8B packed 2 x 2048 with paged 8-bit AdamW in
+backward 32.3 GiB, 17.1 GiB of it the compiled backward's buffers, against 20.0 GiB per block) and
+takes every saved tensor back at its backward's start, so offload moves nothing (refused).
 
 How it is estimated, exactly as it runs: the estimate compiles the same function with the same
 dynamo, AOTAutograd, partitioner, decompositions and Inductor scheduler and buffer planning; only
@@ -24,16 +40,22 @@ backward, gradients, optimizer).
 
 Measured (``bench/compile_cpu.py``, ``tests/test_compile.py``): against the same step really
 compiled and run on the CPU allocator, byte-exact or within 48 bytes on the zoo's MLP, GPT, tiny
-Llama (fp32, bf16-mixed, and with checkpointing, accumulation, LoRA, ...), GPT-2, encoder and CNN.
+Llama (fp32, bf16-mixed, and with checkpointing, accumulation, LoRA, ...), GPT-2, encoder and CNN;
+``compile=layers`` within 1,048 bytes (0.01 %) on the zoo's Llama (fp32, bf16-mixed, checkpointing,
+offload, both, chunked loss, LoRA, optimizer in backward), GPT (with and without checkpointing),
+GPT-2 and the encoder.
 
 Where it is used: ``estimate`` (CPU and CUDA semantics; under CUDA semantics the plan is the CPU
 backend's, since Inductor's CUDA backend needs a GPU to lower for) and ``fit`` (checked by full
 estimates). Not searched by ``plan`` (``trace="none"``): every candidate graph would compile
 anew (10-60 s each on 2 cores), and the planner's composition from prime-batch traces at two
 depths assumes what Inductor does not promise (its fusion and reuse may change with sizes). The
-depth fast path refuses it (the compiled graph runs outside the blocks' modules, so there are no
-per-block records to write out); ``estimate`` traces a compiled step in full. ``measure`` refuses
-it: Inductor's wrapper allocates with ``empty_strided_cpu``, past the dispatcher its ledger watches.
+depth fast path refuses both values: one whole graph runs outside the blocks' modules, and a
+compiled block's backward is not in the per-block records the fast path writes out (tried with
+``compile=layers``: 13 % low on llama-3.2-1b); ``estimate`` traces a compiled step in full, which
+per block compiles one graph for all blocks (llama-3.2-1b: 4 s; the 8B row above: 26 s).
+``measure`` refuses it: Inductor's wrapper allocates with ``empty_strided_cpu``, past the
+dispatcher its ledger watches.
 
 Left out: dynamo's and Inductor's caches are off while an estimate compiles (its artefacts ran on
 fake tensors) and dynamo is reset after the trace (``torch._dynamo.reset``), so a compiled model
