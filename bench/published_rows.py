@@ -31,7 +31,10 @@ _TT_31 = dict(source=TT_README, commit="bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1
               table="README 'Memory and training speed'", metric="active", unit="GiB", gpu="rtx-4090",
               model="llama-3.1-8b", seq_len=2048, batch_size=2, packed=True)
 # Settings of the configs at 30b8519e8 (recipes/configs/llama3_1/8B_*_single_device.yaml): dtype bf16
-# (pure bf16 weights), activation checkpointing on, CEWithChunkedOutputLoss (8 chunks).
+# (pure bf16 weights), activation checkpointing on, CEWithChunkedOutputLoss (8 chunks). compile=True there
+# is training.compile_model, which at 30b8519e8 compiles each TransformerSelfAttentionLayer on torch >= 2.5
+# (then nightlies) and the whole model before: which torch ran the table is not stated; per layer is
+# taken (compile="layers"), as in every later torchtune. compile_loss compiles the chunks' upcast + CE.
 _TT_LORA_BASE = dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused",
                      compile="layers")
 
