@@ -3,8 +3,10 @@
     python bench/compile_cpu.py        # writes bench/results/compile-cpu.json
 
 For each zoo model (``memfit.models.zoo.CASES``, batches large enough that activations matter)
-and recipe: the eager step's allocator peak, the compiled step's allocator peak (the model really
-compiled by Inductor and run on real tensors, two AdamW steps, ``memfit.estimator.truth``), the
+and recipe (``compile=True``: the loss function as one graph; ``compile=layers``: each block and
+the loss on their own, as torchtune compiles): the eager step's allocator peak, the compiled
+step's allocator peak (the model really compiled by Inductor and run on real tensors, two AdamW
+steps, ``memfit.estimator.truth``), the
 compiled estimate (fake tensors, Inductor's wrapper run with no-op kernels) and its error, and
 the estimate's wall time (compile included). Compile is slow on 2 shared cores: ~10-60 s a row.
 """
@@ -45,15 +47,25 @@ ROWS = [
     ("hf-llama", {"checkpointing": "blocks"}), ("hf-llama", {"grad_accum_steps": 2}),
     ("hf-llama", {"optimizer_in_backward": True}),
     ("hf-llama", {"lora": "lora:8"}), ("hf-llama", {"chunked_loss": 4}),
+    # compile="layers": each block and the loss compiled on their own (torchtune's compile_model and
+    # compile_loss); the eager column is the same recipe uncompiled
+    ("hf-llama", {"compile": "layers"}), ("hf-llama", {"compile": "layers", "checkpointing": "blocks"}),
+    ("hf-llama", {"compile": "layers", "precision": "bf16-mixed"}),
+    ("hf-llama", {"compile": "layers", "offload_activations": True}),
+    ("hf-llama", {"compile": "layers", "checkpointing": "blocks", "offload_activations": True}),
+    ("hf-llama", {"compile": "layers", "chunked_loss": 4}), ("hf-llama", {"compile": "layers", "lora": "lora:8"}),
+    ("hf-llama", {"compile": "layers", "optimizer_in_backward": True}),
+    ("gpt", {"compile": "layers"}), ("gpt", {"compile": "layers", "checkpointing": "blocks"}),
+    ("hf-gpt2", {"compile": "layers"}), ("encoder", {"compile": "layers"}),
 ]
 
 
 def row(name: str, extra: dict) -> dict:
     factory, _, loss_fn = CASES[name]
     batch = BATCHES[name]()
-    eager = Recipe(**{k: v for k, v in extra.items() if k != "activation_memory_budget"})
+    eager = Recipe(**{k: v for k, v in extra.items() if k not in ("activation_memory_budget", "compile")})
     loss_fn = None if "chunked_loss" in extra else loss_fn
-    compiled = Recipe(compile=True, **extra)
+    compiled = Recipe(**{"compile": True, **extra})
     start = time.perf_counter()
     estimate = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=compiled).peak_bytes
     seconds = time.perf_counter() - start

@@ -69,11 +69,29 @@ def _lm_parts(model):
     return model.base_model, model.get_output_embeddings()
 
 
-def torchtune_loss(chunks: int):
+def _chunk_ce(piece, y):
+    """``CEWithChunkedOutputLoss.compute_cross_entropy``: one chunk upcast to fp32, summed CE."""
+    return F.cross_entropy(piece.reshape(-1, piece.shape[-1]).float(), y.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def _plain_ce(logits, labels):
+    """``nn.CrossEntropyLoss`` on the bf16 logits."""
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE)
+
+
+def torchtune_loss(chunks: int, compiled: bool = False):
     """torchtune's recipe loss: labels shifted by one with an ignored last position. ``chunks`` 0:
     ``nn.CrossEntropyLoss`` on the bf16 logits (no upcast); else ``CEWithChunkedOutputLoss``: the
     decoder's output projection per sequence chunk (all chunks kept), each chunk upcast to fp32 in
-    its own cross-entropy (torchtune/modules/loss/ce_chunked_output_loss.py)."""
+    its own cross-entropy (torchtune/modules/loss/ce_chunked_output_loss.py). ``compiled``:
+    ``training.compile_loss`` (with compile=layers): the chunk's upcast and cross-entropy compiled,
+    or the whole ``nn.CrossEntropyLoss``."""
+    chunk_ce, plain_ce = _chunk_ce, _plain_ce
+    if compiled:
+        from memfit.techniques.compile import compiled as compile_piece
+
+        chunk_ce, plain_ce = compile_piece(_chunk_ce), compile_piece(_plain_ce)
 
     def loss_fn(model, batch):
         base, head = _lm_parts(model)
@@ -82,12 +100,11 @@ def torchtune_loss(chunks: int):
         labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
         if not chunks:
             logits = head(hidden)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+            return plain_ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         total = hidden.new_zeros((), dtype=torch.float32)
         logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
         for piece, y in zip(logits, labels.chunk(chunks, dim=1)):
-            total = total + F.cross_entropy(piece.reshape(-1, piece.shape[-1]).float(), y.reshape(-1),
-                                            ignore_index=IGNORE, reduction="sum")
+            total = total + chunk_ce(piece, y)
         return total / (labels != IGNORE).sum()
 
     return loss_fn
@@ -111,7 +128,7 @@ def litgpt_loss(chunk_tokens: int):
     return loss_fn
 
 
-LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"]),
+LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("compiled", False)),
           "litgpt": lambda spec: litgpt_loss(spec["chunk_tokens"])}
 
 
@@ -165,7 +182,8 @@ def estimate_row(row) -> dict:
         else:
             missing.append("packed")
     if "loss" in row:
-        kwargs["loss_fn"] = LOSSES[row["loss"]["kind"]](row["loss"])
+        spec = dict(row["loss"], compiled=recipe.get("compile") == "layers")  # torchtune compiles its loss too
+        kwargs["loss_fn"] = LOSSES[spec["kind"]](spec)
     model, batch = _model(row)
     start = time.perf_counter()
     try:

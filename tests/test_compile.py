@@ -54,6 +54,57 @@ def test_checkpointed_blocks_compile_as_one_graph():
     assert abs(report.peak_bytes - compiled) <= 0.005 * compiled, (report.peak_bytes, compiled)
 
 
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_layers_compile_each_block_and_the_loss_and_match_the_allocator():
+    """compile="layers" (torchtune's compile_model + compile_loss): one graph serves every block (no
+    per-layer recompiles: the KV cache is off), one the model's loss; inside checkpoints it composes
+    with them (whole-graph compile raises the checkpointed peak), and with activation offload."""
+    from torch._dynamo.utils import counters
+
+    factory, make_batch, loss_fn = CASES["hf-llama"]
+    batch = make_batch()
+    peaks = {}
+    for extra in ({}, {"checkpointing": "blocks"}, {"offload_activations": True}):
+        recipe = Recipe(compile="layers", **extra)
+        counters.clear()
+        report = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=recipe)
+        assert _graphs() == 2 and not counters["graph_break"], (extra, dict(counters["stats"]))
+        truth = true_peak(factory, batch, loss_fn=loss_fn, recipe=recipe)
+        assert abs(report.peak_bytes - truth) <= 0.005 * truth, (extra, report.peak_bytes, truth)
+        peaks[tuple(extra)] = truth
+    checkpointed = true_peak(factory, batch, loss_fn=loss_fn, recipe=Recipe(checkpointing="blocks"))
+    assert peaks[("checkpointing",)] < checkpointed  # fused blocks inside the checkpoints save less
+    assert peaks[("offload_activations",)] < peaks[()]  # each block's saved set leaves as the block ends
+
+
+def test_layers_compile_a_loss_piece_of_the_callers_loss():
+    """``compiled(fn)``: a piece of the caller's own loss (torchtune's compiled cross-entropy), planned
+    on fake tensors and compiled by Inductor on real ones."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from memfit.techniques.compile import compiled
+
+    ce = compiled(lambda logits, y: F.cross_entropy(logits.float(), y))
+
+    def loss_fn(model, batch):
+        return ce(model(batch)[:, :-1].reshape(-1, 512), batch[:, 1:].reshape(-1))
+
+    factory, make_batch, _ = CASES["gpt"]
+    batch = make_batch()
+    recipe = Recipe(compile="layers", checkpointing="blocks")
+    counters.clear()
+    report = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=recipe)
+    assert _graphs() == 2  # the blocks' graph and the cross-entropy's
+    truth = true_peak(factory, batch, loss_fn=loss_fn, recipe=recipe)
+    assert abs(report.peak_bytes - truth) <= 0.005 * truth, (report.peak_bytes, truth)
+
+
 def test_compile_under_cuda_semantics():
     factory, batch, loss_fn = _mlp()
     eager = memfit.estimate(factory, batch, loss_fn=loss_fn, gpu="rtx-4090")
@@ -71,12 +122,18 @@ def test_bad_compile_settings_are_one_line():
             Recipe(compile=True, activation_memory_budget=bad)
     with pytest.raises(MemfitError, match="must be a number"):
         Recipe(compile=True, activation_memory_budget="low")
-    with pytest.raises(MemfitError, match="compile and offload_activations conflict"):
+    with pytest.raises(MemfitError, match="compile=true and offload_activations conflict.*use compile=layers"):
         Recipe(compile=True, offload_activations=True)
+    with pytest.raises(MemfitError, match="compile must be true or false or layers, got 'layer'"):
+        Recipe(compile="layer")
+    with pytest.raises(MemfitError, match="compile=layers found no repeated blocks"):
+        memfit.estimate(*_mlp()[:2], loss_fn=_mlp()[2], recipe=Recipe(compile="layers"))
     with pytest.raises(MemfitError, match="compile and measure conflict"):
         memfit.measure(*_mlp()[:2], loss_fn=_mlp()[2], recipe=Recipe(compile=True))
     with pytest.raises(MemfitError, match="fast=True and compile conflict"):
         memfit.estimate("llama-3.2-1b", seq_len=128, fast=True, recipe=Recipe(compile=True))
+    with pytest.raises(MemfitError, match="fast=True and compile conflict"):
+        memfit.estimate("llama-3.2-1b", seq_len=128, fast=True, recipe=Recipe(compile="layers"))
 
 
 def test_the_depth_path_refuses_compile_in_one_line():
@@ -86,6 +143,14 @@ def test_the_depth_path_refuses_compile_in_one_line():
     with pytest.raises(MemfitError, match="compile and the depth fast path conflict"):
         estimate_by_depth(resolve("llama-3.2-1b"), recipe=Recipe(compile=True), loss_fn=None, optimizer=None,
                           steps=2, batch_size=1, seq_len=128)
+
+
+def test_cli_compile_layers(capsys):
+    code = cli_main(["estimate", "memfit.models.zoo:GPT", "--batch", "memfit.models.zoo:gpt_batch",
+                     "--loss", "memfit.models.zoo:lm_loss", "--compile", "layers", "--checkpointing", "blocks",
+                     "--json"])
+    assert code in (0, None)
+    assert '"compile": "layers"' in capsys.readouterr().out
 
 
 def test_cli_compile_flag(capsys):

@@ -89,7 +89,10 @@ def recipe_flags(parser) -> None:
 
     types = {"int": int, "count": positive, "optional-count": positive, "float": float}
     for field in fields():
-        if field.kind == "bool":
+        if field.kind == "bool" and field.choices:  # --flag alone: true; --flag VALUE: one of the choices
+            parser.add_argument(field.flag, nargs="?", const=True, choices=field.choices, default=None,
+                                help=field.help)
+        elif field.kind == "bool":
             parser.add_argument(field.flag, action="store_true", default=None, help=field.help)
         else:
             choices = field.choices if field.choices and field.flag_choices else None

@@ -66,8 +66,8 @@ def block_unit(source: Source, recipe=None) -> int | None:
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
                       gpu=None, budget: int | None = None, tick=None, layout=None) -> Report:
     if recipe.compile:
-        raise MemfitError("compile and the depth fast path conflict: a compiled step has no per-block records to "
-                          "write out; trace it in full (fast=False, --full)")
+        raise MemfitError("compile and the depth fast path conflict: a compiled step (whole or per block) has no "
+                          "per-block records to write out; trace it in full (fast=False, --full)")
     depth, unit = source.depth, block_unit(source, recipe)
     # safe_step's chunks are cut by the bytes of all parameters, not per block: traced in full
     if unit is None or not depth or depth % unit or depth <= TEMPLATE_UNITS * unit or recipe.safe_step is not None:

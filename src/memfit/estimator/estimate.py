@@ -138,7 +138,7 @@ def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq
                           "fast path to write out; leave fast unset (compiled steps are traced in full)")
     if fast is None:
         fast = (source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
-                and not recipe.compile)  # the compiled graph runs outside the blocks' modules: in full
+                and not recipe.compile)  # compiled code runs outside the blocks' records: in full
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.estimator.depth import estimate_by_depth
 

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["find_blocks", "apply_checkpointing", "checkpoint_plan", "EVERY", "TECHNIQUE"]
+__all__ = ["find_blocks", "apply_checkpointing", "no_kv_cache", "checkpoint_plan", "EVERY", "TECHNIQUE"]
 
 #: every N-th block checkpointed: the values of N the planner tries (where N < depth)
 EVERY = (2, 3, 4, 6, 8, 16)
@@ -69,11 +69,15 @@ def _wrap(module: torch.nn.Module, selective: bool) -> None:
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
+        run = forward.checkpointed
         if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
+            return run(*args, **kwargs)
         extra = {"context_fn": context_fn} if context_fn else {}
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
+    # what runs inside the checkpoint: compile="layers" puts the compiled block here, inside the
+    # checkpoint, as torchtune's checkpoint wrapper around a compiled layer runs it
+    forward.checkpointed = inner
     module.forward = forward
 
 
@@ -99,11 +103,11 @@ def apply_checkpointing(model: torch.nn.Module, *, mode: str, every: object = 1)
         chosen = blocks[:: every] if mode == "blocks" else blocks
     for _, module in chosen:
         _wrap(module, selective=mode == "selective")
-    _no_kv_cache(model)
+    no_kv_cache(model)
     return [name for name, _ in chosen]
 
 
-def _no_kv_cache(model: torch.nn.Module) -> None:
+def no_kv_cache(model: torch.nn.Module) -> None:
     """A KV cache filled in forward is filled again by the recomputation (keys twice as long);
     Hugging Face's own ``gradient_checkpointing_enable`` turns it off for the same reason. The
     config is copied first: it is often shared with other models built from it."""

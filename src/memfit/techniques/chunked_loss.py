@@ -21,19 +21,25 @@ from torch.utils.checkpoint import checkpoint
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["chunked_lm_loss"]
+__all__ = ["chunked_lm_loss", "chunk_cross_entropy"]
 
 IGNORE = -100
 
 
-def _chunk_loss(head, hidden, labels):
-    logits = head(hidden).float()
+def chunk_cross_entropy(logits, labels):
+    """One chunk's summed cross-entropy, its logits upcast to fp32 (what compile=layers compiles)."""
+    logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE, reduction="sum")
 
 
-def chunked_lm_loss(chunks: int):
-    """A ``loss_fn(model, batch)`` computing a causal-LM loss in ``chunks`` sequence pieces."""
+def _chunk_loss(head, hidden, labels, cross_entropy):
+    return cross_entropy(head(hidden), labels)
+
+
+def chunked_lm_loss(chunks: int, *, cross_entropy=chunk_cross_entropy):
+    """A ``loss_fn(model, batch)`` computing a causal-LM loss in ``chunks`` sequence pieces
+    (``cross_entropy(logits, labels)`` per piece: ``chunk_cross_entropy`` or its compiled version)."""
 
     def loss_fn(model, batch):
         if hasattr(model, "get_base_model"):  # a peft wrapper: adapters live inside the HF model
@@ -48,7 +54,7 @@ def chunked_lm_loss(chunks: int):
         labels = batch["labels"][:, 1:]
         total = hidden.new_zeros((), dtype=torch.float32)
         for h, y in zip(hidden.chunk(chunks, dim=1), labels.chunk(chunks, dim=1)):
-            total = total + checkpoint(_chunk_loss, head, h, y, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, head, h, y, cross_entropy, use_reentrant=False)
         return total / (labels != IGNORE).sum().clamp(min=1)
 
     return loss_fn

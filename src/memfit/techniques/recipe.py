@@ -215,11 +215,12 @@ def _rebuild(values: dict) -> Recipe:
 
 def _check(field, value) -> None:
     """A field's value against its kind, choices and the technique's own check."""
-    if field.kind == "bool" and not isinstance(value, bool):
-        raise MemfitError(f"{field.name} must be true or false, got {shown(value)}")
+    if field.kind == "bool" and not isinstance(value, bool) and not (isinstance(value, str) and value in field.choices):
+        extra = "".join(f" or {c}" for c in field.choices)
+        raise MemfitError(f"{field.name} must be true or false{extra}, got {shown(value)}")
     if field.kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise MemfitError(f"{field.name} must be a number, got {shown(value)}")
-    if field.choices and (not isinstance(value, str) or value not in field.choices):
+    if field.choices and field.kind != "bool" and (not isinstance(value, str) or value not in field.choices):
         raise MemfitError(f"unknown {field.name} {shown(value)}: choose one of {', '.join(field.choices)}")
     if field.check is not None:
         field.check(value)

@@ -39,7 +39,8 @@ class Field:
     help: str  # the flag's help: one line, what it does to memory and what it costs
     slot: int  # position among the Recipe's fields (files, ``describe``, ``to_dict``)
     kind: str = "str"  # one of KINDS
-    choices: tuple = ()  # a closed set of values; empty: any value ``check`` accepts
+    choices: tuple = ()  # a closed set of values; empty: any value ``check`` accepts; kind "bool": the
+    # strings it takes besides true and false (``compile``: "layers")
     check: Callable[[object], None] | None = None  # raises MemfitError naming the fix for a bad value
     flag_choices: bool = True  # offer ``choices`` to argparse (False: Recipe's message lists them)
 
