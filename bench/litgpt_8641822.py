@@ -28,7 +28,7 @@ import copy
 import math
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.nn import functional as F
 
 # lit_gpt/config.py at 8641822, the three models of the LoRA table (Config defaults folded in).
@@ -307,7 +307,7 @@ class _MatMul4Bit041(torch.autograd.Function):
         from bitsandbytes import functional as bf
 
         req_gradA, _, _, req_gradBias, _ = ctx.needs_input_grad
-        A, B = ctx.tensors
+        _, B = ctx.tensors  # A was kept, and is not read
         grad_A, grad_bias = None, None
         if req_gradBias:
             grad_bias = grad_output.sum(0, dtype=ctx.dtype_bias)
