@@ -55,6 +55,11 @@ by itself; here precision and checkpointing are the recipe's own fields). Layers
 ``nn.Linear`` (GPT-2's ``Conv1D``) stay unquantised; a model with no adaptable ``nn.Linear`` at all
 (GPT-2) is refused, since QLoRA would quantise nothing. The 4-bit layers themselves, on fake tensors
 too, are built in ``_qlora.py``.
+
+A model may also build bitsandbytes ``Linear4bit`` layers itself and bring its own adapters (Lightning
+Fabric's ``BitsandbytesPrecision`` builds every ``nn.Linear`` so, the head included; LitGPT's LoRA is its
+own): such layers are quantised before the step whatever ``lora`` says (``quantize_pending``), each with
+its own settings, class and forward, as bitsandbytes quantises them on the way to the GPU.
 """
 
 from __future__ import annotations
