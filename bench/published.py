@@ -111,18 +111,31 @@ def torchtune_loss(chunks: int, compiled: bool = False):
 
 
 def litgpt_loss(chunk_tokens: int):
-    """LitGPT 8641822 ``finetune/lora.py``: ``model(x, lm_head_chunk_size=128)`` returns the head's
-    bf16 output per 128-token chunk, ``chunked_cross_entropy`` takes each chunk's cross-entropy
-    (reduction none, no upcast) and the mean of their concatenation."""
+    """LitGPT 8641822 ``finetune/lora.py`` on its own GPT (``litgpt_8641822.py``) under Lightning Fabric:
+    ``model.max_seq_length = longest`` (the RoPE cache rebuilt in the default dtype, fp32),
+    ``model(x, lm_head_chunk_size=128)`` gives the head's output per 128-token chunk, Fabric's
+    ``convert_output`` casts each to the default dtype (fp32: ``HalfPrecision`` and
+    ``BitsandbytesPrecision`` alike), ``chunked_cross_entropy`` takes each chunk's cross-entropy
+    (reduction none, ignore_index -1) and the mean of their concatenation. lora.py keeps ``logits``
+    through ``fabric.backward`` (until the next iteration rebinds it): held here until the next call.
+    The next iteration's batch is random and shorter than the first, forced-longest one, so its peak is
+    lower even with these logits still alive: the first is the peak modelled."""
+    held = []
 
     def loss_fn(model, batch):
-        base, head = _lm_parts(model)
-        hidden = base(input_ids=batch["input_ids"]).last_hidden_state
-        logits = [head(h) for h in hidden.split(chunk_tokens, dim=1)]
-        logits[-1] = logits[-1][:, :-1]
-        targets = batch["labels"][:, 1:].split(chunk_tokens, dim=1)
-        losses = [F.cross_entropy(piece.reshape(-1, piece.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
-                                  reduction="none") for piece, y in zip(logits, targets)]
+        held.clear()
+        input_ids, targets = batch["input_ids"], batch["labels"]
+        if model.max_seq_length != input_ids.size(1):
+            model.max_seq_length = input_ids.size(1)
+        logits = model(input_ids, lm_head_chunk_size=chunk_tokens)
+        logits = [piece.to(torch.get_default_dtype()) for piece in logits]  # Fabric's convert_output
+        logits[-1] = logits[-1][..., :-1, :]
+        targets = targets[..., 1:]
+        pieces = [piece.reshape(-1, piece.size(-1)) for piece in logits]
+        target_pieces = [t.reshape(-1) for t in targets.split(logits[0].size(1), dim=1)]
+        losses = [F.cross_entropy(piece, t, ignore_index=-1, reduction="none")
+                  for piece, t in zip(pieces, target_pieces)]
+        held.append(logits)
         return torch.cat(losses).mean()
 
     return loss_fn
@@ -136,6 +149,13 @@ LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("com
 
 def _model(row):
     """What ``estimate`` gets as the model (and its batch, for heads the catalog does not build)."""
+    if "litgpt" in row:  # LitGPT's own GPT, and lora.py's batch: the longest sample, labels padded with -1
+        import litgpt_8641822
+
+        spec, rows, seq = row["litgpt"], row["batch_size"], row["seq_len"]
+        batch = lambda: {"input_ids": torch.randint(0, 30000, (rows, seq)),  # noqa: E731
+                         "labels": torch.randint(0, 30000, (rows, seq))}
+        return (lambda: litgpt_8641822.build(spec["name"], spec.get("quantize"))), batch
     if "config" not in row:
         return row["model"], None
     from transformers import AutoConfig

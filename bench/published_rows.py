@@ -241,21 +241,31 @@ ROWS += [
 # Alpaca's longest example: "phi1.5: 1044 tokens", "Llama 2: 1304 tokens"; lora.py forces the longest
 # sample into the first batch and pads the batch to it, so the peak batch is micro-batch x longest.
 # finetune/lora.py at 8641822: lora_r 8, lora_alpha 16, lora_dropout 0.05, query and value only;
-# torch.optim.AdamW (foreach on CUDA); no checkpointing; model(..., lm_head_chunk_size=128) and
-# chunked_cross_entropy on the bf16 logits.
+# torch.optim.AdamW (foreach on CUDA), bnb.optim.PagedAdamW with --quantize; no checkpointing;
+# model(..., lm_head_chunk_size=128), which Fabric casts to fp32, and chunked_cross_entropy.
 _LIT = dict(source=LITGPT, commit="4839345a97a0a90bc5f2361664b04d665c9a0e89", date="2023-10-20",
             table="litgpt resource-tables 'Finetuning with LoRA on 1 GPU'", metric="allocated", unit="GB",
             gpu="a100-40gb", loss=dict(kind="litgpt", chunk_tokens=128))
-_LIT_LORA = dict(precision="bf16", optimizer="adamw", lora="lora:8", lora_targets="q_proj,v_proj", lora_alpha=16,
-                 lora_dropout=0.05)
-_PHI = dict(model="phi-1.5", seq_len=1044, config=dict(hidden_act="gelu_pytorch_tanh"))
-_LIT_NOTE = ("litgpt's own GPT (fused qkv; LoRA on its q and v parts) -> HF model with LoRA on q_proj, v_proj "
-             "(same adapter shapes: the table's trainable-parameter count matches); bf16-true -> pure bf16; "
-             "accumulation over 128 / micro-batch steps only adds the adapters' gradients. Phi: litgpt's MLP "
-             "calls F.gelu(approximate='tanh') (gelu_approximate='tanh' in its config); HF's 'gelu_new' is the "
-             "same function in six saved ops, so the rows use HF's gelu_pytorch_tanh, the one-kernel form. ")
-_QLORA_NOTE = ("bnb.nf4-dq: Fabric's BitsandbytesPrecision turns every nn.Linear, the head included, into "
-               "NF4 double-quantised Linear4bit; memfit's qlora quantises every linear but the head. ")
+# LitGPT's own GPT and LoRA (bench/litgpt_8641822.py), not a Hugging Face stand-in: the adapters are its
+# own, so the recipe has no lora field; bf16-true -> pure bf16.
+_LIT_LORA = dict(precision="bf16", optimizer="adamw")
+_PHI = dict(model="phi-1.5", seq_len=1044, litgpt=dict(name="phi-1_5"))
+_LLAMA7 = dict(model="llama-2-7b", seq_len=1304, litgpt=dict(name="Llama-2-7b-hf"))
+_LLAMA13 = dict(model="llama-2-13b", seq_len=1304, litgpt=dict(name="Llama-2-13b-hf"))
+_NF4 = dict(name=None, quantize="bnb.nf4-dq")
+_LIT_NOTE = ("LitGPT 8641822's own GPT and LoRA, restated in bench/litgpt_8641822.py (fused qkv linear, LoRA on its "
+             "q and v parts zero-padded to the fused width with index_copy; v a view of the qkv output; RoPE "
+             "against an fp32 cache; phi: partial rotary, parallel attention and MLP, tanh GELU; Llama: LitGPT's "
+             "RMSNorm without an fp32 upcast). r 8, alpha 16, dropout 0.05; bf16-true -> pure bf16; "
+             "torch.optim.AdamW (foreach on CUDA). Fabric's convert_output casts the logits chunks to fp32 "
+             "before chunked_cross_entropy, and lora.py keeps them through backward (published.litgpt_loss). "
+             "Accumulation over 128 / micro-batch steps only adds the adapters' gradients. ")
+_QLORA_NOTE = ("bnb.nf4-dq: Fabric's BitsandbytesPrecision builds every nn.Linear, the head included, as NF4 "
+               "double-quantised Linear4bit (quantised from fp16: fp16 dequantisation then a bf16 copy); "
+               "bitsandbytes 0.41.1's MatMul4Bit keeps each 4-bit layer's input for backward (dropped in 0.43.2, "
+               "#1270): both restated in litgpt_8641822.py, memfit quantises the layers before the step. "
+               "lora.py then steps bnb.optim.PagedAdamW, whose paged fp32 state is outside the allocator; memfit "
+               "has no paged 32-bit AdamW, so the adapters' bf16 AdamW state (6 to 26 MB) is counted. ")
 ROWS += [
     dict(_LIT, id="lit-phi-mb1", value=4.82, **_PHI, batch_size=1,
          quote="| 1.3 B | phi-1.5        | None         | 1               | 1,572,864            | 4.82 GB     | 1.62 min           |",
@@ -266,24 +276,26 @@ ROWS += [
     dict(_LIT, id="lit-phi-mb4", value=10.68, **_PHI, batch_size=4,
          quote="| 1.3 B | phi-1.5        | None         | 4               | 1,572,864            | 10.68 GB    | 1.70 min           |",
          recipe=dict(_LIT_LORA), note=_LIT_NOTE),
-    dict(_LIT, id="lit-phi-nf4dq", value=3.72, **_PHI, batch_size=1,
+    dict(_LIT, id="lit-phi-nf4dq", value=3.72, **dict(_PHI, litgpt=dict(_NF4, name="phi-1_5")), batch_size=1,
          quote="| 1.3 B | phi-1.5        | bnb.nf4-dq   | 1               | 1,572,864            | 3.72 GB     | 1.87 min           |",
-         recipe=dict(_LIT_LORA, lora="qlora:8"), note=_LIT_NOTE + _QLORA_NOTE),
-    dict(_LIT, id="lit-llama2-7b-mb1", value=21.30, model="llama-2-7b", seq_len=1304, batch_size=1,
+         recipe=dict(_LIT_LORA), note=_LIT_NOTE + _QLORA_NOTE),
+    dict(_LIT, id="lit-llama2-7b-mb1", value=21.30, **_LLAMA7, batch_size=1,
          quote="| 7 B   | Llama 2        | None         | 1               | 4,194,304            | 21.30 GB    | 2.36 min           |",
          recipe=dict(_LIT_LORA), note=_LIT_NOTE),
-    dict(_LIT, id="lit-llama2-7b-mb2", value=29.07, model="llama-2-7b", seq_len=1304, batch_size=2,
+    dict(_LIT, id="lit-llama2-7b-mb2", value=29.07, **_LLAMA7, batch_size=2,
          quote="| 7 B   | Llama 2        | None         | 2               | 4,194,304            | 29.07 GB    | 2.52 min           |",
          recipe=dict(_LIT_LORA), note=_LIT_NOTE),
-    dict(_LIT, id="lit-llama2-7b-nf4dq", value=13.84, model="llama-2-7b", seq_len=1304, batch_size=1,
+    dict(_LIT, id="lit-llama2-7b-nf4dq", value=13.84, **dict(_LLAMA7, litgpt=dict(_NF4, name="Llama-2-7b-hf")),
+         batch_size=1,
          quote="| 7 B   | Llama 2        | bnb.nf4-dq   | 1               | 4,194,304            | 13.84 GB    | 3.83 min           |",
-         recipe=dict(_LIT_LORA, lora="qlora:8"), note=_LIT_NOTE + _QLORA_NOTE),
-    dict(_LIT, id="lit-llama2-13b-mb1", value=38.12, model="llama-2-13b", seq_len=1304, batch_size=1,
+         recipe=dict(_LIT_LORA), note=_LIT_NOTE + _QLORA_NOTE),
+    dict(_LIT, id="lit-llama2-13b-mb1", value=38.12, **_LLAMA13, batch_size=1,
          quote="| 13 B  | Llama 2        | None         | 1               | 6,553,600            | 38.12 GB    | 3.19 min           |",
          recipe=dict(_LIT_LORA), note=_LIT_NOTE),
-    dict(_LIT, id="lit-llama2-13b-nf4dq", value=22.55, model="llama-2-13b", seq_len=1304, batch_size=1,
+    dict(_LIT, id="lit-llama2-13b-nf4dq", value=22.55, **dict(_LLAMA13, litgpt=dict(_NF4, name="Llama-2-13b-hf")),
+         batch_size=1,
          quote="| 13 B  | Llama 2        | bnb.nf4-dq   | 1               | 6,553,600            | 22.55 GB    | 6.55 min           |",
-         recipe=dict(_LIT_LORA, lora="qlora:8"), note=_LIT_NOTE + _QLORA_NOTE),
+         recipe=dict(_LIT_LORA), note=_LIT_NOTE + _QLORA_NOTE),
 ]
 
 # Found, quoted, and left out: what the source publishes does not pin down the run.

@@ -147,3 +147,33 @@ def test_fast_path_equals_full_trace_with_targets_and_dropout():
     full = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, gpu="rtx-4090", fast=False)
     assert fast.method == "depth" and fast.peak_bytes == full.peak_bytes
     assert fast.reserved_bytes == full.reserved_bytes and fast.trainable == full.trainable
+
+
+class _Own4bit(torch.nn.Module):
+    """A model that builds its own bitsandbytes 4-bit layers (as Fabric's BitsandbytesPrecision does) and
+    its own trainable part: no peft, no recipe lora."""
+
+    def __init__(self):
+        import bitsandbytes as bnb
+
+        super().__init__()
+        self.up = bnb.nn.Linear4bit(64, 256, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+        self.down = bnb.nn.Linear4bit(256, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="fp4",
+                                      compress_statistics=False)
+        self.adapter = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x + self.adapter(x)))).float().pow(2).mean()
+
+
+def test_a_models_own_4bit_layers_are_quantised_before_the_step_and_match_the_allocator():
+    recipe = Recipe(precision="bf16")
+    batch = {"x": torch.randn(4, 32, 64)}
+    loss_fn = lambda model, b: model(b["x"].to(torch.bfloat16))  # noqa: E731
+    report = memfit.estimate(_Own4bit, batch, loss_fn=loss_fn, recipe=recipe)
+    truth = true_peak(_Own4bit, batch, loss_fn=loss_fn, recipe=recipe)
+    assert abs(report.peak_bytes - truth) <= 4 + 16, (report.peak_bytes, truth)
+    # each layer quantised with its own settings: 0.5 byte a weight, the trainable adapter left as it is
+    weights = report.by_category["parameters"]
+    assert (64 * 256 + 256 * 64) // 2 + 64 * 64 * 2 < weights < (64 * 256 + 256 * 64) // 2 + 64 * 64 * 2 + 4096
+    assert report.trainable == 64 * 64 + 256  # the adapter and the 4-bit layer's bias

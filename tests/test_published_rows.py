@@ -10,8 +10,12 @@ import transformers as tf
 BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 sys.path.insert(0, BENCH)
 
+import litgpt_8641822  # noqa: E402
 import published  # noqa: E402
 from published_rows import EXCLUDED, ROWS  # noqa: E402
+import memfit  # noqa: E402
+from memfit import Recipe  # noqa: E402
+from memfit.estimator.truth import true_peak  # noqa: E402
 from memfit.models.catalog import CATALOG  # noqa: E402
 from memfit.techniques.registry import fields  # noqa: E402
 
@@ -42,9 +46,58 @@ def _tiny():
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-@pytest.mark.parametrize("loss", [published.torchtune_loss(0), published.torchtune_loss(4),
-                                  published.litgpt_loss(7)], ids=["torchtune-plain", "torchtune-chunked", "litgpt"])
+@pytest.mark.parametrize("loss", [published.torchtune_loss(0), published.torchtune_loss(4)],
+                         ids=["torchtune-plain", "torchtune-chunked"])
 def test_restated_losses_equal_the_models_own(loss):
     model, batch = _tiny()
     expected = model(**batch).loss  # mean next-token cross-entropy
     torch.testing.assert_close(loss(model, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+# A two-block LitGPT phi / Llama small enough for the CPU allocator (bench/litgpt_8641822.py); block_size
+# is the batch length: no RoPE cache rebuilt inside the step (the allocator does not see the old one freed).
+_PHI = dict(padded_vocab_size=96, block_size=40, n_embd=64, n_layer=2, n_head=4, rotary_percentage=0.5,
+            parallel_residual=True, shared_attention_norm=True, bias=True, lm_head_bias=True, norm_class="LayerNorm",
+            norm_eps=1e-5, mlp_class="GptNeoxMLP", intermediate_size=256, gelu_approximate="tanh")
+_LLAMA = dict(_PHI, rotary_percentage=1.0, parallel_residual=False, shared_attention_norm=False, bias=False,
+              lm_head_bias=False, norm_class="RMSNorm", mlp_class="LLaMAMLP", intermediate_size=192)
+
+
+def _lit_batch(rows=2, seq=40):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (rows, seq))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_litgpt_loss_is_the_mean_next_token_cross_entropy():
+    torch.manual_seed(0)
+    model, batch = litgpt_8641822.build(None, **_PHI), _lit_batch()
+    logits = model(batch["input_ids"])[:, :-1].float()
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), batch["labels"][:, 1:].reshape(-1))
+    torch.testing.assert_close(published.litgpt_loss(7)(model, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_litgpt_qkv_lora_adapts_q_and_v_only():
+    torch.manual_seed(0)
+    layer = litgpt_8641822.build(None, **_LLAMA).transformer.h[0].attn.attn
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(2, 5, 64)
+    a_q, a_v = layer.lora_A.chunk(2)
+    b_q, b_v = layer.lora_B.split(64)
+    zero = torch.zeros(2, 5, 64)
+    expected = layer.linear(x) + 2.0 * torch.cat([x @ a_q.T @ b_q.T, zero, x @ a_v.T @ b_v.T], dim=-1)
+    torch.testing.assert_close(layer.eval()(x), expected)  # alpha 16 / r 8 = 2; eval: no dropout
+
+
+@pytest.mark.parametrize("config, quantize", [(_PHI, None), (_LLAMA, None), (_PHI, "bnb.nf4-dq"),
+                                              (_LLAMA, "bnb.nf4-dq")], ids=["phi", "llama", "phi-nf4", "llama-nf4"])
+def test_litgpt_estimate_matches_the_allocator(config, quantize):
+    """LitGPT's fused-qkv LoRA, its RMSNorm and RoPE, and bitsandbytes 0.41's 4-bit layers (every linear,
+    the head too, each keeping its input): memfit's estimate is what the CPU allocator measures."""
+    factory = lambda: litgpt_8641822.build(None, quantize, **config)  # noqa: E731
+    recipe = Recipe(precision="bf16")
+    batch = _lit_batch()
+    report = memfit.estimate(factory, batch, loss_fn=published.litgpt_loss(16), recipe=recipe)
+    truth = true_peak(factory, batch, loss_fn=published.litgpt_loss(16), recipe=recipe)
+    assert abs(report.peak_bytes - truth) <= 4 * 2 * 2 + 16, (report.peak_bytes, truth)  # AdamW's step counters
+    assert report.trainable == 2 * (16 * 64 + 128 * 8)  # lora_A (2r x d) and lora_B (q + v widths x r) per block

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.scoped import rng_hop_rules
+from memfit.techniques.lora import pending_settings
 
 __all__ = ["fake_copy", "build_fake", "fake_batch", "ScalarReads", "quiet_fake_log"]
 
@@ -55,6 +56,9 @@ def _fake_param(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device
                     fake = fake.to(cast)
         if isinstance(tensor, torch.nn.Parameter):
             fake = torch.nn.Parameter(fake, requires_grad=tensor.requires_grad)
+            settings = pending_settings(tensor)  # a bitsandbytes 4-bit weight: quantised before the step
+            for name, value in dict(settings or {}, bnb_quantized=False).items() if settings else ():
+                setattr(fake, name, value)
         cache[key] = fake
     return cache[key]
 

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError
 
-__all__ = ["bnb_module", "quantized_linear", "quant_state_tensors"]
+__all__ = ["bnb_module", "quantized_linear", "quant_state_tensors", "quantize_pending", "pending_settings"]
 
 
 def bnb_module():
@@ -57,31 +57,62 @@ def _fake_inputs_allowed(tensor):
         mode.allow_non_fake_inputs = before
 
 
+NF4_DQ = dict(quant_type="nf4", compress_statistics=True, blocksize=64)  # QLoRA's: NF4, double-quantised absmax
+_SETTINGS = tuple(NF4_DQ)
+
+
 def quantized_linear(linear: torch.nn.Linear, bnb) -> torch.nn.Module:
-    kwargs = dict(compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+    """A bitsandbytes ``Linear4bit`` (NF4-DQ, bf16 compute) holding ``linear``'s weight, quantised."""
     with unset_fake_temporarily():
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  device="meta", **kwargs)
-    weight = linear.weight.detach()
-    with torch.no_grad(), _fake_inputs_allowed(weight):
-        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
-                                                      quant_type="nf4")
-    if isinstance(packed, FakeTensor):
-        _fake_state(state, packed.fake_mode)
-        param = torch.nn.Parameter(packed, requires_grad=False)  # a FakeTensor marked as a parameter
-        for name, value in dict(blocksize=64, compress_statistics=True, quant_type="nf4",
-                                quant_storage=torch.uint8, bnb_quantized=True, module=layer).items():
-            setattr(param, name, value)
-        param.quant_state = state
-    else:
-        param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=64,
-                                  compress_statistics=True, quant_type="nf4", bnb_quantized=True, module=layer)
-    layer._parameters["weight"] = param
-    layer.quant_state = state
+                                  device="meta", compute_dtype=torch.bfloat16, compress_statistics=True,
+                                  quant_type="nf4")
+    _quantize_into(layer, linear.weight.detach(), NF4_DQ)
     if linear.bias is not None:  # Linear4bit casts its bias to the compute dtype on first use; do it now
         layer.bias = torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
     layer.compute_type_is_set = True
     return layer
+
+
+def _quantize_into(layer, weight: torch.Tensor, settings: dict) -> None:
+    """Quantise ``weight`` as bitsandbytes' ``Params4bit._quantize`` does and make it ``layer``'s weight."""
+    bnb = bnb_module()
+    with torch.no_grad(), _fake_inputs_allowed(weight):
+        packed, state = bnb.functional.quantize_4bit(weight, **settings)
+    if isinstance(packed, FakeTensor):
+        _fake_state(state, packed.fake_mode)
+        param = torch.nn.Parameter(packed, requires_grad=False)  # a FakeTensor marked as a parameter
+        for name, value in dict(settings, quant_storage=torch.uint8, bnb_quantized=True, module=layer).items():
+            setattr(param, name, value)
+        param.quant_state = state
+    else:
+        param = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True, module=layer,
+                                  **settings)
+    layer._parameters["weight"] = param
+    layer.quant_state = state
+
+
+def pending_settings(param) -> dict | None:
+    """A bitsandbytes ``Params4bit`` not quantised yet: its settings (else None)."""
+    if not all(hasattr(param, name) for name in _SETTINGS + ("bnb_quantized",)) or param.bnb_quantized:
+        return None
+    return {name: getattr(param, name) for name in _SETTINGS}
+
+
+def quantize_pending(model: torch.nn.Module) -> int:
+    """Quantise, in place, the bitsandbytes 4-bit layers ``model`` built itself and has not quantised yet
+    (a model built with ``Linear4bit`` layers, as Lightning Fabric's ``BitsandbytesPrecision`` builds
+    one: bitsandbytes quantises such a weight when it moves to the GPU). Each keeps its class, forward,
+    quantisation settings and the weight's dtype (its quantisation state's, which its dequantisation
+    returns). The number of layers quantised."""
+    done = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        settings = pending_settings(weight) if weight is not None else None
+        if settings is not None:
+            _quantize_into(module, weight.detach(), settings)
+            done += 1
+    return done
 
 
 def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

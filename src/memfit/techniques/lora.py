@@ -55,6 +55,11 @@ by itself; here precision and checkpointing are the recipe's own fields). Layers
 ``nn.Linear`` (GPT-2's ``Conv1D``) stay unquantised; a model with no adaptable ``nn.Linear`` at all
 (GPT-2) is refused, since QLoRA would quantise nothing. The 4-bit layers themselves, on fake tensors
 too, are built in ``_qlora.py``.
+
+A model may also build bitsandbytes ``Linear4bit`` layers itself and bring its own adapters (Lightning
+Fabric's ``BitsandbytesPrecision`` builds every ``nn.Linear`` so, the head included; LitGPT's LoRA is its
+own): such layers are quantised before the step whatever ``lora`` says (``quantize_pending``), each with
+its own settings, class and forward, as bitsandbytes quantises them on the way to the GPU.
 """
 
 from __future__ import annotations
@@ -67,11 +72,11 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError, shown
 from memfit.scoped import patched
-from memfit.techniques._qlora import bnb_module, quant_state_tensors, quantized_linear
+from memfit.techniques._qlora import bnb_module, pending_settings, quant_state_tensors, quantize_pending, quantized_linear
 from memfit.techniques.spec import Field, Technique
 
 __all__ = ["apply_lora", "quantize_base", "prepare_lora", "quant_state_tensors", "lora_plan", "lora_layers",
-           "quantized_layers", "task_heads", "TECHNIQUE"]
+           "quantized_layers", "task_heads", "quantize_pending", "pending_settings", "TECHNIQUE"]
 
 
 @contextlib.contextmanager
@@ -243,21 +248,21 @@ def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_target
 
 def prepare_lora(model: torch.nn.Module, recipe) -> list[torch.Tensor]:
     """Before any step (and before any ledger watches): import peft, and quantise ``model`` as
-    ``recipe`` asks for QLoRA (a quantised checkpoint loads so); the quantisation statistics it then
-    holds (none without QLoRA).
+    ``recipe`` asks for QLoRA (a quantised checkpoint loads so), and the 4-bit layers the model built
+    itself (``quantize_pending``: Lightning Fabric's ``BitsandbytesPrecision`` builds every
+    ``nn.Linear`` as one, quantised as it reaches the GPU); the quantisation statistics it then holds.
 
     peft and bitsandbytes build small tensors when first imported (bitsandbytes' 4-bit code tables);
     imported inside a fake step they would be fake, and counted as that step's memory (144 bytes on
     the first estimate of a process), so they are imported here, outside any fake mode.
     """
     kind, _ = lora_plan(recipe.lora)
-    if kind == "off":
-        return []
-    with unset_fake_temporarily():
-        _peft()
-    if kind != "qlora":
-        return []
-    quantize_base(model, recipe.quantize_targets, recipe.lora_targets)
+    quantize_pending(model)
+    if kind != "off":
+        with unset_fake_temporarily():
+            _peft()
+    if kind == "qlora":
+        quantize_base(model, recipe.quantize_targets, recipe.lora_targets)
     return quant_state_tensors(model)
 
 
