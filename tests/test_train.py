@@ -118,3 +118,24 @@ def test_tensorboard_gets_the_metrics(tmp_path):
     logged = [event.value for event in board.Scalars("train/loss")]
     assert [event.step for event in board.Scalars("train/loss")] == [1, 2, 3]
     assert logged == pytest.approx(result.losses, rel=1e-6) and len(board.Scalars("train/lr")) == 3
+
+
+def test_packed_rows_train_as_the_padded_documents(tmp_path):
+    # per-document attention and labels: packing changes the layout, not the update
+    padded, _, padded_lines = _run(tmp_path / "padded", steps=3, recipe=Recipe())
+    packed, result, lines = _run(tmp_path / "packed", steps=3, recipe=Recipe(), packed=True)
+    assert [x["examples"] for x in lines] == [x["examples"] for x in padded_lines]
+    assert max(x["micro_batches"] for x in lines) == 1 and not result.ooms
+    for a, b in zip(padded.parameters(), packed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(MemfitError, match="packs documents"):
+        _run(tmp_path / "bad", steps=1, packed=True, batching="rows")
+
+
+def test_packed_rows_sized_by_the_estimate(tmp_path):
+    kw = dict(steps=2, global_batch_size=16, recipe=Recipe(), packed=True)
+    _, free, _ = _run(tmp_path / "free", budget="1GiB", **kw)
+    limit = int(free.peak_bytes * 0.8)
+    _, tight, lines = _run(tmp_path / "tight", budget=limit, **kw)
+    assert not tight.ooms and max(x["micro_batches"] for x in lines) > 1
+    assert all(x["memory_peak"] <= x["predicted"] <= limit for x in lines)

@@ -17,7 +17,8 @@ from memfit.errors import MemfitError
 _DEFAULTS = {"data": None, "tokenizer": None, "seq_len": None, "global_batch_size": None, "global_tokens": None,
              "steps": None, "epochs": None, "lr": 1e-4, "schedule": "cosine", "warmup": 0, "budget": None,
              "out_dir": "memfit-run", "resume": True, "seed": 0, "checkpoint_every": 50, "keep": 2,
-             "device": None, "recipe": None, "dtype": "uint16", "workers": 0, "gpu": None, "tensorboard": None}
+             "device": None, "recipe": None, "dtype": "uint16", "workers": 0, "gpu": None, "tensorboard": None,
+             "packed": False}
 
 
 def build(train) -> None:
@@ -42,6 +43,8 @@ def build(train) -> None:
                        "available)")
     train.add_argument("--gpu", default=None, help="on CUDA, the catalog GPU the micro-batch estimates follow "
                        "(see `memfit gpus`; default h100-sxm); without --budget its memory is the budget")
+    train.add_argument("--packed", action="store_true", default=None, help="pack documents into rows of --seq-len "
+                       "tokens, attention within each document (causal LMs)")
     train.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (default 0)")
     train.add_argument("--tensorboard", dest="tensorboard", action="store_true", default=None,
                        help="require TensorBoard scalars in --out-dir/tensorboard (default: when installed)")
@@ -126,7 +129,7 @@ def run(args) -> int:
                    lr=float(s["lr"]), schedule=s["schedule"], warmup=int(s["warmup"]), out_dir=s["out_dir"],
                    resume=bool(s["resume"]), seed=int(s["seed"]), checkpoint_every=int(s["checkpoint_every"]),
                    keep=int(s["keep"]), workers=int(s["workers"]), gpu=s["gpu"], tensorboard=s["tensorboard"],
-                   progress=True)
+                   packed=bool(s["packed"]), progress=True)
     summary = {"steps": result.steps, "resumed_from": result.resumed_from,
                "final_loss": result.losses[-1] if result.losses else None, "ooms": result.ooms,
                "peak_bytes": result.peak_bytes, "tokens_per_second": round(result.tokens_per_second, 1),

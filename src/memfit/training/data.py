@@ -27,7 +27,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["TokenBlocks", "JsonlTexts", "SavedDataset", "open_data", "Order", "collate", "IGNORE"]
+__all__ = ["TokenBlocks", "JsonlTexts", "SavedDataset", "open_data", "Order", "collate", "pack_rows", "IGNORE"]
 
 IGNORE = -100  # the label Hugging Face's losses skip
 
@@ -195,3 +195,28 @@ def collate(examples: list[dict], pad_id: int = 0, length: int | None = None) ->
         mask[row, :n] = 1
     labels = ids.masked_fill(mask == 0, IGNORE)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pack_rows(rows: list[list[dict]], length: int, pad_id: int = 0) -> dict:
+    """Rows of documents packed into ``length`` tokens each: ``input_ids``, ``labels`` (``IGNORE`` on
+    each document's first token, so no document predicts the next one's start, and on padding),
+    ``position_ids`` restarting at 0 per document (padding continues the last one: transformers then
+    keeps attention within each document) and ``use_cache=False`` (a cache would skip that check)."""
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), length), dtype=torch.long)
+    for r, docs in enumerate(rows):
+        at = 0
+        for doc in docs:
+            tokens = torch.as_tensor(doc["input_ids"])
+            n = len(tokens)
+            if at + n > length:
+                raise MemfitError(f"documents of {at + n} tokens do not fit a packed row of {length}")
+            ids[r, at:at + n] = tokens
+            labels[r, at + 1:at + n] = tokens[1:]
+            positions[r, at:at + n] = torch.arange(n)
+            at += n
+        if at < length:  # padding continues the last document's positions
+            start = int(positions[r, at - 1]) + 1 if at else 0
+            positions[r, at:] = torch.arange(start, start + length - at)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}

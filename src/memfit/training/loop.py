@@ -49,7 +49,7 @@ from memfit.techniques.safe_step import TRAIN_CHUNKS
 from memfit.training.batching import micro_batches
 from memfit.training.budget import VirtualBudget
 from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from memfit.training.data import Order, collate, open_data
+from memfit.training.data import Order, collate, open_data, pack_rows
 from memfit.training.predict import ShapeBudget
 from memfit.units import parse_size
 
@@ -110,7 +110,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
           out_dir="memfit-run", resume: bool = True, seed: int = 0, checkpoint_every: int = 50, keep: int = 2,
           micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20,
           chunks: int | None = TRAIN_CHUNKS, tokenizer=None, pad_id: int = 0, device=None, gpu=None, workers: int = 0,
-          tensorboard: bool | None = None, inject=(), progress: bool = True) -> TrainResult:
+          tensorboard: bool | None = None, packed: bool = False, inject=(), progress: bool = True) -> TrainResult:
     """Train ``model`` on ``data`` with ``recipe`` inside ``budget``; see the module docstring.
 
     model          an ``nn.Module`` (trained in place)
@@ -127,6 +127,9 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     chunks         the optimizer step in this many chunks, rolled back on OOM (``Recipe.safe_step``; the
                    recipe's own value wins; None: the plain step, an OOM inside it is fatal)
     workers        DataLoader worker processes collating micro-batches (0: in this process)
+    packed         documents packed first-fit-decreasing into rows of ``seq_len`` tokens, attention kept
+                   within each document (``position_ids`` restarting per document, ``use_cache=False``;
+                   labels ignored at each document's first token); causal LMs only
     tensorboard    also write the metrics as TensorBoard scalars to ``out_dir/tensorboard`` (None: when
                    the ``tensorboard`` package is installed; True: required)
     global_batch_size / global_tokens   examples, or tokens, per optimizer step (one of them)
@@ -147,6 +150,9 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         raise MemfitError("give one of steps or epochs")
     if batching not in ("tokens", "rows"):
         raise MemfitError(f"unknown batching {batching!r}: choose tokens or rows")
+    if packed and (batching == "rows" or seq_len is None):
+        raise MemfitError("packed=True packs documents into rows of seq_len tokens: give seq_len and keep "
+                          "batching='tokens'")
     if batching == "rows" and recipe.micro_batch_size is None:
         raise MemfitError("batching='rows' needs the recipe's micro_batch_size")
     if recipe.grad_accum_steps > 1 and micro_tokens is None and recipe.micro_batch_size is None:
@@ -178,7 +184,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         template = _meta_copy(model)  # apply changes the model in place; estimates start from this
         most = global_batch_size or max(1, global_tokens // max(1, int(min(lengths))))
         shapes = ShapeBudget(lambda: copy.deepcopy(template), recipe, cap, longest=longest, max_rows=most,
-                             gpu=(gpu or "h100-sxm") if device.type == "cuda" else None, pad_id=pad_id)
+                             gpu=(gpu or "h100-sxm") if device.type == "cuda" else None, pad_id=pad_id,
+                             packed=packed)
 
     torch.manual_seed(seed)
     model, opt, step_fn = apply(model, recipe)
@@ -218,7 +225,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     result = TrainResult(steps=done, losses=[], out_dir=out_dir, resumed_from=resumed)
     bar = _Progress(total_steps, done) if progress else None
     tokens_run, seconds = 0, 0.0
-    reader = _Reader(data, pad_id, workers, device)
+    reader = _Reader(data, pad_id, workers, device, seq_len if packed else None)
     board = _board(out_dir, tensorboard)
     with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as log, (vb if vb is not None else contextlib.nullcontext()):
         while done < total_steps:
@@ -226,7 +233,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             start = time.perf_counter()
             loss, events, predicted, estimating, parts = _one_step(
                 step_fn, reader, ids, lengths, micro_tokens, scale, vb, done, device,
-                recipe.micro_batch_size if batching == "rows" else None, shapes)
+                recipe.micro_batch_size if batching == "rows" else None, shapes, seq_len if packed else None)
             if events:
                 scale = events[-1]["scale"]
                 clean = 0
@@ -275,7 +282,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     return result
 
 
-def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, device, rows, shapes):
+def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, device, rows, shapes, pack_to=None):
     """One global batch to an applied update, whatever out-of-memory errors come; returns its loss,
     the OOM events survived (the last one's ``scale`` is the new scale), the predicted peak of its
     largest micro-batch (``ShapeBudget.bound``; None without a budget), the seconds spent estimating
@@ -288,13 +295,16 @@ def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, dev
             size = max(1, int(rows * scale))
             groups = [[[k] for k in range(j, min(j + size, len(ids)))] for j in range(0, len(ids), size)]
         elif shapes is not None:  # rows by the estimate of each shape
-            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: shapes.fits(n, length, scale))
+            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: shapes.fits(n, length, scale),
+                                   seq_len=pack_to)
         else:  # rows by padded tokens
             cap = max(1, int(micro_tokens * scale))
-            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: n == 1 or n * length <= cap)
-        members = [[ids[i] for row in g for i in row] for g in groups]
+            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: n == 1 or n * length <= cap,
+                                   seq_len=pack_to)
+        # each micro-batch as (example, row) pairs: a padded row holds one example, a packed row several
+        members = [[(int(ids[i]), r) for r, row in enumerate(g) for i in row] for g in groups]
         predicted = None if shapes is None else max(
-            shapes.bound(len(g), max(int(lengths[i]) for i in m)) for g, m in zip(groups, members))
+            shapes.bound(len(g), pack_to or max(int(lengths[i]) for i, _ in m)) for g, m in zip(groups, members))
         estimating += time.perf_counter() - began
         micro = reader.read(members, shapes)
         try:
@@ -398,7 +408,27 @@ class _Groups:
         return len(self.batches)
 
 
-def _collate(examples, pad_id, step, longest):
+class _Rows(torch.utils.data.Dataset):
+    """``data`` read by (example, row) pairs: each example comes back with the row it goes in."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, key):
+        index, row = key
+        return row, self.data[index]
+
+
+def _collate(pairs, pad_id, step, longest, pack_to):
+    rows: dict[int, list] = {}
+    for row, example in pairs:
+        rows.setdefault(row, []).append(example)
+    if pack_to is not None:
+        return pack_rows(list(rows.values()), pack_to, pad_id)
+    examples = [docs[0] for docs in rows.values()]
     length = None
     if step is not None:  # padded to the length's bucket: the shape ShapeBudget estimated
         longest_row = max(len(e["input_ids"]) for e in examples)
@@ -410,12 +440,12 @@ class _Reader:
     """Micro-batches read through a ``DataLoader``: ``workers`` processes (kept between steps), on
     CUDA pinned memory and ``non_blocking`` copies."""
 
-    def __init__(self, data, pad_id: int, workers: int, device: torch.device):
-        self.data, self.pad_id, self.workers, self.device = data, pad_id, workers, device
+    def __init__(self, data, pad_id: int, workers: int, device: torch.device, pack_to: int | None = None):
+        self.data, self.pad_id, self.workers, self.device, self.pack_to = _Rows(data), pad_id, workers, device, pack_to
         self.sampler = _Groups()
         self.loader, self.step = None, None
 
-    def read(self, members: list[list[int]], shapes) -> list[dict]:
+    def read(self, members: list[list[tuple[int, int]]], shapes) -> list[dict]:
         step = None if shapes is None else (shapes.step, shapes.longest)
         if self.loader is None or step != self.step:
             self.close()
@@ -423,12 +453,13 @@ class _Reader:
             self.loader = torch.utils.data.DataLoader(
                 self.data, batch_sampler=self.sampler, num_workers=self.workers,
                 collate_fn=functools.partial(_collate, pad_id=self.pad_id, step=step and step[0],
-                                             longest=step and step[1]),
+                                             longest=step and step[1], pack_to=self.pack_to),
                 pin_memory=self.device.type == "cuda", persistent_workers=self.workers > 0)
         self.sampler.batches = members
         if self.device.type != "cuda":
             return list(self.loader)
-        return [{k: v.to(self.device, non_blocking=True) for k, v in batch.items()} for batch in self.loader]
+        return [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                for batch in self.loader]
 
     def close(self) -> None:
         iterator = getattr(self.loader, "_iterator", None)

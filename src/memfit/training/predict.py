@@ -5,7 +5,7 @@ memfit's own estimate of that shape.
 (``batching.micro_batches``). With a budget, ``ShapeBudget.fits`` answers it from
 ``memfit.estimate`` of exactly that micro-batch shape under the run's recipe: the model (made fake,
 so nothing real is allocated), a batch of ``rows`` padded rows (one row ragged, as real data is, so
-the attention mask is built), two such micro-batches a step so the gradients of the first are live
+the attention mask is built; packed rows of two documents each, with ``packed``), two such micro-batches a step so the gradients of the first are live
 through the second's forward (accumulation), and the step's optimizer (``safe_step`` included). A
 shape fits when its peak is within the budget: on the CPU the allocator's peak
 (``peak_bytes``, the figure ``VirtualBudget`` caps); on CUDA the caching allocator's reserved peak
@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.errors import MemfitError
+from memfit.models.lengths import direct, shape_batch
 from memfit.training.data import collate
 
 __all__ = ["ShapeBudget", "bucket_step"]
@@ -57,7 +58,7 @@ class ShapeBudget:
     """
 
     def __init__(self, model, recipe, budget: int, *, longest: int, max_rows: int, gpu=None, pad_id: int = 0,
-                 loss_fn=None):
+                 loss_fn=None, packed: bool = False):
         self.model, self.budget, self.gpu, self.pad_id, self.loss_fn = model, int(budget), gpu, pad_id, loss_fn
         self.step = bucket_step(longest)
         self.longest = int(longest)  # the last bucket: never past the data's (or model's) longest
@@ -65,7 +66,7 @@ class ShapeBudget:
         # two micro-batches a step (the second's forward runs with the first's gradients live),
         # one where the optimizer steps in backward (nothing accumulates)
         self.parts = 1 if recipe.optimizer_in_backward else 2
-        self.recipe = recipe
+        self.recipe, self.packed = recipe, packed
         self._peaks: dict[tuple[int, int], int] = {}
         self._rows: dict[int, int] = {}
         self._line = None  # (bucket, fixed bytes, bytes a row adds) of the first bucket searched
@@ -85,10 +86,13 @@ class ShapeBudget:
     def _estimate(self, rows: int, length: int) -> int:
         from memfit.estimator.estimate import estimate
 
-        examples = [{"input_ids": torch.zeros(length if k == 0 else length - 1, dtype=torch.long)}
-                    for k in range(rows)] if length > 1 else [{"input_ids": torch.zeros(1, dtype=torch.long)}] * rows
-        micro = collate(examples, self.pad_id, length=length)
-        batch = {k: torch.cat([v] * self.parts) for k, v in micro.items()}
+        if self.packed:  # rows of two documents, as estimate_micro_batch(packed=True) makes them
+            batch = shape_batch(direct(rows, length, True, True), self.parts)
+        else:
+            examples = [{"input_ids": torch.zeros(length if k == 0 else length - 1, dtype=torch.long)}
+                        for k in range(rows)] if length > 1 else [{"input_ids": torch.zeros(1, dtype=torch.long)}] * rows
+            micro = collate(examples, self.pad_id, length=length)
+            batch = {k: torch.cat([v] * self.parts) for k, v in micro.items()}
         recipe = self.recipe.replace(micro_batch_size=rows, grad_accum_steps=self.parts)
         with _disable_current_modes():  # a VirtualBudget around the caller must not count fake tensors
             report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, gpu=self.gpu,
