@@ -1,6 +1,7 @@
 """memfit.train under faults: injected out-of-memory errors and SIGKILL at random moments.
 
-    python bench/train_faults.py inject 200   # OOM at a random (step, micro-batch, phase, nth allocation)
+    python bench/train_faults.py inject 200   # OOM at a random (step, micro-batch, phase, nth allocation),
+                                              # until 200 runs had their fault fire
     python bench/train_faults.py kill 50      # SIGKILL at a random moment, then resume to the end
 
 inject: each run must finish, draw exactly the fault-free run's examples in every step (no sample
@@ -77,8 +78,10 @@ def inject(n: int) -> dict:
     tmp = Path(tempfile.mkdtemp())
     ref, _, ref_lines = run(tmp / "ref")
     ref_ids = [x["examples"] for x in ref_lines]
-    rows, worst = [], 0.0
-    for k in range(n):
+    rows, worst, k = [], 0.0, 0
+    # n runs in which the fault fired: an nth past the place's allocations fires nothing, so draw again
+    while sum(r["ooms"] > 0 for r in rows) < n and k < 3 * n:
+        k += 1
         phase = rng.choice(["forward", "backward", "optimizer"])
         fault = (rng.randrange(STEPS), rng.randrange(2) if phase != "optimizer" else 0, phase, rng.randint(1, 40))
         crash, lost, diff, ooms = None, None, None, 0
@@ -92,9 +95,9 @@ def inject(n: int) -> dict:
             crash = f"{type(err).__name__}: {err}"
         rows.append({"fault": list(fault), "ooms": ooms, "crash": crash, "samples_differ": lost, "max_abs_diff": diff})
         shutil.rmtree(tmp / f"r{k}", ignore_errors=True)
-        print(f"{k + 1}/{n} fault={fault} ooms={ooms} crash={crash} lost={lost} diff={diff}", flush=True)
+        print(f"{k} fault={fault} ooms={ooms} crash={crash} lost={lost} diff={diff}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"runs": n, "crashes": sum(r["crash"] is not None for r in rows),
+    return {"runs": len(rows), "crashes": sum(r["crash"] is not None for r in rows),
             "runs_with_samples_lost_or_repeated": sum(bool(r["samples_differ"]) for r in rows),
             "faults_fired": sum(r["ooms"] > 0 for r in rows), "max_abs_weight_diff": worst, "rows": rows}
 

@@ -458,8 +458,8 @@ class _Reader:
         self.sampler.batches = members
         if self.device.type != "cuda":
             return list(self.loader)
-        return [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                for batch in self.loader]
+        return [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                 for k, v in batch.items()} for batch in self.loader]
 
     def close(self) -> None:
         iterator = getattr(self.loader, "_iterator", None)

@@ -3,21 +3,23 @@ memfit's own estimate of that shape.
 
 ``train`` cuts each global batch into micro-batches with ``fits(rows, length)``
 (``batching.micro_batches``). With a budget, ``ShapeBudget.fits`` answers it from
-``memfit.estimate`` of exactly that micro-batch shape under the run's recipe: the model (made fake,
-so nothing real is allocated), a batch of ``rows`` padded rows (one row ragged, as real data is, so
-the attention mask is built; packed rows of two documents each, with ``packed``), two such micro-batches a step so the gradients of the first are live
-through the second's forward (accumulation), and the step's optimizer (``safe_step`` included). A
-shape fits when its peak is within the budget: on the CPU the allocator's peak
-(``peak_bytes``, the figure ``VirtualBudget`` caps); on CUDA the caching allocator's reserved peak
-(``reserved_bytes``, what ``set_per_process_memory_fraction`` caps).
+``memfit.estimate`` of exactly that micro-batch shape under the run's recipe: the model (made
+fake, so nothing real is allocated); a batch of ``rows`` padded rows, one of them ragged as real
+data is so the attention mask is built (with ``packed``, rows of two documents each); two such
+micro-batches a step, so the gradients of the first are live through the second's forward; and
+the step's optimizer, ``safe_step`` included. A shape fits when its peak is within the budget: on
+the CPU the allocator's peak (``peak_bytes``, the figure ``VirtualBudget`` caps); on CUDA the
+caching allocator's reserved peak (``reserved_bytes``, what ``set_per_process_memory_fraction``
+caps).
 
-Lengths are padded up to buckets (a multiple of ``step`` tokens: 1/16 of the longest example
-rounded up to 8, at least 32; the longest itself the last): a micro-batch is collated to its bucket, so what was estimated is the shape that
-runs, and a run estimates at most 16 lengths. For a length, the largest row count that fits is
-searched by estimates: a first guess from one and two rows of the first bucket searched (the
-bytes a row adds, scaled to the bucket's tokens), then up or down from it until the answer
-is bracketed (typically two estimates: the count fits, one more does not). Answers are monotone
-(a longer bucket never takes more rows), estimates cached per (rows, bucket).
+Lengths are padded up to buckets, multiples of ``step`` tokens (1/16 of the longest example
+rounded up to 8, at least 32; the longest itself is the last bucket). A micro-batch is collated to
+its bucket, so what was estimated is the shape that runs, and a run estimates at most 16 lengths.
+For a length, the largest row count that fits is searched by estimates: a first guess from one and
+two rows of the first bucket searched (the bytes a row adds, scaled to the bucket's tokens), then
+up or down from it until the answer is bracketed (typically two estimates: the count fits, one
+more does not). Answers are monotone (a longer bucket never takes more rows); estimates are cached
+per (rows, bucket).
 
 Cost: about a second an estimate on a small model, two to four per bucket seen, once per run; a
 resumed run estimates again. Estimates run with the budget's dispatch mode set aside, so
@@ -89,8 +91,8 @@ class ShapeBudget:
         if self.packed:  # rows of two documents, as estimate_micro_batch(packed=True) makes them
             batch = shape_batch(direct(rows, length, True, True), self.parts)
         else:
-            examples = [{"input_ids": torch.zeros(length if k == 0 else length - 1, dtype=torch.long)}
-                        for k in range(rows)] if length > 1 else [{"input_ids": torch.zeros(1, dtype=torch.long)}] * rows
+            sizes = [length] + [length - 1] * (rows - 1) if length > 1 else [1] * rows
+            examples = [{"input_ids": torch.zeros(n, dtype=torch.long)} for n in sizes]
             micro = collate(examples, self.pad_id, length=length)
             batch = {k: torch.cat([v] * self.parts) for k, v in micro.items()}
         recipe = self.recipe.replace(micro_batch_size=rows, grad_accum_steps=self.parts)
