@@ -80,13 +80,20 @@ def _plain_ce(logits, labels):
     return F.cross_entropy(logits, labels, ignore_index=IGNORE)
 
 
-def torchtune_loss(chunks: int, compiled: bool = False):
+def _same(tensor):
+    return tensor
+
+
+def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = False):
     """torchtune's recipe loss: labels shifted by one with an ignored last position. ``chunks`` 0:
     ``nn.CrossEntropyLoss`` on the bf16 logits (no upcast); else ``CEWithChunkedOutputLoss``: the
     decoder's output projection per sequence chunk (all chunks kept), each chunk upcast to fp32 in
     its own cross-entropy (torchtune/modules/loss/ce_chunked_output_loss.py). ``compiled``:
     ``training.compile_loss`` (with compile=layers): the chunk's upcast and cross-entropy compiled,
-    or the whole ``nn.CrossEntropyLoss``."""
+    or the whole ``nn.CrossEntropyLoss``. ``head_on_device`` (the recipe offloads activations): the
+    output projection runs under identity saved-tensor hooks, torchtune's ``NoOpManager``, which
+    ``get_act_offloading_ctx_manager`` registers around ``model.output`` so the head's saved tensors
+    are not offloaded (torchtune/training/_activation_offloading.py, 1814feb17, lines 397-419)."""
     chunk_ce, plain_ce = _chunk_ce, _plain_ce
     if compiled:
         from memfit.techniques.compile import compiled as compile_piece
@@ -94,7 +101,12 @@ def torchtune_loss(chunks: int, compiled: bool = False):
         chunk_ce, plain_ce = compile_piece(_chunk_ce), compile_piece(_plain_ce)
 
     def loss_fn(model, batch):
-        base, head = _lm_parts(model)
+        base, lm_head = _lm_parts(model)
+        head = lm_head
+        if head_on_device:
+            def head(x):
+                with torch.autograd.graph.saved_tensors_hooks(_same, _same):  # torchtune's NoOpManager
+                    return lm_head(x)
         hidden = base(input_ids=batch["input_ids"]).last_hidden_state
         labels = batch["labels"]
         labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
@@ -141,7 +153,8 @@ def litgpt_loss(chunk_tokens: int):
     return loss_fn
 
 
-LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("compiled", False)),
+LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("compiled", False),
+                                                  spec.get("head_on_device", False)),
           "litgpt": lambda spec: litgpt_loss(spec["chunk_tokens"])}
 
 
@@ -202,7 +215,9 @@ def estimate_row(row) -> dict:
         else:
             missing.append("packed")
     if "loss" in row:
-        spec = dict(row["loss"], compiled=recipe.get("compile") == "layers")  # torchtune compiles its loss too
+        # torchtune compiles its loss too, and keeps its output projection out of activation offloading
+        spec = dict(row["loss"], compiled=recipe.get("compile") == "layers",
+                    head_on_device=row["loss"]["kind"] == "torchtune" and bool(recipe.get("offload_activations")))
         kwargs["loss_fn"] = LOSSES[spec["kind"]](spec)
     model, batch = _model(row)
     start = time.perf_counter()

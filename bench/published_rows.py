@@ -84,7 +84,16 @@ _LORA3B_NOTE = ("3B_{k}_single_device.yaml at 1814feb17: lora_attn_modules [q_pr
                 "apply_lora_to_mlp True, rank 64, alpha 128, dropout 0.0, torch.optim.AdamW fused True; the "
                 "README's command adds dataset.packed=True compile=True CEWithChunkedOutputLoss "
                 "enable_activation_checkpointing=True optimizer_in_bwd=False enable_activation_offloading=True "
-                "optimizer=torch.optim.AdamW batch_size=2 tokenizer.max_seq_len=4096.")
+                "optimizer=torch.optim.AdamW batch_size=2 tokenizer.max_seq_len=4096. Offloading: "
+                "torchtune/training/_activation_offloading.py get_act_offloading_ctx_manager (lines 397-419) puts "
+                "model.output (TiedLinear) under NoOpManager, so the head's saved tensors stay on the device; "
+                "published.py's torchtune loss does the same (head_on_device). Without it memfit offloaded them, and "
+                "with the head frozen F.linear on a chunk (a strided view) saves the tied weight expanded to "
+                "(2, 3072, 128256), which the offload copy made contiguous: 1.468 GiB at the forward peak "
+                "(+1.0 GiB error on both rows). Not expressible: lora_finetune_single_device.py builds the model under "
+                "set_default_dtype(bf16) and checks the adapters are bf16 (validate_expected_param_dtype); peft "
+                "makes memfit's 89,915,392 adapter weights fp32, so their weights, AdamW moments and the gradients "
+                "live at the peak hold ~0.66 GiB more than torchtune's.")
 ROWS += [
     dict(_FLAGS, id="tt-3b-packed", value=60.0, quote="| [+ Packed Dataset](...) | 60.0 | +135.16% | 7075 | +238.40% |",
          recipe=dict(_FULL), loss=_PLAIN,
@@ -119,8 +128,10 @@ ROWS += [
     dict(_FLAGS, id="tt-3b-qlora", value=4.6, quote="| [QLoRA](...) | 4.6 | -45.71% | 8035 | -2.13% |",
          recipe=dict(precision="bf16", optimizer="adamw", optimizer_impl="fused", compile="layers", checkpointing="blocks",
                      offload_activations=True, lora="qlora:64", **_LORA3B), loss=_CC,
-         note=_LORA3B_NOTE.format(k="qlora") + " NF4 (torchao) on the LoRA'd linears only: k_proj stays bf16 "
-              "there, memfit's qlora quantises it too (28 x 3072 x 1024 weights, ~0.13 GiB less)."),
+         note=_LORA3B_NOTE.format(k="qlora") + " NF4 (torchao) on every linear but the head: k_proj, not "
+              "LoRA'd, is FrozenNF4Linear under quantize_base (torchtune/models/llama3_2/_component_builders.py "
+              "lines 353-368 at 1814feb17), as memfit's qlora (quantize_targets all-linear) does; memfit's NF4 is "
+              "bitsandbytes' (double-quantised absmax, blocks of 64)."),
 ]
 
 # --- torchao, torchao/optim/README.md "Benchmarks" (ViT-H table since aacaf9b3e, 2024-08-23):
