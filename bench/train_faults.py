@@ -2,7 +2,8 @@
 
     python bench/train_faults.py inject 200   # OOM at a random (step, micro-batch, phase, nth allocation),
                                               # until 200 runs had their fault fire
-    python bench/train_faults.py kill 50      # SIGKILL at a random moment, then resume to the end
+    python bench/train_faults.py kill 50      # SIGKILL at a random moment, then resume to the end,
+                                              # until 50 runs were killed before they finished
 
 inject: each run must finish, draw exactly the fault-free run's examples in every step (no sample
 lost or repeated: the metrics' example ids), and end within summation-order tolerance of the
@@ -128,8 +129,10 @@ def kill(n: int) -> dict:
     assert proc.wait() == 0
     duration = time.perf_counter() - start  # from the first step's start to the end
     reference = torch.load(whole / "final.pt")
-    rows = []
-    for k in range(n):
+    rows, k = [], 0
+    # n runs actually killed: a delay past the run's end kills nothing (counted apart, drawn again)
+    while sum(r["killed"] for r in rows) < n and k < 3 * n:
+        k += 1
         out = tmp / f"k{k}"
         proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
         _started(out, proc)  # imports done: the kill lands somewhere in training or saving
@@ -140,18 +143,23 @@ def kill(n: int) -> dict:
             proc.send_signal(signal.SIGKILL)
         proc.wait()
         checkpoints = sorted(p.name for p in out.glob("step-*")) if out.exists() else []
+        partial = bool(list(out.glob(".partial-*"))) if out.exists() else False  # killed while saving
         done = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True)
         ok, equal = done.returncode == 0, False
         if ok:
             final = torch.load(out / "final.pt")
             equal = all(torch.equal(final[key], reference[key]) for key in reference)
         rows.append({"delay_s": round(delay, 3), "killed": killed, "checkpoints_at_kill": checkpoints,
+                     "partial_checkpoint_at_kill": partial,
                      "resumed_ok": ok, "bitwise_equal": equal, "stderr": None if ok else done.stderr[-500:]})
-        print(f"{k + 1}/{n} killed after {delay:.2f}s (had {checkpoints}) resumed={ok} equal={equal}", flush=True)
+        print(f"{k} ({sum(r['killed'] for r in rows)}/{n} killed) after {delay:.2f}s (had {checkpoints}) resumed={ok} equal={equal}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"runs": n, "killed": sum(r["killed"] for r in rows), "resumed": sum(r["resumed_ok"] for r in rows),
-            "bitwise_equal": sum(r["bitwise_equal"] for r in rows), "rows": rows}
+    killed = [r for r in rows if r["killed"]]
+    return {"runs": len(rows), "killed": len(killed), "killed_resumed": sum(r["resumed_ok"] for r in killed),
+            "killed_bitwise_equal": sum(r["bitwise_equal"] for r in killed),
+            "resumed": sum(r["resumed_ok"] for r in rows), "bitwise_equal": sum(r["bitwise_equal"] for r in rows),
+            "killed_while_saving": sum(r["partial_checkpoint_at_kill"] for r in killed), "rows": rows}
 
 
 def main() -> None:
