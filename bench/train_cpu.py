@@ -42,7 +42,7 @@ from memfit.training.data import Order, collate  # noqa: E402
 from memfit.training.loop import train  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "train-cpu.json"
-LONGEST, ROWS, GLOBAL, STEPS = 1024, 4, 32, 6
+LONGEST, ROWS, GLOBAL, STEPS = 1024, 4, 32, 12
 TIMED = 12  # steps for the overhead comparison (the first is not counted)
 
 

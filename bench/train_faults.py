@@ -2,8 +2,9 @@
 
     python bench/train_faults.py inject 200   # OOM at a random (step, micro-batch, phase, nth allocation),
                                               # until 200 runs had their fault fire
-    python bench/train_faults.py kill 50      # SIGKILL at a random moment, then resume to the end,
-                                              # until 50 runs were killed before they finished
+    python bench/train_faults.py kill 50      # SIGKILL at a random moment (every 4th run as a checkpoint
+                                              # is being written), then resume to the end, until 50 runs
+                                              # were killed before they finished
 
 inject: each run must finish, draw exactly the fault-free run's examples in every step (no sample
 lost or repeated: the metrics' example ids), and end within summation-order tolerance of the
@@ -137,7 +138,13 @@ def kill(n: int) -> dict:
         proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
         _started(out, proc)  # imports done: the kill lands somewhere in training or saving
         delay = rng.uniform(0.0, duration)
-        time.sleep(delay)
+        if k % 4 == 0:  # every 4th run aims at a checkpoint write: killed as a .partial-* directory appears
+            began = time.perf_counter()
+            while proc.poll() is None and not list(out.glob(".partial-*")) and time.perf_counter() - began < duration:
+                time.sleep(0.0002)
+            delay = time.perf_counter() - began
+        else:
+            time.sleep(delay)
         killed = proc.poll() is None
         if killed:
             proc.send_signal(signal.SIGKILL)
