@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import gc
-import itertools
 import json
 import math
 import time
@@ -49,8 +47,10 @@ from memfit.techniques.safe_step import TRAIN_CHUNKS
 from memfit.training.batching import micro_batches
 from memfit.training.budget import VirtualBudget
 from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from memfit.training.data import Order, collate, open_data, pack_rows
-from memfit.training.predict import ShapeBudget
+from memfit.training.data import Order, open_data
+from memfit.training.predict import ShapeBudget, meta_copy
+from memfit.training.progress import Progress, tensorboard_writer
+from memfit.training.reader import Reader
 from memfit.units import parse_size
 
 __all__ = ["train", "TrainResult"]
@@ -181,7 +181,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         cap = (catalog_gpu(gpu) if isinstance(gpu, str) else gpu).usable_bytes()
     shapes = None
     if cap is not None and by_estimate:
-        template = _meta_copy(model)  # apply changes the model in place; estimates start from this
+        template = meta_copy(model)  # apply changes the model in place; estimates start from this
         most = global_batch_size or max(1, global_tokens // max(1, int(min(lengths))))
         shapes = ShapeBudget(lambda: copy.deepcopy(template), recipe, cap, longest=longest, max_rows=most,
                              gpu=(gpu or "h100-sxm") if device.type == "cuda" else None, pad_id=pad_id,
@@ -223,10 +223,10 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         torch.cuda.reset_peak_memory_stats(device)
 
     result = TrainResult(steps=done, losses=[], out_dir=out_dir, resumed_from=resumed)
-    bar = _Progress(total_steps, done) if progress else None
+    bar = Progress(total_steps, done) if progress else None
     tokens_run, seconds = 0, 0.0
-    reader = _Reader(data, pad_id, workers, device, seq_len if packed else None)
-    board = _board(out_dir, tensorboard)
+    reader = Reader(data, pad_id, workers, device, seq_len if packed else None)
+    board = tensorboard_writer(out_dir, tensorboard)
     with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as log, (vb if vb is not None else contextlib.nullcontext()):
         while done < total_steps:
             ids = _global_batch(order, lengths, global_batch_size, global_tokens)
@@ -368,127 +368,3 @@ def _memory(vb, device) -> tuple:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
     return None, None
-
-
-def _board(out_dir: Path, wanted: bool | None):
-    """A TensorBoard ``SummaryWriter`` in ``out_dir/tensorboard``, or None."""
-    if wanted is False:
-        return None
-    try:
-        import tensorboard  # noqa: F401  torch's writer needs the package
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if wanted:
-            raise MemfitError("tensorboard=True needs the tensorboard package: pip install tensorboard") from None
-        return None
-    return SummaryWriter(str(out_dir / "tensorboard"))
-
-
-def _meta_copy(model):
-    """``model`` with every parameter and buffer on the meta device: what the estimates build from
-    (``apply`` then changes the real model in place: LoRA, checkpointing wrappers)."""
-    memo = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
-            if isinstance(tensor, torch.nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
-
-
-class _Groups:
-    """A DataLoader batch sampler whose batches are set before each pass: one global batch's micro-batches."""
-
-    def __init__(self):
-        self.batches: list[list[int]] = []
-
-    def __iter__(self):
-        return iter(list(self.batches))
-
-    def __len__(self):
-        return len(self.batches)
-
-
-class _Rows(torch.utils.data.Dataset):
-    """``data`` read by (example, row) pairs: each example comes back with the row it goes in."""
-
-    def __init__(self, data):
-        self.data = data
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, key):
-        index, row = key
-        return row, self.data[index]
-
-
-def _collate(pairs, pad_id, step, longest, pack_to):
-    rows: dict[int, list] = {}
-    for row, example in pairs:
-        rows.setdefault(row, []).append(example)
-    if pack_to is not None:
-        return pack_rows(list(rows.values()), pack_to, pad_id)
-    examples = [docs[0] for docs in rows.values()]
-    length = None
-    if step is not None:  # padded to the length's bucket: the shape ShapeBudget estimated
-        longest_row = max(len(e["input_ids"]) for e in examples)
-        length = min(longest, max(step, -(-longest_row // step) * step))
-    return collate(examples, pad_id, length)
-
-
-class _Reader:
-    """Micro-batches read through a ``DataLoader``: ``workers`` processes (kept between steps), on
-    CUDA pinned memory and ``non_blocking`` copies."""
-
-    def __init__(self, data, pad_id: int, workers: int, device: torch.device, pack_to: int | None = None):
-        self.data, self.pad_id, self.workers, self.device, self.pack_to = _Rows(data), pad_id, workers, device, pack_to
-        self.sampler = _Groups()
-        self.loader, self.step = None, None
-
-    def read(self, members: list[list[tuple[int, int]]], shapes) -> list[dict]:
-        step = None if shapes is None else (shapes.step, shapes.longest)
-        if self.loader is None or step != self.step:
-            self.close()
-            self.step = step
-            self.loader = torch.utils.data.DataLoader(
-                self.data, batch_sampler=self.sampler, num_workers=self.workers,
-                collate_fn=functools.partial(_collate, pad_id=self.pad_id, step=step and step[0],
-                                             longest=step and step[1], pack_to=self.pack_to),
-                pin_memory=self.device.type == "cuda", persistent_workers=self.workers > 0)
-        self.sampler.batches = members
-        if self.device.type != "cuda":
-            return list(self.loader)
-        return [{k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                 for k, v in batch.items()} for batch in self.loader]
-
-    def close(self) -> None:
-        iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-        self.loader = None
-
-
-class _Progress:
-    """A rich progress bar: step, loss, tokens/s, memory peak."""
-
-    def __init__(self, total: int, done: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        # on stderr: stdout stays the command's answer (--json)
-        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                                 TimeRemainingColumn(), console=Console(stderr=True), transient=False)
-        self.task = self.progress.add_task("train", total=total, completed=done, info="")
-        self.progress.start()
-
-    def update(self, done: int, loss: float, tokens_per_second: float, now: int | None, peak: int | None,
-               predicted: int | None) -> None:
-        from memfit.units import format_size
-
-        memory = "" if peak is None else f"  memory {format_size(now)} now / {format_size(peak)} peak"
-        if predicted is not None:
-            memory += f" / {format_size(predicted)} predicted"
-        self.progress.update(self.task, completed=done, info=f"loss {loss:.4f}  {tokens_per_second:,.0f} tok/s{memory}")
-
-    def close(self) -> None:
-        self.progress.stop()

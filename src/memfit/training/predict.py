@@ -31,6 +31,8 @@ Lightning's finder and Hugging Face's ``auto_find_batch_size`` search by crashin
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 
 import torch
@@ -40,7 +42,7 @@ from memfit.errors import MemfitError
 from memfit.models.lengths import direct, shape_batch
 from memfit.training.data import collate
 
-__all__ = ["ShapeBudget", "bucket_step"]
+__all__ = ["ShapeBudget", "bucket_step", "bucket_length", "meta_copy"]
 
 BUCKETS = 16  # lengths per run that are estimated at most
 MIN_STEP = 32  # tokens: padding this many costs next to nothing, and short data needs fewer estimates
@@ -49,6 +51,23 @@ MIN_STEP = 32  # tokens: padding this many costs next to nothing, and short data
 def bucket_step(longest: int) -> int:
     """Tokens per bucket for data whose longest example has ``longest`` tokens."""
     return max(MIN_STEP, math.ceil(longest / BUCKETS / 8) * 8)
+
+
+def bucket_length(length: int, step: int, longest: int) -> int:
+    """The padded length of a micro-batch whose longest row has ``length`` tokens: the next multiple
+    of ``step``, never past ``longest``."""
+    return min(longest, max(step, math.ceil(length / step) * step))
+
+
+def meta_copy(model):
+    """``model`` with every parameter and buffer on the meta device: what the estimates build from
+    (``apply`` then changes the real model in place: LoRA, checkpointing wrappers)."""
+    memo = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 class ShapeBudget:
@@ -76,7 +95,7 @@ class ShapeBudget:
 
     def bucket(self, length: int) -> int:
         """The padded length a micro-batch whose longest row is ``length`` is collated to."""
-        return min(self.longest, max(self.step, math.ceil(length / self.step) * self.step))
+        return bucket_length(length, self.step, self.longest)
 
     def peak(self, rows: int, length: int) -> int:
         """The predicted peak (bytes the budget caps) of ``rows`` rows of ``length``'s bucket."""
