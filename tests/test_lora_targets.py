@@ -137,7 +137,7 @@ def test_the_fields_are_cli_flags(tmp_path, capsys):
     assert "its layers are q_proj" in capsys.readouterr().err
 
 
-def test_fast_path_equals_full_trace_with_targets_and_dropout():
+def test_fast_path_equals_full_trace_with_targets_dropout_and_bf16_adapters():
     config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=12, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
                             architectures=["LlamaForCausalLM"])
@@ -147,6 +147,10 @@ def test_fast_path_equals_full_trace_with_targets_and_dropout():
     full = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, gpu="rtx-4090", fast=False)
     assert fast.method == "depth" and fast.peak_bytes == full.peak_bytes
     assert fast.reserved_bytes == full.reserved_bytes and fast.trainable == full.trainable
+    bf16 = Recipe(lora="lora:8", precision="bf16", lora_targets="q_proj,v_proj", lora_dtype="bf16")
+    fast = memfit.estimate(config, recipe=bf16, batch_size=2, seq_len=64, gpu="rtx-4090", fast=True)
+    full = memfit.estimate(config, recipe=bf16, batch_size=2, seq_len=64, gpu="rtx-4090", fast=False)
+    assert fast.method == "depth" and (fast.peak_bytes, fast.reserved_bytes) == (full.peak_bytes, full.reserved_bytes)
 
 
 class _Own4bit(torch.nn.Module):
@@ -177,3 +181,31 @@ def test_a_models_own_4bit_layers_are_quantised_before_the_step_and_match_the_al
     weights = report.by_category["parameters"]
     assert (64 * 256 + 256 * 64) // 2 + 64 * 64 * 2 < weights < (64 * 256 + 256 * 64) // 2 + 64 * 64 * 2 + 4096
     assert report.trainable == 64 * 64 + 256  # the adapter and the 4-bit layer's bias
+
+
+@pytest.mark.parametrize("lora", ["lora:8", "qlora:8"])
+def test_bf16_adapters_match_the_allocator_and_halve_the_adapters(lora):
+    """torchtune's layout: adapters in the model's bf16 (peft's autocast_adapter_dtype=False), not fp32."""
+    factory, make_batch, loss_fn = CASES["hf-llama"]
+    batch = make_batch()
+    wide, narrow = (Recipe(lora=lora, precision="bf16", lora_targets="q_proj,v_proj", lora_dtype=d)
+                    for d in ("fp32", "bf16"))
+    model, _, _ = memfit.apply(factory(), narrow, loss_fn=loss_fn)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.dtype == torch.bfloat16 and p.requires_grad for p in adapters)
+    report = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=narrow)
+    truth = true_peak(factory, batch, loss_fn=loss_fn, recipe=narrow)
+    assert abs(report.peak_bytes - truth) <= _counters(model), (report.peak_bytes, truth)
+    # the adapters' weights and both AdamW moments: 2 bytes a value less each, at least, at the peak
+    n = sum(p.numel() for p in adapters)
+    saved = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=wide).peak_bytes - report.peak_bytes
+    assert saved >= 3 * 2 * n, (saved, n)
+
+
+def test_bf16_adapters_need_pure_bf16():
+    with pytest.raises(MemfitError, match="lora_dtype=bf16 and precision=bf16-mixed conflict"):
+        Recipe(lora="lora:8", precision="bf16-mixed", lora_dtype="bf16")
+    with pytest.raises(MemfitError, match="lora_dtype=bf16 and lora=off conflict"):
+        Recipe(precision="bf16", lora_dtype="bf16")
+    with pytest.raises(MemfitError, match="lora_dtype"):
+        Recipe(lora="lora:8", precision="bf16", lora_dtype="fp16")

@@ -17,7 +17,7 @@ offload_optimizer      optimizer state and step on the CPU (CUDA devices only)
 micro_batch_size       examples per forward/backward (None: the whole batch / accumulation)
 grad_accum_steps       micro-batches per optimizer step
 lora                   off | lora[:rank] | qlora[:rank] (through peft; changes the math)
-lora_targets, lora_alpha, lora_dropout, quantize_targets   LoRA's layers, scale, adapter dropout, QLoRA's 4-bit layers
+lora_targets, lora_alpha, lora_dropout, quantize_targets, lora_dtype   LoRA's layers, scale, adapter dropout, QLoRA's 4-bit layers, adapter dtype
 
 Techniques are applied in their declared order (``apply.py``); pairs that cannot work together
 raise a ``MemfitError`` naming both fields (each technique's ``conflicts``).
