@@ -76,7 +76,7 @@ def _chunk_ce(piece, y):
 
 
 def _plain_ce(logits, labels):
-    """``nn.CrossEntropyLoss`` on the bf16 logits."""
+    """``nn.CrossEntropyLoss`` on the logits (fp32: the decoder upcast them)."""
     return F.cross_entropy(logits, labels, ignore_index=IGNORE)
 
 
@@ -86,7 +86,10 @@ def _same(tensor):
 
 def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = False):
     """torchtune's recipe loss: labels shifted by one with an ignored last position. ``chunks`` 0:
-    ``nn.CrossEntropyLoss`` on the bf16 logits (no upcast); else ``CEWithChunkedOutputLoss``: the
+    ``nn.CrossEntropyLoss`` on the logits, which ``TransformerDecoder.forward`` upcast to fp32
+    (``self.output(h).float()``, torchtune/modules/transformer.py at 1814feb17; the recipe then drops
+    them, ``del logits``, so only the cross-entropy's saved fp32 log-probabilities stay); else
+    ``CEWithChunkedOutputLoss``: the
     decoder's output projection per sequence chunk (all chunks kept), each chunk upcast to fp32 in
     its own cross-entropy (torchtune/modules/loss/ce_chunked_output_loss.py). ``compiled``:
     ``training.compile_loss`` (with compile=layers): the chunk's upcast and cross-entropy compiled,
@@ -111,7 +114,7 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
         labels = batch["labels"]
         labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
         if not chunks:
-            logits = head(hidden)
+            logits = head(hidden).float()
             return plain_ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         total = hidden.new_zeros((), dtype=torch.float32)
         logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
@@ -354,7 +357,7 @@ def main() -> None:
         with open(RESULTS) as f:
             old = {r["id"]: r for r in json.load(f)["rows"]}
     rows = [done.get(r["id"]) or old.get(r["id"]) for r in ROWS if r["id"] in done or r["id"] in old]
-    features = sorted({f.name for f in fields()} & {"compile", "lora_targets", "lora_alpha", "lora_dropout",
+    features = sorted({f.name for f in fields()} & {"compile", "lora_targets", "lora_alpha", "lora_dropout", "lora_dtype",
                                                     "offload_gradients", "activation_memory_budget"})
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "memfit_commit": _commit(), "torch": torch.__version__, "features": features,

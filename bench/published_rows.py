@@ -36,7 +36,9 @@ _TT_31 = dict(source=TT_README, commit="bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1
 # (then nightlies) and the whole model before: which torch ran the table is not stated; per layer is
 # taken (compile="layers"), as in every later torchtune. compile_loss compiles the chunks' upcast + CE.
 _TT_LORA_BASE = dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused",
-                     compile="layers")
+                     compile="layers", lora_dtype="bf16")
+# lora_dtype bf16: lora_finetune_single_device.py builds the model under set_default_dtype(bf16) and checks
+# that the adapters are bf16 (validate_expected_param_dtype); peft's default would make them fp32
 
 ROWS = [
     dict(_TT_31, id="tt-8b-full-4090", value=18.9,
@@ -79,7 +81,8 @@ _FULL_NOTE = ("Full fine-tune of Llama-3.2-3B in pure bf16 with torch.optim.Adam
               "two bf16 moments are 23.9 GiB).")
 _CC = dict(kind="torchtune", chunks=8)
 _PLAIN = dict(kind="torchtune", chunks=0)
-_LORA3B = dict(lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", lora_alpha=128, lora_dropout=0.0)
+_LORA3B = dict(lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", lora_alpha=128, lora_dropout=0.0,
+               lora_dtype="bf16")
 _LORA3B_NOTE = ("3B_{k}_single_device.yaml at 1814feb17: lora_attn_modules [q_proj, v_proj, output_proj], "
                 "apply_lora_to_mlp True, rank 64, alpha 128, dropout 0.0, torch.optim.AdamW fused True; the "
                 "README's command adds dataset.packed=True compile=True CEWithChunkedOutputLoss "
@@ -90,14 +93,14 @@ _LORA3B_NOTE = ("3B_{k}_single_device.yaml at 1814feb17: lora_attn_modules [q_pr
                 "published.py's torchtune loss does the same (head_on_device). Without it memfit offloaded them, and "
                 "with the head frozen F.linear on a chunk (a strided view) saves the tied weight expanded to "
                 "(2, 3072, 128256), which the offload copy made contiguous: 1.468 GiB at the forward peak "
-                "(+1.0 GiB error on both rows). Not expressible: lora_finetune_single_device.py builds the model under "
-                "set_default_dtype(bf16) and checks the adapters are bf16 (validate_expected_param_dtype); peft "
-                "makes memfit's 89,915,392 adapter weights fp32, so their weights, AdamW moments and the gradients "
-                "live at the peak hold ~0.66 GiB more than torchtune's.")
+                "(+1.0 GiB error on both rows). lora_finetune_single_device.py builds the model under set_default_dtype(bf16) "
+                "and checks the adapters are bf16 (validate_expected_param_dtype): lora_dtype bf16 (peft's default "
+                "would make the 89,915,392 adapter weights fp32, ~0.66 GiB more at the peak).")
 ROWS += [
     dict(_FLAGS, id="tt-3b-packed", value=60.0, quote="| [+ Packed Dataset](...) | 60.0 | +135.16% | 7075 | +238.40% |",
          recipe=dict(_FULL), loss=_PLAIN,
-         note=_FULL_NOTE + " No checkpointing; nn.CrossEntropyLoss on the bf16 logits (the recipe does not upcast)."),
+         note=_FULL_NOTE + " No checkpointing; nn.CrossEntropyLoss on the fp32 logits (TransformerDecoder.forward upcasts the unchunked "
+              "output: self.output(h).float(), modules/transformer.py at 1814feb17)."),
     dict(_FLAGS, id="tt-3b-compile", value=51.0, quote="| [+ Compile](...) | 51.0 | -14.93% | 8998 | +27.18% |",
          recipe=dict(_FULL, compile="layers"), loss=_PLAIN,
          note=_FULL_NOTE + " torchtune compiles each transformer layer and the loss."),

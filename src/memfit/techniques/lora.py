@@ -329,8 +329,8 @@ def _conflicts(r):
         if value != default and r.lora == "off":
             yield f"{name}={value} and lora=off conflict: it shapes the adapters; set lora=lora or lora=qlora"
     if r.lora_dtype == "bf16" and r.lora != "off" and r.precision != "bf16":
-        yield (f"lora_dtype=bf16 and precision={r.precision} conflict: bf16 adapters belong to pure bf16 training "
-               "(mixed precision keeps fp32 master weights); use precision=bf16 or lora_dtype=fp32")
+        yield (f"lora_dtype=bf16 and precision={r.precision} conflict: bf16 adapters belong to pure bf16 "
+               "weights; use precision=bf16 or lora_dtype=fp32")
     if r.quantize_targets != ALL_LINEAR and r.lora.startswith("lora"):
         yield f"quantize_targets={r.quantize_targets} and lora={r.lora} conflict: only qlora quantises; use qlora"
 
@@ -364,5 +364,6 @@ TECHNIQUE = Technique(
                   choices=tuple(ADAPTER_DTYPES))),
     order=15, apply=_apply, conflicts=_conflicts,
     search=lambda ctx: [{"lora": "off"}] + [{"lora": f"{k}:{SEARCH_RANK}"} for k in ("lora", "qlora") if k in ctx.allowed],
-    approximations=lambda r: [f"lora={r.lora}"] if r.lora != "off" else [],
+    approximations=lambda r: ([f"lora={r.lora}"] + (["lora_dtype=bf16"] if r.lora_dtype == "bf16" else []))
+    if r.lora != "off" else [],
     allow=("lora", "qlora"), trace="both")
