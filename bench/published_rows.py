@@ -213,39 +213,44 @@ ROWS += [
 _HF = dict(source=HF_GUIDE, commit="0016acf7ef421c7fe8eff7945de52c71896c3b01", date="2022-01-11",
            table="perf_train_gpu_one 'Efficient Training on a Single GPU'", metric="nvidia-smi", unit="MiB",
            gpu="v100-16gb", model="bert-large", head="sequence-classification", config=dict(num_labels=2),
-           seq_len=512, batch_size=4, published_context_mib=1343)
+           seq_len=512, batch_size=4, published_context_mib=1343, softmax_keeps_input=True)
 _HF_NOTE = ("Trainer 2022 (transformers ~4.15, torch ~1.10): BERT's eager attention (no SDPA then) -> "
             "attention=eager; adamw_hf steps one parameter at a time -> optimizer_impl=forloop. nvml counts "
             "the CUDA context: 1343 MiB on that machine (CUDA 11.2 loads every kernel), memfit's V100 "
             "context is 384 MiB (lazy loading). softmax then also saved its input for backward "
-            "(pytorch/pytorch#49600, addressed late 2021): 64 MiB per layer at batch 4 that today's step does not keep. ")
+            "(pytorch/pytorch#49600, #64000; the fix, #65242, came after torch 1.10's branch cut): 64 MiB per layer at "
+            "batch 4 that today's step does not keep -> softmax_keeps_input (published.py restates that autograd). "
+            "The Trainer zeroes gradients with model.zero_grad() (trainer.py, 4.x), which in torch 1.x zeroed them in "
+            "place (set_to_none=False was Module.zero_grad's default until torch 2.0): the gradients stay allocated "
+            "through every forward -> set_to_none=False. ")
+_HF_STEP = dict(attention="eager", set_to_none=False)
 ROWS += [
     dict(_HF, id="hf-bert-vanilla", value=14949, quote="GPU memory occupied: 14949 MB. (Vanilla Training, batch size 4)",
-         recipe=dict(attention="eager", optimizer="adamw", optimizer_impl="forloop"), note=_HF_NOTE + "fp32."),
+         recipe=dict(_HF_STEP, optimizer="adamw", optimizer_impl="forloop"), note=_HF_NOTE + "fp32."),
     dict(_HF, id="hf-bert-ga", value=8681, quote="GPU memory occupied: 8681 MB. (per_device_train_batch_size=1, gradient_accumulation_steps=4)",
-         recipe=dict(attention="eager", optimizer="adamw", optimizer_impl="forloop", micro_batch_size=1,
+         recipe=dict(_HF_STEP, optimizer="adamw", optimizer_impl="forloop", micro_batch_size=1,
                      grad_accum_steps=4), note=_HF_NOTE + "fp32, 1 x 4."),
     dict(_HF, id="hf-bert-ga-gc", value=6775, quote="GPU memory occupied: 6775 MB. (... gradient_checkpointing=True)",
-         recipe=dict(attention="eager", optimizer="adamw", optimizer_impl="forloop", micro_batch_size=1,
+         recipe=dict(_HF_STEP, optimizer="adamw", optimizer_impl="forloop", micro_batch_size=1,
                      grad_accum_steps=4, checkpointing="blocks"),
          note=_HF_NOTE + "HF gradient_checkpointing checkpoints every BertLayer (reentrant in 2022)."),
     dict(_HF, id="hf-bert-fp16", value=13939, quote="GPU memory occupied: 13939 MB. (per_device_train_batch_size=4, fp16=True)",
-         recipe=dict(attention="eager", optimizer="adamw", optimizer_impl="forloop", precision="fp16-mixed"),
+         recipe=dict(_HF_STEP, optimizer="adamw", optimizer_impl="forloop", precision="fp16-mixed"),
          note=_HF_NOTE + "fp16=True: autocast + GradScaler."),
     dict(_HF, id="hf-bert-ga-gc-fp16", value=7275, quote="GPU memory occupied: 7275 MB. (1 x 4, gradient_checkpointing, fp16)",
-         recipe=dict(attention="eager", optimizer="adamw", optimizer_impl="forloop", precision="fp16-mixed",
+         recipe=dict(_HF_STEP, optimizer="adamw", optimizer_impl="forloop", precision="fp16-mixed",
                      micro_batch_size=1, grad_accum_steps=4, checkpointing="blocks"), note=_HF_NOTE),
     dict(_HF, id="hf-bert-adafactor", value=12295, quote="GPU memory occupied: 12295 MB. (batch size 4, optim=\"adafactor\")",
-         recipe=dict(attention="eager", optimizer="adafactor"),
+         recipe=dict(_HF_STEP, optimizer="adafactor"),
          note=_HF_NOTE + "transformers' Adafactor (factored second moment, no first moment) -> torch.optim.Adafactor."),
     dict(_HF, id="hf-bert-ga-gc-fp16-adafactor", value=4847, quote="GPU memory occupied: 4847 MB. (1 x 4, checkpointing, fp16, adafactor)",
-         recipe=dict(attention="eager", optimizer="adafactor", precision="fp16-mixed", micro_batch_size=1,
+         recipe=dict(_HF_STEP, optimizer="adafactor", precision="fp16-mixed", micro_batch_size=1,
                      grad_accum_steps=4, checkpointing="blocks"), note=_HF_NOTE),
     dict(_HF, id="hf-bert-adam8bit", value=13085, quote="GPU memory occupied: 13085 MB. (batch size 4, bnb.optim.Adam8bit)",
-         recipe=dict(attention="eager", optimizer="adamw8bit"),
+         recipe=dict(_HF_STEP, optimizer="adamw8bit"),
          note=_HF_NOTE + "bnb.optim.Adam8bit (same state as AdamW8bit: two 8-bit moments)."),
     dict(_HF, id="hf-bert-ga-gc-fp16-adam8bit", value=5363, quote="GPU memory occupied: 5363 MB. (1 x 4, checkpointing, fp16, Adam8bit)",
-         recipe=dict(attention="eager", optimizer="adamw8bit", precision="fp16-mixed", micro_batch_size=1,
+         recipe=dict(_HF_STEP, optimizer="adamw8bit", precision="fp16-mixed", micro_batch_size=1,
                      grad_accum_steps=4, checkpointing="blocks"), note=_HF_NOTE),
 ]
 
