@@ -51,6 +51,8 @@ def test_the_models_own_tensors_and_their_views_stay():
     assert torch.equal(back, activation.t()) and back.stride() == activation.t().stride()
     expanded = torch.randn(1, 64).expand(512, 64)  # its copy would hold the expansion
     assert offload.pack(expanded) is expanded
+    single = torch.randn(64, 64).as_strided((1, 64, 64), (0, 64, 1))  # stride 0 on a size-1 dim: no expansion
+    assert offload.pack(single) is not single
 
 
 def test_offload_matches_the_allocator_and_never_costs_more_than_keeping():

@@ -48,7 +48,8 @@ class ActivationOffload:
         """Whether offloading ``tensor`` would save nothing (see the module docstring)."""
         root = tensor._base if tensor._base is not None else tensor  # a parameter's view, wherever it moved since
         return (tensor.untyped_storage().nbytes() < MIN_BYTES or isinstance(root, torch.nn.Parameter)
-                or (tensor.requires_grad and tensor.is_leaf) or 0 in tensor.stride()
+                or (tensor.requires_grad and tensor.is_leaf)
+                or any(step == 0 and size > 1 for step, size in zip(tensor.stride(), tensor.shape))
                 or StorageWeakRef(tensor.untyped_storage()) in self.resident)
 
     def pack(self, tensor: torch.Tensor):
