@@ -30,7 +30,7 @@ its state is half.
 
 Known limitations: the pattern is the CPU kernel's; Inductor's CUDA (Triton) kernels may fuse more
 (not yet measured on a GPU: ``python bench/optimizers.py measure``; torchao's published ViT-H peaks,
-where the peak is not in the step, agree within 3.9 %: ``bench/published.py``), and Inductor's CPU
+where the peak is not in the step, agree within 1.0 %: ``bench/published.py``), and Inductor's CPU
 choices may change with the thread count. ``amsgrad`` and ``bf16_stochastic_round``
 (off in memfit's optimizers) add buffers not modelled here. Written by hand because nothing in torch
 or torchao says what a compiled kernel will allocate without compiling and running it.
