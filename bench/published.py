@@ -24,7 +24,8 @@ the refusal, and left out of the medians.
 
 Written by hand (no library compares an estimator with published tables). The two loss functions
 below restate what torchtune's recipes and LitGPT's ``finetune/lora.py`` compute, because the
-Hugging Face ``model(**batch).loss`` upcasts the whole logits to fp32 and they do not.
+Hugging Face ``model(**batch).loss`` upcasts the whole logits to fp32 and they do not; for the 2022
+Hugging Face rows, torch 1.10's softmax autograd (it saved its input) is restated the same way.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def litgpt_loss(chunk_tokens: int):
 class _SoftmaxKeepsInput(torch.autograd.Function):
     """torch 1.10's softmax autograd, for the 2022 rows: its backward formula named ``self`` (only for
     double backward), so the input stayed saved with the output (pytorch/pytorch#64000, #49600; the fix,
-    #65242, came after 1.10's branch cut). Under autocast the input kept is autocast's fp32 copy (softmax
+    #65242, relanded as #66018 on 2021-10-01, is first in 1.11 as far as found). Under autocast the input kept is autocast's fp32 copy (softmax
     is on autocast's fp32 list). The values are torch's own; only what is saved differs from today's."""
 
     @staticmethod
