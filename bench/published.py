@@ -262,7 +262,7 @@ def estimate_row(row) -> dict:
         with patch:
             report = memfit.estimate(model, batch, recipe=Recipe(**recipe), gpu=row["gpu"],
                                      batch_size=row["batch_size"], seq_len=row.get("seq_len"), **kwargs)
-    except Exception as err:  # noqa: BLE001 a row that cannot run yet is reported, not fatal
+    except Exception:  # noqa: BLE001 a row that cannot run yet is reported, not fatal
         if recipe.get("optimizer") != "adamw4bit":
             raise
         missing.append("adamw4bit on fake tensors")  # 8-bit stands in: twice the 4-bit state
