@@ -4,12 +4,15 @@
     python bench/published.py --rows tt-8b-full-4090,hf-bert-vanilla   # a few (merged into the file)
     python bench/published.py --json             # the result as JSON on stdout
     python bench/published.py --markdown         # the README table, from the results file (no estimates)
+    python bench/published.py --variants         # the undiagnosed rows under the other readings of their
+                                                 # source (VARIANTS) -> results/published-variants.json
 
 The rows (``bench/published_rows.py``) quote torchtune's README tables, torchao's optimizer
 benchmarks, the Hugging Face single-GPU training guide and LitGPT's resource tables: each names its
 source, commit and row, the run's settings, and what was measured. memfit's figure of the same kind
 is compared: ``active`` / ``allocated`` with ``peak_bytes``, ``reserved`` with ``reserved_bytes``,
-``nvidia-smi`` with ``device_bytes`` (reserved + the catalog's CUDA context). This is the only
+``nvidia-smi`` with ``device_bytes`` (reserved + the catalog's CUDA context; reserved + the
+context the source measured, where it did: ``published_context_mib``). This is the only
 independent truth a CPU-only machine has for whole recipes at full size; the figures were taken by
 other people on other software versions, so a row's error mixes memfit's error with version drift.
 
@@ -365,12 +368,42 @@ def _commit() -> str:
         return "unknown"
 
 
+#: a row not diagnosed -> the other readings of its source, each (label, Recipe fields changed): run by
+#: ``--variants`` to show which reading none of them is (README, "Why rows miss")
+VARIANTS = {"tt-3b-adamw8bit": [
+    ("torchao AdamW8bit", {"optimizer": "ao_adamw8bit"}),
+    ("bitsandbytes PagedAdamW8bit (the config's default)", {"optimizer": "paged_adamw8bit"}),
+    ("AdamW8bit, no optimizer-in-backward", {"optimizer_in_backward": False}),
+    ("PagedAdamW8bit, no optimizer-in-backward", {"optimizer": "paged_adamw8bit", "optimizer_in_backward": False})]}
+VARIANT_RESULTS = os.path.join(HERE, "results", "published-variants.json")
+
+
+def variants() -> list[dict]:
+    by_id, out = {r["id"]: r for r in ROWS}, []
+    for row_id, changes in VARIANTS.items():
+        for label, fields_changed in [("as mapped", {})] + changes:
+            row = dict(by_id[row_id], recipe=dict(by_id[row_id]["recipe"], **fields_changed))
+            result = estimate_row(row)
+            out.append({"id": row_id, "variant": label, "recipe": result["recipe"], "error": result["error"],
+                        "estimate_bytes": result["estimate_bytes"], "published_bytes": result["published_bytes"]})
+            print(f"{row_id:18} {label:52} {result['error']:+.1%}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", help="comma-separated row ids (merged into the results file)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the README table from the results file")
+    parser.add_argument("--variants", action="store_true", help="estimate the undiagnosed rows' other readings")
     args = parser.parse_args()
+    if args.variants:
+        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "memfit_commit": _commit(), "torch": torch.__version__, "variants": variants()}
+        with open(VARIANT_RESULTS, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {VARIANT_RESULTS}")
+        return
     if args.markdown:
         with open(RESULTS) as f:
             print(markdown(json.load(f)))
