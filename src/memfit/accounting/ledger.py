@@ -34,13 +34,20 @@ from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
 from memfit.categories import PRIORITY, Category
 from memfit.scoped import patched, rng_hop_rules
 
-__all__ = ["Ledger", "Record", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED", "OUTSIDE", "storage_events", "managed_peak"]
+__all__ = ["Ledger", "Record", "plain", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED", "OUTSIDE", "storage_events", "managed_peak"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
 # What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule, and of one
 # of managed memory (no device bytes of the allocator).
 RENAME, KEPT, MANAGED = 4, 5, 6
 _BORN = {torch.ops.aten.lift_fresh.default}
+try:  # a build without torch.distributed has no DTensor
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
+# Collectives and FSDP2's copy-in/out ops: no kernel scratch to replay (they cannot run alone);
+# a backend's own copies are ``distributed/backend.py``'s rule.
+_NOT_PROBED = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
 _MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
@@ -86,6 +93,8 @@ class Site:
 def _probe_worthy(func, tensors) -> bool:
     """Ops whose CPU kernels were seen allocating internally (see TORCH-FACTS.md), and every
     custom op (bitsandbytes, torchao): their kernels are opaque to a dispatch-level trace."""
+    if func.namespace in _NOT_PROBED:
+        return False
     if func.namespace not in ("aten", "prim", "prims"):
         return True
     name = func.__name__
@@ -133,6 +142,11 @@ class Ledger(TorchDispatchMode):
         self.prime: int | None = None  # the batch has this prime number of rows (the planner)
         self.counter = None  # an ``ops.OpCounter`` while one is attached (the planner)
         self.on_phase = None  # called with no arguments as each phase begins (a progress bar)
+        # ``UntypedStorage.resize_`` frees and re-allocates a storage that lives on (FSDP2's unsharded
+        # parameters: ``free_storage`` / ``alloc_storage``): each allocation is a record of its own.
+        # ``_current``: the record a storage's first record stands for now (None: resized to nothing).
+        self._current: dict[int, int | None] = {}
+        self._first: dict[int, int] = {}
 
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:
@@ -146,12 +160,31 @@ class Ledger(TorchDispatchMode):
 
     def register(self, tensor: torch.Tensor, category: Category) -> None:
         """Account a storage that exists before the step (parameters, buffers, the batch)."""
-        index = self._track(tensor.untyped_storage(), category)
-        if index is not None:
-            self.records[index].owner = self._modules.owner_of(tensor)
-            if self.prime:
-                self.records[index].scaled = _scaled_bytes(tensor, self.prime)
-            self.mark(tensor, category)
+        owner = self._modules.owner_of(tensor)
+        for local in plain(tensor):
+            index = self._track(local.untyped_storage(), category)
+            if index is not None:
+                self.records[index].owner = owner
+                if self.prime:
+                    self.records[index].scaled = _scaled_bytes(local, self.prime)
+                self.mark(local, category)
+
+    def settle(self) -> None:
+        """What ran so far built the model (FSDP2 sharding it): the step starts from what is live now.
+
+        The events so far are replaced by one allocation of each storage still live, so the peak,
+        the phases and the timeline are of the step, not of the construction. Called by a technique
+        whose ``apply`` rebuilds the parameters (``techniques/parallel.py``)."""
+        live: dict[int, None] = {}
+        for kind, index in self.events:
+            if kind == ALLOC:
+                live[index] = None
+            elif kind == FREE:
+                live.pop(index, None)
+        for index in live:
+            self.records[index].phase, self.records[index].step = "setup", -1
+        self.events = [(ALLOC, index) for index in live]
+        self.marks, self.sites = [], []
 
     @property
     def blocks(self) -> list[str]:
@@ -176,11 +209,12 @@ class Ledger(TorchDispatchMode):
         """Give ``tensor``'s storage a stronger role, if it is tracked."""
         if torch.compiler.is_compiling():  # dynamo traces saved-tensor hooks: no graph break for memfit
             return
-        index = self._ids.get(tensor.untyped_storage())
-        if index is not None:
-            record = self.records[index]
-            if PRIORITY[category] > PRIORITY[record.category]:
-                record.category = category
+        for local in plain(tensor):
+            index = self._ids.get(local.untyped_storage())
+            if index is not None:
+                record = self.records[index]
+                if PRIORITY[category] > PRIORITY[record.category]:
+                    record.category = category
 
     def manage(self, tensors) -> None:
         """``tensors`` (one parameter's state buffers) live in CUDA managed memory, outside the
@@ -208,6 +242,16 @@ class Ledger(TorchDispatchMode):
         # the mode is pushed (``memfit.scoped``): undone on exit, and on a failed enter.
         with contextlib.ExitStack() as scope:
             scope.enter_context(self._modules)
+            resize = torch.UntypedStorage.resize_
+
+            def tracked_resize(storage, size):
+                before = storage.nbytes()
+                out = resize(storage, size)
+                if storage.nbytes() != before:
+                    self._resized(storage)
+                return out
+
+            scope.enter_context(patched(torch.UntypedStorage, "resize_", tracked_resize))
             self._rng_state = torch.get_rng_state
             if self.cublas_workspace is None:
                 scope.enter_context(patched(torch, "get_rng_state", self._tracked_rng_state))
@@ -254,9 +298,32 @@ class Ledger(TorchDispatchMode):
         return index
 
     def _free(self, index: int) -> None:
-        if self._open:
-            self.events.append((FREE, index))
-            self.records[index].freed_in = self._module()
+        current = self._current.get(index, index)
+        if self._open and current is not None:
+            self.events.append((FREE, current))
+            self.records[current].freed_in = self._module()
+
+    def _resized(self, storage) -> None:
+        """``storage`` was resized in place: its old bytes are freed, its new bytes (if any) allocated."""
+        if not self._open or torch.compiler.is_compiling():
+            return
+        index = self._ids.get(storage)
+        if index is None:
+            if storage.nbytes():
+                self._track(storage, Category.TEMPORARIES)
+            return
+        first = self._first.get(index, index)
+        category = self.records[index].category
+        if self._current.get(first, first) is not None:
+            self._free(first)
+        if not storage.nbytes():
+            self._current[first] = None
+            return
+        new = len(self.records)
+        self.records.append(Record(storage.nbytes(), category, self.phase, self.step, self._module()))
+        self.events.append((ALLOC, new))
+        self._ids[storage] = new
+        self._current[first], self._first[new] = new, first
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -273,7 +340,7 @@ class Ledger(TorchDispatchMode):
         born = func in _BORN  # torch.tensor(data) enters through lift_fresh, annotated as an alias
         for position, value in enumerate(flat_out):
             fresh = born or position >= len(returns) or returns[position].alias_info is None
-            for tensor in _tensors(value):
+            for tensor in (local for t in _tensors(value) for local in plain(t)):
                 storage = tensor.untyped_storage()
                 if fresh:
                     index = self._track(storage, Category.TEMPORARIES)
@@ -369,6 +436,15 @@ class Ledger(TorchDispatchMode):
                     out_records, out_metas)
         self.sites.append(site)
         self.events.append((SPIKE, len(self.sites) - 1))
+
+
+def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s memory: itself, or for a ``DTensor`` (FSDP2's
+    parameters, gradients and optimizer state) its local tensor, whose storage the allocator saw. An op on a wrapper runs its inner ops below this
+    mode; their outputs are seen here, inside the wrapper the op returns."""
+    if not (_DTensor is not None and isinstance(tensor, _DTensor)):
+        return [tensor]
+    return plain(tensor._local_tensor)
 
 
 def storage_events(ledger):

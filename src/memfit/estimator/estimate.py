@@ -30,7 +30,8 @@ FAST_MIN_DEPTH = 8
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
-             moe_routing: str = "balanced", budget=None, progress=None, lengths=None, packed: bool = False) -> Report:
+             moe_routing: str = "balanced", budget=None, progress=None, lengths=None, packed: bool = False,
+             gpus: int | None = None, nodes: int | None = None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -72,13 +73,23 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     packed     documents concatenated into rows of ``seq_len`` tokens with per-document attention
                (``position_ids`` restarting per document, ``use_cache=False``: transformers' block-causal
                mask); without ``lengths`` every row holds two documents.
+    gpus       GPUs per node of a data-parallel run (``recipe.parallel`` ddp or fsdp), ``nodes`` the
+               nodes (default 1). The step is one rank's, run by FSDP2 / DDP themselves under PyTorch's
+               fake process group (``distributed/world.py``); ``batch_size`` is still the examples of one
+               optimizer step, over all ranks: each rank's is batch_size / (gpus x nodes). The report is
+               the rank with the highest peak; ``report.ranks`` holds each distinct rank's.
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
+    world = _world(recipe, gpus, nodes)
     target = resolve_target(device, gpu)
     check_gpu(recipe.precision, target)
     budget = _budget(budget, target)
-    batch_size = step_batch(batch_size, recipe)
+    batch_size = step_batch(batch_size, recipe, world.size if world else 1)
+    if world is not None:
+        return _estimate_ranks(model, batch, world, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
+                               batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast,
+                               progress=progress, moe_routing=moe_routing, lengths=lengths, packed=packed)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     shapes = [None]
     if lengths is not None or packed:
@@ -104,6 +115,56 @@ def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False,
         if name in kwargs:
             raise MemfitError(f"estimate_micro_batch takes the shape as rows and length: drop {name}=")
     return estimate(model, lengths=direct(rows, length, packed, ragged), **kwargs)
+
+
+def _world(recipe: Recipe, gpus, nodes):
+    """The ``World`` of a data-parallel estimate, or None for one device; mismatches are one error."""
+    from memfit.distributed.world import World, world_of
+
+    world = world_of(gpus, nodes)
+    if recipe.parallel == "none":
+        if world is not None and world.size > 1:
+            raise MemfitError(f"gpus={world.size} needs a way to use them: parallel=ddp or parallel=fsdp "
+                              "(--parallel fsdp)")
+        return None
+    return world or World()
+
+
+def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengths, packed, fast, **kwargs) -> Report:
+    """One rank's estimate under the fake process group: rank 0, then the last rank when a parameter
+    does not split evenly (its shards, and the optimizer state on them, are smaller). The report is
+    the rank with the highest peak; ``ranks`` lists each."""
+    from memfit.distributed.world import fake_world
+
+    if lengths is not None or packed:
+        raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
+    if fast:
+        raise MemfitError("fast=True and parallel conflict: per-rank estimates are traced in full for now; "
+                          "leave fast unset")
+    source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
+    reports, rank = [], 0
+    while True:
+        with fake_world(world, rank) as place:
+            tick = _ticker(progress, phases(recipe, kwargs["steps"]))
+            report = _estimate(source, batch, recipe=recipe, fast=False, tick=tick, layout=None, **kwargs)
+            reports.append((rank, report))
+            uneven = place.notes.get("uneven")
+        if not uneven or rank == world.size - 1:
+            break
+        rank = world.size - 1
+    top_rank, top = max(reports, key=lambda pair: (pair[1].device_bytes, pair[1].peak_bytes))
+    ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes,
+              "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
+    notes = [f"rank {top_rank} of {world.describe()} ({recipe.parallel}): one rank's step under PyTorch's fake "
+             "process group; collectives move no data and take no time"]
+    if recipe.parallel == "fsdp":
+        notes.append("construction: built on the meta device, sharded, then materialised (to_empty), as torchtitan "
+                     "does; a rank never holds the whole model")
+    if uneven:
+        notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
+    info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel,
+            "rank": top_rank, "construction": "meta" if recipe.parallel == "fsdp" else "replicated"}
+    return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes)
 
 
 def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_size: int, seq_len):
@@ -223,9 +284,15 @@ MAX_STEPS = 64
 MAX_SEQ = 1 << 24
 
 
-def step_batch(batch_size: int | None, recipe: Recipe) -> int:
-    """Examples per optimizer step. The rule: batch_size = micro_batch_size x grad_accum_steps when
-    the recipe sets a micro-batch; a batch_size that disagrees is an error naming the fix."""
+def step_batch(batch_size: int | None, recipe: Recipe, ranks: int = 1) -> int:
+    """Examples per optimizer step of one rank. The rule: batch_size (over all ``ranks``) =
+    ranks x micro_batch_size x grad_accum_steps when the recipe sets a micro-batch; a batch_size that
+    disagrees, or that the ranks do not divide, is an error naming the fix."""
+    if ranks > 1 and batch_size is not None:
+        if batch_size % ranks:
+            raise MemfitError(f"batch_size={batch_size} does not divide over {ranks} GPUs: batch_size is the examples "
+                              f"of one optimizer step over all ranks; use a multiple of {ranks}")
+        return step_batch(batch_size // ranks, recipe)
     if not recipe.micro_batch_size:
         return batch_size or 1
     per_step = recipe.micro_batch_size * recipe.grad_accum_steps

@@ -75,6 +75,13 @@ class Report:
     micro_batch     rows, length (padded length or pack size), packed, ragged (padding, or a row of two
                     or more documents: transformers builds a 4-D mask), index (0-based, in the order given),
                     count (micro-batches the lengths make) and tokens (real tokens in it).
+
+    With ``gpus=`` (``parallel=ddp`` or ``fsdp``: ``techniques/parallel.py``) the numbers are one rank's,
+    the rank with the highest peak (the one that runs out first):
+    world           gpus (per node), nodes, size, parallel, rank (whose report this is), and how the model
+                    was assumed built (construction).
+    ranks           each distinct rank traced: rank, peak_bytes, by_category, phase_peaks (rank 0, and the
+                    last rank when a parameter does not split evenly).
     """
 
     peak_bytes: int
@@ -105,6 +112,8 @@ class Report:
     managed_resident_bytes: int | None = None
     paged_bytes: int | None = None
     micro_batch: dict | None = None
+    world: dict | None = None
+    ranks: list | None = None
 
     @property
     def device_bytes(self) -> int:

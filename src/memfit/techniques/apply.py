@@ -52,6 +52,9 @@ class _Quiet:
     def manage(self, tensors):
         pass
 
+    def settle(self):
+        pass
+
 
 def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=None, loss_fn=None, watch=None):
     """Apply ``recipe`` to ``model`` (in place); returns ``(model, optimizer, step)``.
@@ -84,6 +87,7 @@ class _Step:
         self.contexts, self.pack = list(build.forward_contexts), list(build.pack)
         self.split = build.split or (lambda batch: [batch])
         self.set_to_none = build.set_to_none
+        self.before_micro = list(build.before_micro)
         self.stepper = build.wrap_step(opt) if build.wrap_step is not None else None  # safe_step's SafeStep
         self.count = 0
         self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
@@ -132,7 +136,9 @@ class _Step:
         index = self.count
         weights = token_weights(self.model, micro) if len(micro) > 1 else [None]
         total = None
-        for part, weight in zip(micro, weights):
+        for number, (part, weight) in enumerate(zip(micro, weights)):
+            for hook in self.before_micro:  # gradient sync only on the last micro-batch (parallel.py)
+                hook(self.model, number == len(micro) - 1)
             self.watch.begin("forward", index)
             loss = self._forward(part)
             check_loss(loss)

@@ -97,6 +97,7 @@ class Build:
     split: Callable | None = None  # batch -> micro-batches (None: the batch is one micro-batch)
     set_to_none: bool = True  # zero_grad frees the gradients (True) or zeroes them in place
     wrap_step: Callable | None = None  # optimizer -> the callable the step runs instead of optimizer.step
+    before_micro: list = field(default_factory=list)  # (model, last: bool) -> None, before each micro-batch
 
 
 @dataclass(frozen=True)

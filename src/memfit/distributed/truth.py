@@ -1,0 +1,209 @@
+"""Independent truth for one rank: a real data-parallel step under ``torchrun``, graded by the CPU
+allocator's own events.
+
+Run as ``torchrun --nproc_per_node N -m memfit.distributed.truth --case JSON --out DIR``; each rank
+writes ``DIR/rank<r>.json`` with the highest bytes its allocator held during the steps. The model is
+built for real on the host (random weights), the recipe applied by ``memfit.apply`` (FSDP2 shards it,
+DDP wraps it: the same code the estimate runs on fake tensors), and the steps run on real tensors
+over gloo. ``torch.profiler`` (``profile_memory``) records every allocation and free from before the
+model exists, so what was live when the steps began needs no bookkeeping of memfit's own; the figure
+is the highest running total during the steps. ``launch`` runs it from Python (the tests, bench/).
+
+gloo, not NCCL: its collectives copy through buffers of their own on worker threads (a full-size
+copy per all-gather and reduce-scatter); those threads' allocations are left out (``main_thread``
+below), as NCCL's buffers are outside the caching allocator on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["launch", "main"]
+
+
+NAMES: dict = {}
+# Profiler events of a collective: allocations under them are the backend's own staging copies.
+_BACKEND = ("c10d::", "gloo:", "record_param_comms")
+
+
+def _events(prof):
+    """(start ns, signed bytes, thread, pointer) of every allocation and free, in time order; the
+    thread is -1 for what a collective allocated inside its own op (gloo's staging copies)."""
+    from torch._C._profiler import _EventType
+
+    found, marks = [], {}
+
+    def walk(node, parent="", backend=False):
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.alloc_size, -1 if backend else node.start_tid, fields.ptr))
+            if os.environ.get("MEMFIT_TRUTH_DUMP"):
+                NAMES[len(found) - 1] = parent
+            return
+        backend = backend or node.name.startswith(_BACKEND)
+        if node.name.startswith("memfit::"):
+            marks[node.name] = (node.start_time_ns, node.start_tid)
+        for child in node.children:
+            walk(child, node.name, backend)
+
+    for event in prof.profiler.kineto_results.experimental_event_tree():
+        walk(event)
+    if os.environ.get("MEMFIT_TRUTH_DUMP"):
+        order = sorted(range(len(found)), key=lambda i: found[i][0])
+        Path(os.environ["MEMFIT_TRUTH_DUMP"] + f".{os.environ.get('RANK')}").write_text(json.dumps(
+            [(found[i][1], NAMES.get(i, ""), found[i][2]) for i in order]))
+    found.sort(key=lambda item: item[0])
+    return found, marks
+
+
+def main_thread(events, thread: int):
+    """The events of ``thread``, and frees of what it allocated wherever they happened: allocations
+    a backend's worker threads make for themselves (and their frees) are dropped."""
+    own, kept = set(), []
+    for start, size, tid, ptr in events:
+        if size > 0:
+            if tid != thread:
+                continue
+            own.add(ptr)
+        elif ptr not in own:
+            continue
+        else:
+            own.discard(ptr)
+        kept.append((start, size))
+    return kept
+
+
+def _settled(collective):
+    """``collective`` that returns only once gloo's worker thread has dropped its references to the
+    tensors it was given: gloo's ``wait()`` returns while the worker still holds them (seen: a
+    storage's use count 5 after ``all_gather_single`` returned, 3 a moment later), so their free came
+    at a random point of the main thread's step and its peak varied run to run by a unit's size."""
+    import time
+
+    import torch
+
+    def count(tensor):
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+    def call(*args, **kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        before = [count(t) for t in tensors]
+        out = collective(*args, **kwargs)
+        deadline = time.monotonic() + 5
+        while any(count(t) > b for t, b in zip(tensors, before)) and time.monotonic() < deadline:
+            time.sleep(0)
+        return out
+
+    return call
+
+
+class _Phases:
+    """A watch for ``apply`` that marks each phase in the profile (``memfit::forward:0``) and labels
+    nothing: the truth's only bookkeeping is where each phase begins."""
+
+    def begin(self, phase, step):
+        import torch
+
+        with torch.profiler.record_function(f"memfit::{phase}:{step}"):
+            pass
+
+    def mark(self, tensor, category):
+        pass
+
+    def manage(self, tensors):
+        pass
+
+    def settle(self):
+        pass
+
+
+def _run(case: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from memfit.distributed.world import real_world
+    from memfit.models.source import resolve
+    from memfit.scoped import quiet_profiler
+    from memfit.techniques.apply import apply
+    from memfit.techniques.recipe import Recipe
+
+    torch.set_num_threads(1)
+    for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "all_reduce"):
+        setattr(dist, name, _settled(getattr(dist, name)))
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    recipe = Recipe.from_dict(case.get("recipe", {}))
+    source = resolve(case["model"])
+    per_rank = case["batch_size"] // size
+    gc.collect()
+    try:
+        with real_world(case.get("gpus_per_node")), quiet_profiler(), \
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            torch.manual_seed(0)
+            model = source.build()
+            if recipe.precision == "bf16":
+                model.to(torch.bfloat16)
+            torch.manual_seed(1 + rank)
+            batch = source.make_batch(per_rank, case.get("seq_len"), None)
+            model, _, step = apply(model, recipe, watch=_Phases())
+            gc.collect()
+            with record_function("memfit::steps"):
+                pass
+            for _ in range(case.get("steps", 2)):
+                step(batch)
+            with record_function("memfit::end"):
+                pass
+        events, marks = _events(prof)
+    finally:
+        dist.destroy_process_group()
+    (start, thread), (end, _) = marks.pop("memfit::steps"), marks.pop("memfit::end")
+    phases = sorted((when, name.split("::")[1]) for name, (when, _) in marks.items())
+    live, peak, before, phase_peaks, where = 0, 0, None, {}, 0
+    for when, nbytes in main_thread(events, thread):
+        if when >= start and before is None:
+            before = peak = live
+        while where < len(phases) and phases[where][0] <= when:
+            where += 1
+        live += nbytes
+        if before is not None and when <= end:
+            peak = max(peak, live)
+            if where:
+                name = phases[where - 1][1]
+                phase_peaks[name] = max(phase_peaks.get(name, 0), live)
+    return {"rank": rank, "world_size": size, "peak_bytes": peak, "live_at_start": before or live,
+            "phase_peaks": phase_peaks}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True, help="JSON: model, recipe, batch_size, seq_len, steps")
+    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
+    args = parser.parse_args(argv)
+    result = _run(json.loads(args.case))
+    Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
+    return 0
+
+
+def launch(case: dict, nproc: int, timeout: float = 600) -> list[dict]:
+    """Run ``case`` under ``torchrun --nproc_per_node nproc`` on this machine; each rank's result."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   "-m", "memfit.distributed.truth", "--case", json.dumps(case), "--out", out]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        if done.returncode:
+            raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

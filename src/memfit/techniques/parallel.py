@@ -1,0 +1,173 @@
+"""Data parallelism: PyTorch's FSDP2 (``fully_shard``) or DDP over the ranks of a ``World``.
+
+``parallel=fsdp`` shards every repeated block with ``fully_shard``, then the root, as torchtitan
+and torchtune wrap. Each rank keeps 1/N of the parameters, their gradients and the optimizer state;
+a unit's full parameters exist only between its all-gather and its reshard. Memory per rank: the
+shards, plus the unsharded parameters of the running unit (and the one prefetched), plus the
+unsharded gradients of a unit until its reduce-scatter. ``reshard_after_forward``: ``true`` frees a
+unit's full parameters after its forward and gathers them again in backward (ZeRO-3-like); ``false``
+keeps them from forward to backward (ZeRO-2-like: no second all-gather, more memory); an integer N
+reshards to groups of N ranks (FSDP2's partial resharding). ``mixed_precision`` is FSDP2's
+``MixedPrecisionPolicy``: the all-gathered (compute) parameters in ``param`` dtype, gradients reduced
+in ``reduce`` dtype, the shards and optimizer state staying fp32. Across nodes the mesh is 2-D and
+the blocks are sharded within a node and replicated between nodes (HSDP).
+
+``parallel=ddp`` is ``DistributedDataParallel``: every rank holds the whole model and its
+optimizer state, plus the reducer's gradient buckets (one copy of the trainable parameters).
+
+With accumulation, ``sync_grads=last`` (default) skips the gradient reduction of every micro-batch
+but the last (``set_requires_gradient_sync(False)``; DDP's ``no_sync``): under FSDP2 each unit then
+keeps its unsharded gradients until the last micro-batch. ``every`` reduce-scatters after each one.
+
+The construction is not part of the step: the estimate assumes a model built on the meta device,
+sharded, then materialised (``to_empty``), as torchtitan does, so a rank never held the whole model.
+
+Does not combine with (yet, each one error): chunked_loss (its head runs outside the root's
+forward, on resharded weights), compile, qlora and 8/4-bit optimizers (bitsandbytes does not take
+DTensors), offload_optimizer and optimizer_in_backward.
+"""
+
+from __future__ import annotations
+
+import re
+
+from memfit.errors import MemfitError, shown
+from memfit.techniques.spec import Field, Technique
+
+__all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL"]
+
+PARALLEL = ("none", "ddp", "fsdp")
+_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def reshard_value(value) -> bool | int:
+    """``reshard_after_forward`` as FSDP2 takes it: True, False or a group size >= 2."""
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    if re.fullmatch(r"[0-9]{1,6}", text) and int(text) >= 2:
+        return int(text)
+    raise MemfitError(f"reshard_after_forward {shown(value)} not understood: use true (ZeRO-3-like), false "
+                      "(ZeRO-2-like) or a group size N >= 2 that divides the GPUs per node")
+
+
+def _check_reshard(value) -> None:
+    reshard_value(value)
+
+
+def mixed_dtypes(value) -> tuple | None:
+    """(param dtype, reduce dtype) names of a ``mixed_precision`` value; None for ``none``."""
+    text = str(value).strip().lower()
+    if text == "none":
+        return None
+    parts = text.split(":")
+    if len(parts) <= 2 and all(p in _DTYPES for p in parts) and parts[0] != "fp32":
+        return parts[0], parts[-1]
+    raise MemfitError(f"mixed_precision {shown(value)} not understood: use none, bf16, bf16:fp32 (compute "
+                      "dtype[:reduce dtype]), fp16 or fp16:fp32")
+
+
+def _check_mixed(value) -> None:
+    mixed_dtypes(value)
+
+
+_INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
+                 ("compile", lambda r: bool(r.compile)),
+                 ("offload_optimizer", lambda r: bool(r.offload_optimizer)),
+                 ("optimizer_in_backward", lambda r: bool(r.optimizer_in_backward)),
+                 ("lora", lambda r: str(r.lora).startswith("qlora")),
+                 ("optimizer", lambda r: any(k in str(r.optimizer) for k in ("8bit", "4bit", "paged"))))
+
+
+def _conflicts(recipe):
+    if recipe.parallel == "none":
+        for name in ("reshard_after_forward", "mixed_precision", "sync_grads"):
+            default = next(f.default for f in TECHNIQUE.fields if f.name == name)
+            if getattr(recipe, name) != default:
+                yield f"{name}={getattr(recipe, name)} needs parallel=fsdp (or ddp for sync_grads): set parallel"
+        return
+    for name, clashes in _INCOMPATIBLE:
+        if clashes(recipe):
+            yield (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit has not checked "
+                   f"that pair against real runs yet; drop {name}")
+    if recipe.parallel == "ddp":
+        for name in ("reshard_after_forward", "mixed_precision"):
+            default = next(f.default for f in TECHNIQUE.fields if f.name == name)
+            if getattr(recipe, name) != default:
+                yield f"parallel=ddp and {name}={getattr(recipe, name)} conflict: {name} is FSDP2's; use parallel=fsdp"
+    if mixed_dtypes(recipe.mixed_precision) and recipe.precision != "fp32":
+        yield (f"mixed_precision={recipe.mixed_precision} and precision={recipe.precision} conflict: FSDP2's policy "
+               "casts the gathered parameters itself; keep precision=fp32")
+
+
+def _apply(build) -> None:
+    recipe = build.recipe
+    if recipe.parallel == "none":
+        return
+    from memfit.distributed.world import placement
+
+    place = placement()
+    if recipe.parallel == "fsdp":
+        _shard(build, place)
+    else:
+        _replicate(build, place)
+    if recipe.grad_accum_steps > 1 and recipe.sync_grads == "last":
+        build.before_micro.append(_sync_last if recipe.parallel == "fsdp" else _ddp_sync_last)
+    build.watch.settle()  # construction (sharding, DDP's buckets) is before the step
+
+
+def _shard(build, place) -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from memfit.techniques.checkpointing import find_blocks
+
+    recipe, mesh = build.recipe, place.mesh
+    reshard = reshard_value(recipe.reshard_after_forward)
+    if isinstance(reshard, int) and not isinstance(reshard, bool) and place.world.gpus % reshard:
+        raise MemfitError(f"reshard_after_forward={reshard} does not divide the {place.world.gpus} GPUs per node: "
+                          "pick a divisor, or true / false")
+    dtypes = mixed_dtypes(recipe.mixed_precision)
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    policy = (MixedPrecisionPolicy(param_dtype=names[dtypes[0]], reduce_dtype=names[dtypes[1]]) if dtypes
+              else MixedPrecisionPolicy())
+    blocks = find_blocks(build.model)
+    uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % place.world.gpus), None)
+    if uneven is not None:
+        place.notes["uneven"] = uneven  # the last rank's shards are smaller: estimate.py traces it too
+    for _, block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
+    # backward (its backward comes first), as torchtitan and torchtune leave it.
+    fully_shard(build.model, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy)
+
+
+def _replicate(build, place) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    # DDP replicates over the whole world (the default group), across nodes too.
+    build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
+
+
+def _sync_last(model, last: bool) -> None:
+    model.set_requires_gradient_sync(last)
+
+
+def _ddp_sync_last(model, last: bool) -> None:
+    model.require_backward_grad_sync = last
+
+
+TECHNIQUE = Technique(
+    name="parallel",
+    fields=(Field("parallel", "none", "none | ddp | fsdp: data parallelism over --gpus (FSDP2 shards parameters, "
+                  "gradients and optimizer state 1/N per rank)", slot=120, choices=PARALLEL),
+            Field("reshard_after_forward", "true", "fsdp: true frees gathered parameters after forward (ZeRO-3), "
+                  "false keeps them to backward (ZeRO-2: more memory, one all-gather less), N: regather in "
+                  "groups of N", slot=121, check=_check_reshard),
+            Field("mixed_precision", "none", "fsdp: FSDP2 MixedPrecisionPolicy, compute[:reduce] dtype (bf16, "
+                  "bf16:fp32): gathered parameters and gradients in it, shards stay fp32", slot=122,
+                  check=_check_mixed),
+            Field("sync_grads", "last", "with accumulation: reduce gradients on the last micro-batch only "
+                  "(no_sync; fsdp keeps unsharded gradients meanwhile) or every one", slot=123,
+                  choices=("last", "every"))),
+    order=20, apply=_apply, conflicts=_conflicts, trace="none")
