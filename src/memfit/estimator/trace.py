@@ -52,12 +52,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
     ledger.prime = prime
     ledger.on_phase = tick
-    for param in list(model.parameters()) + quant_state_tensors(model):
-        ledger.register(param, Category.PARAMETERS)
-    for buf in model.buffers():
-        ledger.register(buf, Category.BUFFERS)
-    for tensor in batch_tensors(batch):
-        ledger.register(tensor, Category.BATCH)
+    _register(ledger, model, batch)
     counter = OpCounter(ledger, prime) if detail else contextlib.nullcontext()
     try:
         with ledger, counter, (cuda_semantics() if gpu is not None else contextlib.nullcontext()):
@@ -104,6 +99,17 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None),
         **cuda,
     ), result
+
+
+def _register(ledger, model, batch) -> None:
+    """What exists before the step. A function of its own: a loop variable left in ``trace``'s frame
+    would keep the last parameter alive after FSDP2 replaced it with its shard."""
+    for param in list(model.parameters()) + quant_state_tensors(model):
+        ledger.register(param, Category.PARAMETERS)
+    for buf in model.buffers():
+        ledger.register(buf, Category.BUFFERS)
+    for tensor in batch_tensors(batch):
+        ledger.register(tensor, Category.BATCH)
 
 
 def fold_peaks(peaks: dict, steps: int) -> dict:

@@ -29,6 +29,7 @@ DTensors), offload_optimizer and optimizer_in_backward.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from memfit.errors import MemfitError, shown
@@ -118,11 +119,9 @@ def _apply(build) -> None:
 
 def _shard(build, place) -> None:
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from memfit.techniques.checkpointing import find_blocks
-
-    recipe, mesh = build.recipe, place.mesh
+    recipe = build.recipe
     reshard = reshard_value(recipe.reshard_after_forward)
     if isinstance(reshard, int) and not isinstance(reshard, bool) and place.world.gpus % reshard:
         raise MemfitError(f"reshard_after_forward={reshard} does not divide the {place.world.gpus} GPUs per node: "
@@ -131,6 +130,16 @@ def _shard(build, place) -> None:
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     policy = (MixedPrecisionPolicy(param_dtype=names[dtypes[0]], reduce_dtype=names[dtypes[1]]) if dtypes
               else MixedPrecisionPolicy())
+    with _mesh_outside_fake():
+        _fully_shard(build, place, reshard, policy)
+
+
+def _fully_shard(build, place, reshard, policy) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from memfit.techniques.checkpointing import find_blocks
+
+    mesh = place.mesh
     blocks = find_blocks(build.model)
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % place.world.gpus), None)
     if uneven is not None:
@@ -142,11 +151,63 @@ def _shard(build, place) -> None:
     fully_shard(build.model, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy)
 
 
+@contextlib.contextmanager
+def _mesh_outside_fake():
+    """FSDP2 makes the smaller mesh of a partial reshard (``reshard_after_forward=N``) inside
+    ``fully_shard``, from the mesh's rank tensor: under ``FakeTensorMode`` that real tensor is
+    refused, so that one function runs with the fake mode lifted (it allocates no parameter)."""
+    import torch.distributed.fsdp._fully_shard._fully_shard as module
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from memfit.scoped import patched
+
+    made = getattr(module, "_get_post_forward_mesh_info", None)
+    if made is None:  # another torch: nothing to lift
+        yield
+        return
+
+    def outside(*args, **kwargs):
+        with unset_fake_temporarily():
+            return made(*args, **kwargs)
+
+    with patched(module, "_get_post_forward_mesh_info", outside):
+        yield
+
+
 def _replicate(build, place) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     # DDP replicates over the whole world (the default group), across nodes too.
     build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
+    if place.fake:  # the fake group's all-reduce completes with no value; DDP's reducer wants its bucket back
+        build.model.register_comm_hook(None, _bucket_back)
+        build.model.reducer = _NoRebuild(build.model.reducer)
+
+
+class _NoRebuild:
+    """DDP's reducer, less the bucket rebuild at the second step's forward: the rebuild reads a
+    gradient's data pointer, which a fake tensor has not. It frees the old buckets before making
+    the new ones (``Reducer::initialize_buckets``), the same bytes in the order gradients became
+    ready, so the memory of the step does not change."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+def _bucket_back(_state, bucket):
+    """A DDP comm hook for the fake process group: the bucket reduced in place, as the built-in
+    all-reduce hook leaves it (no memory of its own)."""
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _sync_last(model, last: bool) -> None:

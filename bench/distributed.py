@@ -1,0 +1,101 @@
+"""Per-rank estimates of data-parallel steps against real ``torchrun`` runs on this CPU (gloo).
+
+Each case runs for real under ``torchrun --nproc_per_node N`` (``memfit.distributed.truth``: every
+rank's peak from its own CPU allocator events) and is estimated by ``memfit.estimate(..., gpus=N)``
+under PyTorch's fake process group. Prints one row per case and rank and writes
+``bench/results/distributed-cpu.json``.
+
+    python bench/distributed.py [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import memfit
+from memfit.distributed.truth import launch
+from memfit.techniques.recipe import Recipe
+
+HERE = Path(__file__).parent
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+UNEVEN = dict(TINY, vocab_size=1001, tie_word_embeddings=False, intermediate_size=350)
+
+# (name, config, ranks, recipe, batch over all ranks, nodes)
+CASES = [
+    ("fsdp", TINY, 2, {"parallel": "fsdp"}, 4, 1),
+    ("fsdp-zero2", TINY, 2, {"parallel": "fsdp", "reshard_after_forward": "false"}, 4, 1),
+    ("ddp", TINY, 2, {"parallel": "ddp"}, 4, 1),
+    ("fsdp-bf16-policy", TINY, 2, {"parallel": "fsdp", "mixed_precision": "bf16:fp32"}, 4, 1),
+    ("fsdp-checkpointing", TINY, 2, {"parallel": "fsdp", "checkpointing": "blocks"}, 4, 1),
+    ("fsdp-accumulation", TINY, 2, {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
+    ("ddp-accumulation", TINY, 2, {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
+    ("fsdp-lora", TINY, 2, {"parallel": "fsdp", "lora": "lora:8"}, 4, 1),
+    ("fsdp-uneven", UNEVEN, 2, {"parallel": "fsdp"}, 4, 1),
+    ("fsdp-4", TINY, 4, {"parallel": "fsdp"}, 4, 1),
+    ("fsdp-uneven-4", UNEVEN, 4, {"parallel": "fsdp"}, 4, 1),
+    ("hsdp-2x2", TINY, 4, {"parallel": "fsdp"}, 4, 2),
+    ("fsdp-partial-reshard-4", TINY, 4, {"parallel": "fsdp", "reshard_after_forward": "2"}, 4, 1),
+]
+SEQ = 64
+
+
+def run_case(name, config, ranks, recipe, batch, nodes, folder) -> list[dict]:
+    path = Path(folder, name, "config.json")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(config))
+    gpus = ranks // nodes
+    case = {"model": str(path), "recipe": recipe, "batch_size": batch, "seq_len": SEQ, "steps": 2,
+            "gpus_per_node": gpus}
+    started = time.perf_counter()
+    report = memfit.estimate(str(path), batch_size=batch, seq_len=SEQ, recipe=Recipe.from_dict(recipe), gpus=gpus,
+                             nodes=nodes)
+    seconds = time.perf_counter() - started
+    estimated = {r["rank"]: r["peak_bytes"] for r in report.ranks}
+    rows = []
+    for truth in launch(case, ranks):
+        rank = truth["rank"]
+        # ranks the estimate did not trace hold what rank 0 holds (full shards)
+        estimate = estimated.get(rank, estimated[0] if rank != ranks - 1 else estimated[max(estimated)])
+        error = (estimate - truth["peak_bytes"]) / truth["peak_bytes"]
+        rows.append({"case": name, "ranks": ranks, "nodes": nodes, "rank": rank, "recipe": recipe,
+                     "true_bytes": truth["peak_bytes"], "estimated_bytes": estimate, "error": error,
+                     "estimate_seconds": round(seconds, 2)})
+        print(f"{name:24} rank {rank}/{ranks}  true {truth['peak_bytes']:>11,}  estimate {estimate:>11,}  "
+              f"{100 * error:+.3f}%", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="case names to run")
+    parser.add_argument("--out", default=str(HERE / "results" / "distributed-cpu.json"))
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, config, ranks, recipe, batch, nodes in CASES:
+            if args.only and name not in args.only:
+                continue
+            rows.extend(run_case(name, config, ranks, recipe, batch, nodes, folder))
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"{len(rows)} rank(s) of {len({r['case'] for r in rows})} case(s): worst |error| {100 * worst:.3f}%")
+    if not args.only:
+        Path(args.out).write_text(json.dumps({
+            "device": f"cpu ({platform.processor() or platform.machine()}), gloo", "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "seq_len": SEQ, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
