@@ -26,6 +26,14 @@ class Category(str, enum.Enum):
     TEMPORARIES      everything else the step allocates: intermediate results that are not saved,
                      gradients of activations, optimizer scratch, and kernel-internal scratch.
     BATCH            the input batch handed to the step.
+
+    Data-parallel steps (``techniques/parallel.py``) add three:
+    UNSHARDED_PARAMETERS   FSDP2's gathered (full) parameters of the units computing or prefetched;
+                           ``parameters`` are then the rank's shards.
+    UNSHARDED_GRADIENTS    gradients of gathered parameters, before their reduce-scatter;
+                           ``gradients`` are then the rank's sharded gradients.
+    COMMUNICATION          collective buffers: FSDP2's all-gather and reduce-scatter buffers, DDP's
+                           gradient buckets.
     """
 
     PARAMETERS = "parameters"
@@ -35,6 +43,9 @@ class Category(str, enum.Enum):
     ACTIVATIONS = "activations"
     TEMPORARIES = "temporaries"
     BATCH = "batch"
+    UNSHARDED_PARAMETERS = "unsharded_parameters"
+    UNSHARDED_GRADIENTS = "unsharded_gradients"
+    COMMUNICATION = "communication"
 
     def __str__(self) -> str:  # "optimizer_state" reads better than "Category.OPTIMIZER_STATE"
         return self.value
@@ -44,9 +55,12 @@ class Category(str, enum.Enum):
 # parameter, a gradient that autograd also saved stays a gradient.
 PRIORITY = {
     Category.PARAMETERS: 7,
+    Category.UNSHARDED_PARAMETERS: 6.5,
     Category.BUFFERS: 6,
     Category.BATCH: 5,
     Category.GRADIENTS: 4,
+    Category.UNSHARDED_GRADIENTS: 3.8,
+    Category.COMMUNICATION: 3.6,
     Category.OPTIMIZER_STATE: 3,
     Category.ACTIVATIONS: 2,
     Category.TEMPORARIES: 0,

@@ -147,6 +147,7 @@ class Ledger(TorchDispatchMode):
         # ``_current``: the record a storage's first record stands for now (None: resized to nothing).
         self._current: dict[int, int | None] = {}
         self._first: dict[int, int] = {}
+        self._chain: dict[int, list[int]] = {}  # first record -> every record of its storage
 
     # -- the step runner tells the ledger where it is --------------------------------------
     def begin(self, phase: str, step: int) -> None:
@@ -211,8 +212,11 @@ class Ledger(TorchDispatchMode):
             return
         for local in plain(tensor):
             index = self._ids.get(local.untyped_storage())
-            if index is not None:
-                record = self.records[index]
+            if index is None:
+                continue
+            # a storage resized in place (FSDP2) is a chain of records: the role is the storage's
+            for number in self._chain.get(self._first.get(index, index), (index,)):
+                record = self.records[number]
                 if PRIORITY[category] > PRIORITY[record.category]:
                     record.category = category
 
@@ -324,6 +328,7 @@ class Ledger(TorchDispatchMode):
         self.events.append((ALLOC, new))
         self._ids[storage] = new
         self._current[first], self._first[new] = new, first
+        self._chain.setdefault(first, [first]).append(new)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

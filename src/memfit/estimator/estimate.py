@@ -139,8 +139,8 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
     if fast:
-        raise MemfitError("fast=True and parallel conflict: per-rank estimates are traced in full for now; "
-                          "leave fast unset")
+        raise MemfitError("fast=True and parallel conflict: per-rank steps are traced in full (the depth fast path "
+                          "does not yet write out FSDP2's units); leave fast unset")
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     reports, rank = [], 0
     while True:

@@ -88,6 +88,7 @@ class _Step:
         self.split = build.split or (lambda batch: [batch])
         self.set_to_none = build.set_to_none
         self.before_micro = list(build.before_micro)
+        self.step_contexts = list(build.step_contexts)
         self.stepper = build.wrap_step(opt) if build.wrap_step is not None else None  # safe_step's SafeStep
         self.count = 0
         self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
@@ -125,8 +126,11 @@ class _Step:
 
     def __call__(self, batch):
         """One optimizer step over ``batch``, split as the recipe says."""
-        total = self.backward(self.split(batch))
-        self.update()
+        with contextlib.ExitStack() as stack:
+            for context in self.step_contexts:
+                stack.enter_context(context())
+            total = self.backward(self.split(batch))
+            self.update()
         return total
 
     def backward(self, micro: list):

@@ -112,6 +112,8 @@ def _apply(build) -> None:
         _shard(build, place)
     else:
         _replicate(build, place)
+    if recipe.parallel == "fsdp":
+        build.step_contexts.append(lambda: _fsdp_roles(build.watch))
     if recipe.grad_accum_steps > 1 and recipe.sync_grads == "last":
         build.before_micro.append(_sync_last if recipe.parallel == "fsdp" else _ddp_sync_last)
     build.watch.settle()  # construction (sharding, DDP's buckets) is before the step
@@ -174,13 +176,59 @@ def _mesh_outside_fake():
         yield
 
 
+@contextlib.contextmanager
+def _fsdp_roles(watch):
+    """Labels FSDP2's own tensors while a step runs: gathered parameters, gradients before their
+    reduce-scatter, and the all-gather / reduce-scatter buffers (``categories.py``). FSDP2 has no
+    hooks for these, so three of its private functions are wrapped for the step, as torch's own
+    ``FSDPMemTracker`` does; where a torch lacks one, its tensors stay temporaries (bytes unchanged)."""
+    from memfit.categories import Category
+    from memfit.scoped import patched
+
+    try:
+        import torch.distributed.fsdp._fully_shard._fsdp_param as param_module
+        import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_module
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    gather, reduce = getattr(group_module, "foreach_all_gather", None), getattr(group_module, "foreach_reduce", None)
+    init = getattr(getattr(param_module, "FSDPParam", None), "init_unsharded_param", None)
+    if gather is None or reduce is None or init is None:
+        yield
+        return
+
+    def all_gather(*args, **kwargs):
+        result = gather(*args, **kwargs)
+        if result is not None:
+            watch.mark(result[0], Category.COMMUNICATION)
+        return result
+
+    def reduce_scatter(fsdp_params, unsharded_grads, *args, **kwargs):
+        for grad in unsharded_grads:  # foreach_reduce empties the list
+            watch.mark(grad, Category.UNSHARDED_GRADIENTS)
+        result = reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+        watch.mark(result[0], Category.COMMUNICATION)
+        return result
+
+    def unsharded(self):
+        init(self)
+        for tensor in (getattr(self, "_unsharded_param", None), *getattr(self, "all_gather_outputs", ())):
+            if tensor is not None:
+                watch.mark(tensor, Category.UNSHARDED_PARAMETERS)
+
+    with patched(group_module, "foreach_all_gather", all_gather), \
+            patched(group_module, "foreach_reduce", reduce_scatter), \
+            patched(param_module.FSDPParam, "init_unsharded_param", unsharded):
+        yield
+
+
 def _replicate(build, place) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     # DDP replicates over the whole world (the default group), across nodes too.
     build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
     if place.fake:  # the fake group's all-reduce completes with no value; DDP's reducer wants its bucket back
-        build.model.register_comm_hook(None, _bucket_back)
+        build.model.register_comm_hook(build.watch, _bucket_back)
         build.model.reducer = _NoRebuild(build.model.reducer)
 
 
@@ -200,11 +248,14 @@ class _NoRebuild:
         return getattr(self._reducer, name)
 
 
-def _bucket_back(_state, bucket):
+def _bucket_back(watch, bucket):
     """A DDP comm hook for the fake process group: the bucket reduced in place, as the built-in
-    all-reduce hook leaves it (no memory of its own)."""
+    all-reduce hook leaves it (no memory of its own); labels the bucket."""
     import torch
 
+    from memfit.categories import Category
+
+    watch.mark(bucket.buffer(), Category.COMMUNICATION)
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future

@@ -98,6 +98,7 @@ class Build:
     set_to_none: bool = True  # zero_grad frees the gradients (True) or zeroes them in place
     wrap_step: Callable | None = None  # optimizer -> the callable the step runs instead of optimizer.step
     before_micro: list = field(default_factory=list)  # (model, last: bool) -> None, before each micro-batch
+    step_contexts: list = field(default_factory=list)  # () -> context manager, around each whole step
 
 
 @dataclass(frozen=True)
