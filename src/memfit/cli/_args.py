@@ -15,7 +15,7 @@ from memfit.errors import MemfitError
 from memfit.units import parse_size
 
 __all__ = ["size", "positive", "add_model", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
-           "add_batch", "add_loss", "add_out", "add_json", "recipe_flags", "recipe_from_args", "import_spec",
+           "add_batch", "add_world", "add_loss", "add_out", "add_json", "recipe_flags", "recipe_from_args", "import_spec",
            "progress", "check_out", "check_gpu_device"]
 
 SEQ_LEN_HELP = "tokens per example (default: the model's, at most 2048)"
@@ -64,6 +64,15 @@ def add_seq_len(parser) -> None:
 
 def add_recipe(parser) -> None:
     parser.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
+
+
+def add_world(parser) -> None:
+    """The cluster of a data-parallel run (``--parallel ddp|fsdp``): GPUs per node and nodes."""
+    parser.add_argument("--gpus", type=positive, default=None,
+                        help="GPUs per node of a data-parallel run (with --parallel ddp or fsdp); the report is one "
+                             "rank's, --batch-size stays the examples of one step over all ranks")
+    parser.add_argument("--nodes", type=positive, default=None,
+                        help="nodes of --gpus GPUs each (FSDP shards within a node and replicates between: HSDP)")
 
 
 def add_batch(parser, help: str) -> None:

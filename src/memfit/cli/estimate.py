@@ -16,6 +16,7 @@ def build(est) -> None:
     _args.add_seq_len(est)
     _args.add_recipe(est)
     _args.recipe_flags(est)
+    _args.add_world(est)
     est.add_argument("--steps", type=_args.positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
     _args.add_budget(est, help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the "
                      "card, as set_per_process_memory_fraction enforces it (default: the whole card)")
@@ -69,7 +70,7 @@ def run(args) -> int:
                           seq_len=args.seq_len, fast=False if args.full else None,
                           device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,
                           budget=args.budget if cuda else None, progress=update, lengths=args.lengths,
-                          packed=args.packed)
+                          packed=args.packed, gpus=args.gpus, nodes=args.nodes)
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:

@@ -55,7 +55,19 @@ def _events(prof):
 
     for event in prof.profiler.kineto_results.experimental_event_tree():
         walk(event)
-    if os.environ.get("MEMFIT_TRUTH_DUMP"):
+    if os.environ.get("MEMFIT_TRUTH_DUMP") and "memfit::steps" in marks:
+        start = marks["memfit::steps"][0]
+        live = {}
+        for i in sorted(range(len(found)), key=lambda i: found[i][0]):
+            when, size, tid, ptr = found[i]
+            if when >= start:
+                break
+            if size > 0:
+                live[ptr] = (size, NAMES.get(i, ""), tid)
+            else:
+                live.pop(ptr, None)
+        Path(os.environ["MEMFIT_TRUTH_DUMP"] + f".live.{os.environ.get('RANK')}").write_text(json.dumps(
+            sorted((v for v in live.values() if v[0] > 100000), reverse=True)))
         order = sorted(range(len(found)), key=lambda i: found[i][0])
         Path(os.environ["MEMFIT_TRUTH_DUMP"] + f".{os.environ.get('RANK')}").write_text(json.dumps(
             [(found[i][1], NAMES.get(i, ""), found[i][2]) for i in order]))
@@ -146,7 +158,9 @@ def _run(case: dict) -> dict:
     per_rank = case["batch_size"] // size
     gc.collect()
     try:
-        with real_world(case.get("gpus_per_node")), quiet_profiler(), \
+        # every rank builds the same weights (seed 0), so DDP's start-up broadcast is skipped: its
+        # coalesced copy of all parameters stays with a gloo worker thread until a random later time
+        with real_world(case.get("gpus_per_node"), init_sync=False), quiet_profiler(), \
                 profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.manual_seed(0)
             model = source.build()

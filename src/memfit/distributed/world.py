@@ -49,6 +49,7 @@ class Placement:
     mesh: object  # a torch DeviceMesh: 1-D (size,) or 2-D (nodes, gpus) named ("replicate", "shard")
     fake: bool  # under the fake process group (an estimate), or a real one
     notes: dict = field(default_factory=dict)  # what the step's techniques found ("uneven": a parameter's name)
+    init_sync: bool = True  # DDP broadcasts rank 0's parameters at construction (real runs)
 
 
 _CURRENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("memfit_placement", default=None)
@@ -91,8 +92,8 @@ def _mesh(world: World):
     return init_device_mesh("cpu", (world.nodes, world.gpus), mesh_dim_names=("replicate", "shard"))
 
 
-def _placement(world: World, rank: int, fake: bool) -> Placement:
-    return Placement(world, rank, _mesh(world), fake)
+def _placement(world: World, rank: int, fake: bool, init_sync: bool = True) -> Placement:
+    return Placement(world, rank, _mesh(world), fake, init_sync=init_sync)
 
 
 @contextlib.contextmanager
@@ -118,9 +119,10 @@ def fake_world(world: World, rank: int = 0):
 
 
 @contextlib.contextmanager
-def real_world(gpus_per_node: int | None = None):
+def real_world(gpus_per_node: int | None = None, init_sync: bool = True):
     """The initialised (real) process group as a ``Placement``, for the ``with`` block: a run under
-    ``torchrun``. ``gpus_per_node`` (default: the whole world on one node) makes the mesh 2-D."""
+    ``torchrun``. ``gpus_per_node`` (default: the whole world on one node) makes the mesh 2-D.
+    ``init_sync=False``: DDP skips its start-up broadcast (every rank built the same weights)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -129,7 +131,7 @@ def real_world(gpus_per_node: int | None = None):
     gpus = gpus_per_node or size
     if size % gpus:
         raise MemfitError(f"gpus_per_node={gpus} does not divide the world size {size}")
-    token = _CURRENT.set(_placement(World(gpus, size // gpus), dist.get_rank(), fake=False))
+    token = _CURRENT.set(_placement(World(gpus, size // gpus), dist.get_rank(), fake=False, init_sync=init_sync))
     try:
         yield _CURRENT.get()
     finally:

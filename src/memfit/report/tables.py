@@ -54,6 +54,11 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
     title = (f"{name}: {recipe.describe()}, {report.parameters / 1e9:.3f}B params "
              f"({report.method} on {report.device} semantics)")
     parts = [Text(title, style="bold")]
+    if report.world is not None:
+        w = report.world
+        cluster = f"{w['size']} GPU(s)" if w["nodes"] == 1 else f"{w['nodes']} nodes x {w['gpus']} GPUs"
+        parts.append(Text(f"per rank: {w['parallel']} over {cluster}; rank {w['rank']}'s step, the highest peak of "
+                          + ", ".join(f"rank {r['rank']} {format_size(r['device_bytes'])}" for r in report.ranks)))
     if not recipe.is_exact:
         parts.append(Text(f"changes the math: {', '.join(recipe.approximations)}", style="yellow"))
     parts += [_categories(report), _phases(report)]

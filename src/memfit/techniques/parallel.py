@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
@@ -226,7 +227,15 @@ def _replicate(build, place) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     # DDP replicates over the whole world (the default group), across nodes too.
-    build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
+    if not place.fake:
+        # torch's defaults, as a plain script has them (the start-up broadcast is construction)
+        build.model = DistributedDataParallel(build.model, init_sync=place.init_sync)
+        return
+    # On fake tensors DDP's start-up broadcast and per-forward buffer broadcast read data pointers:
+    # both are off here (a coalesced copy of the buffers per forward, small beside a step, goes unseen).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers' rename
+        build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
     if place.fake:  # the fake group's all-reduce completes with no value; DDP's reducer wants its bucket back
         build.model.register_comm_hook(build.watch, _bucket_back)
         build.model.reducer = _NoRebuild(build.model.reducer)

@@ -1,0 +1,156 @@
+"""Per-rank estimates of data-parallel steps (``techniques/parallel.py``) against real ``torchrun`` runs.
+
+The fast subset of ``bench/distributed.py``: 2 ranks over gloo on this CPU, each rank's peak from its
+own allocator events (``memfit.distributed.truth``), against ``memfit.estimate(..., gpus=2)`` under
+PyTorch's fake process group. Plus the rules: the batch over ranks, conflicts, bad cluster input.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import memfit
+from memfit.categories import Category
+from memfit.distributed.truth import launch, main_thread
+from memfit.distributed.world import World, fake_world, placement, world_of
+from memfit.errors import MemfitError
+from memfit.techniques.recipe import Recipe
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("configs")
+    paths = {}
+    for name, config in (("tiny", TINY), ("uneven", dict(TINY, vocab_size=301, tie_word_embeddings=False))):
+        (folder / name).mkdir()
+        (folder / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(folder / name / "config.json")
+    return paths
+
+
+def _estimate(path, recipe, gpus=2, batch=4, **kwargs):
+    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, **kwargs)
+
+
+@pytest.mark.parametrize("name, recipe", [
+    ("tiny", {"parallel": "fsdp"}),
+    ("tiny", {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}),
+    ("uneven", {"parallel": "fsdp", "reshard_after_forward": "false"}),
+])
+def test_every_rank_matches_torchrun(configs, name, recipe):
+    report = _estimate(configs[name], recipe)
+    truths = launch({"model": configs[name], "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}, 2)
+    estimated = {r["rank"]: r["peak_bytes"] for r in report.ranks}
+    for truth in truths:
+        estimate = estimated.get(truth["rank"], estimated[0])
+        assert abs(estimate - truth["peak_bytes"]) <= 0.01 * truth["peak_bytes"], (truth, estimated)
+    if name == "uneven":  # the last rank's shards are smaller: traced, and the truth agrees they differ
+        assert sorted(estimated) == [0, 1] and estimated[1] < estimated[0]
+        assert truths[1]["peak_bytes"] < truths[0]["peak_bytes"]
+    assert report.peak_bytes == max(estimated.values())
+
+
+def test_sharding_divides_the_model_states(configs):
+    one = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpus=1, batch=2)
+    two = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpus=2, batch=4)
+    for category in (Category.PARAMETERS, Category.OPTIMIZER_STATE):
+        assert two.by_category[category.value] < 0.51 * one.by_category[category.value]
+    assert two.by_category[Category.UNSHARDED_PARAMETERS.value] > 0
+    assert two.world == {"gpus": 2, "nodes": 1, "size": 2, "parallel": "fsdp", "rank": 0, "construction": "meta"}
+    ddp = _estimate(configs["tiny"], {"parallel": "ddp"})
+    assert ddp.by_category[Category.COMMUNICATION.value] > 0  # DDP's gradient buckets
+
+
+def test_zero2_holds_more_than_zero3(configs):
+    zero3 = _estimate(configs["tiny"], {"parallel": "fsdp"})
+    zero2 = _estimate(configs["tiny"], {"parallel": "fsdp", "reshard_after_forward": "false"})
+    assert zero2.phase_peaks["forward"] > zero3.phase_peaks["forward"]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"recipe": {"parallel": "fsdp"}, "batch": 3}, "does not divide over 2 GPUs"),
+    ({"recipe": {}, "batch": 4}, "parallel=ddp or parallel=fsdp"),
+    ({"recipe": {"parallel": "fsdp"}, "batch": 4, "fast": True}, "fast=True and parallel conflict"),
+    ({"recipe": {"parallel": "fsdp", "reshard_after_forward": "3"}, "batch": 4}, "does not divide the 2 GPUs"),
+])
+def test_bad_input_is_one_line(configs, kwargs, words):
+    with pytest.raises(MemfitError, match=words) as err:
+        _estimate(configs["tiny"], **kwargs)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("recipe, words", [
+    ({"parallel": "fsdp", "chunked_loss": 4}, "parallel=fsdp and chunked_loss=4 conflict"),
+    ({"parallel": "fsdp", "lora": "qlora", "precision": "bf16-mixed"}, "parallel=fsdp and lora=qlora conflict"),
+    ({"parallel": "fsdp", "mixed_precision": "bf16", "precision": "bf16-mixed"}, "keep precision=fp32"),
+    ({"mixed_precision": "bf16"}, "needs parallel=fsdp"),
+    ({"parallel": "ddp", "reshard_after_forward": "false"}, "FSDP2's"),
+    ({"parallel": "fsdp", "reshard_after_forward": "maybe"}, "not understood"),
+    ({"parallel": "fsdp", "mixed_precision": "fp32:bf16"}, "not understood"),
+])
+def test_recipe_conflicts_name_both_fields(recipe, words):
+    with pytest.raises(MemfitError, match=words):
+        Recipe(**recipe)
+
+
+def test_world_input():
+    assert world_of(None, None) is None
+    assert world_of(8, 2).size == 16
+    with pytest.raises(MemfitError, match="needs gpus="):
+        world_of(None, 2)
+    with pytest.raises(MemfitError, match="integer from 1"):
+        world_of(0, 1)
+    with pytest.raises(MemfitError, match="needs a process group"):
+        placement()
+    with fake_world(World(2), 1) as place:
+        assert (place.rank, place.world.size, place.fake) == (1, 2, True)
+        with pytest.raises(MemfitError, match="initialised already"):
+            with fake_world(World(2)):
+                pass
+    assert not torch.distributed.is_initialized()
+
+
+def test_backend_threads_left_out():
+    # (time, bytes, thread, pointer): a worker's own copy and its free are dropped; a free elsewhere
+    # of what the main thread allocated is kept
+    events = [(1, 100, 1, 0xA), (2, 50, 7, 0xB), (3, -50, 7, 0xB), (4, -100, 7, 0xA), (5, 30, -1, 0xC),
+              (6, -30, 1, 0xC)]
+    assert main_thread(events, 1) == [(1, 100), (4, -100)]
+
+
+def test_resize_frees_and_allocates():
+    from memfit.accounting.ledger import ALLOC, FREE, Ledger
+
+    ledger = Ledger(device=torch.device("cpu"))
+    with ledger:
+        t = torch.empty(1000)
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(4000)
+        ledger.mark(t, Category.UNSHARDED_PARAMETERS)
+        del t
+    ledger.close()
+    kinds = [(kind, ledger.records[i].nbytes) for kind, i in ledger.events if kind in (ALLOC, FREE)]
+    assert kinds == [(ALLOC, 4000), (FREE, 4000), (ALLOC, 4000), (FREE, 4000)]
+    assert {r.category for r in ledger.records} == {Category.UNSHARDED_PARAMETERS}  # the storage's role
+
+
+def test_cli_gpus(configs):
+    run = [sys.executable, "-m", "memfit.cli", "estimate", configs["tiny"], "--seq-len", "32"]
+    done = subprocess.run(run + ["--parallel", "fsdp", "--gpus", "2", "--batch-size", "4", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["world"]["size"] == 2 and data["peak_bytes"] == max(r["peak_bytes"] for r in data["ranks"])
+    for flags, words in ((["--nodes", "2"], "needs gpus="), (["--gpus", "2"], "--parallel fsdp"),
+                         (["--parallel", "fsdp", "--gpus", "2", "--batch-size", "3"], "does not divide")):
+        done = subprocess.run(run + flags, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
