@@ -17,7 +17,7 @@ import torch
 import memfit
 from memfit.categories import Category
 from memfit.distributed.truth import launch, main_thread
-from memfit.distributed.world import World, fake_world, placement, world_of
+from memfit.hardware.cluster import World, fake_world, placement, world_of
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
 

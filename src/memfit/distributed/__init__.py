@@ -1,2 +1,4 @@
-"""Sharding over many GPUs: FSDP2 wrapping, per-rank estimates, torchrun launch. Empty until that lands;
-it sits beside ``training``: above ``planner``, below ``cli``."""
+"""Many GPUs for real: ``truth.py`` runs a recipe's step under ``torchrun`` and reads each rank's
+allocator. FSDP2 / DDP wrapping is a technique (``techniques/parallel.py``) and the cluster a step
+runs on is ``hardware/cluster.py``, so estimate, apply and train share them; this package sits
+beside ``training``: above ``planner``, below ``cli``."""

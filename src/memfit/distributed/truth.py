@@ -141,7 +141,7 @@ def _run(case: dict) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memfit.distributed.world import real_world
+    from memfit.hardware.cluster import real_world
     from memfit.models.source import resolve
     from memfit.scoped import quiet_profiler
     from memfit.techniques.apply import apply

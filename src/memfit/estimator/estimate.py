@@ -75,7 +75,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                mask); without ``lengths`` every row holds two documents.
     gpus       GPUs per node of a data-parallel run (``recipe.parallel`` ddp or fsdp), ``nodes`` the
                nodes (default 1). The step is one rank's, run by FSDP2 / DDP themselves under PyTorch's
-               fake process group (``distributed/world.py``); ``batch_size`` is still the examples of one
+               fake process group (``hardware/cluster.py``); ``batch_size`` is still the examples of one
                optimizer step, over all ranks: each rank's is batch_size / (gpus x nodes). The report is
                the rank with the highest peak; ``report.ranks`` holds each distinct rank's.
     """
@@ -119,7 +119,7 @@ def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False,
 
 def _world(recipe: Recipe, gpus, nodes):
     """The ``World`` of a data-parallel estimate, or None for one device; mismatches are one error."""
-    from memfit.distributed.world import World, world_of
+    from memfit.hardware.cluster import World, world_of
 
     world = world_of(gpus, nodes)
     if recipe.parallel == "none":
@@ -134,7 +134,7 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
     """One rank's estimate under the fake process group: rank 0, then the last rank when a parameter
     does not split evenly (its shards, and the optimizer state on them, are smaller). The report is
     the rank with the highest peak; ``ranks`` lists each."""
-    from memfit.distributed.world import fake_world
+    from memfit.hardware.cluster import fake_world
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")

@@ -106,7 +106,7 @@ def _apply(build) -> None:
     recipe = build.recipe
     if recipe.parallel == "none":
         return
-    from memfit.distributed.world import placement
+    from memfit.hardware.cluster import placement
 
     place = placement()
     if recipe.parallel == "fsdp":
