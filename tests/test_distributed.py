@@ -154,3 +154,42 @@ def test_cli_gpus(configs):
                          (["--parallel", "fsdp", "--gpus", "2", "--batch-size", "3"], "does not divide")):
         done = subprocess.run(run + flags, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_across_gpus_checks_its_choice(configs):
+    plans = memfit.plan(configs["tiny"], gpu="rtx-4090", gpus=2, global_batch_size=8, seq_len=32)
+    best = plans.best
+    assert best.verified and best.recipe.parallel in ("ddp", "fsdp")
+    assert best.recipe.micro_batch_size * best.recipe.grad_accum_steps == 4  # 8 over 2 ranks
+    again = memfit.estimate(configs["tiny"], recipe=best.recipe, batch_size=8, seq_len=32, gpu="rtx-4090", gpus=2)
+    assert again.device_bytes == best.device_bytes  # the plan's figure is the full per-rank estimate
+    assert plans.settings["gpus"] == 2 and len(plans) >= 2
+    assert all(a.step_seconds <= b.step_seconds for a, b in zip(plans[1:], plans[2:]))
+
+
+def test_plan_across_gpus_nothing_fits_and_bad_input(configs):
+    with pytest.raises(memfit.NothingFits, match="nothing fits 2 GPU"):
+        memfit.plan(configs["tiny"], gpu="rtx-4090", budget="430MiB", gpus=2, global_batch_size=4, seq_len=32)
+    with pytest.raises(MemfitError, match="does not divide over 2 GPUs"):
+        memfit.plan(configs["tiny"], gpu="rtx-4090", gpus=2, global_batch_size=3, seq_len=32)
+    with pytest.raises(MemfitError, match="drop allow="):
+        memfit.plan(configs["tiny"], gpu="rtx-4090", gpus=2, global_batch_size=4, seq_len=32, allow="qlora")
+
+
+def test_collective_time_model():
+    from memfit.hardware.gpus import gpu
+    from memfit.planner.ranks import comm_seconds
+
+    h100, params = gpu("h100-sxm"), 8_000_000_000
+    zero3 = comm_seconds(Recipe(parallel="fsdp", mixed_precision="bf16:fp32"), World(8), params, 33, 1, h100)[0]
+    zero2 = comm_seconds(Recipe(parallel="fsdp", mixed_precision="bf16:fp32", reshard_after_forward="false"),
+                         World(8), params, 33, 1, h100)[0]
+    ddp = comm_seconds(Recipe(parallel="ddp"), World(8), params, 33, 1, h100)[0]
+    hsdp = comm_seconds(Recipe(parallel="fsdp", mixed_precision="bf16:fp32"), World(8, 2), params, 33, 1, h100)[0]
+    # ring: bf16 all-gather twice (zero3) or once, fp32 reduce-scatter; DDP an fp32 all-reduce (2x)
+    rate = 450e9 * 0.8
+    assert zero2 == pytest.approx(params * (2 + 4) * 7 / 8 / rate)
+    assert zero3 == pytest.approx(params * (2 * 2 + 4) * 7 / 8 / rate)
+    assert ddp == pytest.approx(2 * params * 4 * 7 / 8 / rate)
+    assert hsdp > zero3  # the shards all-reduced between nodes too
+    assert comm_seconds(Recipe(parallel="fsdp"), World(1), params, 33, 1, h100) == (0.0, 0.0)

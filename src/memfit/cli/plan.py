@@ -27,6 +27,7 @@ def build(pl) -> None:
     pl.add_argument("--allow", default="", help="techniques that change the math, allowed by name: "
                     f"{', '.join(allowable())} (comma-separated)")
     pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
+    _args.add_world(pl)
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
     _args.add_json(pl, help="print the plans as JSON")
 
@@ -46,10 +47,12 @@ def run(args) -> int:
         try:
             plans = plan(args.model, batch, budget=args.budget, gpu=args.gpu, device=args.device,
                          global_batch_size=gbs, seq_len=args.seq_len, allow=args.allow,
-                         optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss), progress=update)
+                         optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss), progress=update,
+                         gpus=args.gpus, nodes=args.nodes)
         except NothingFits as err:
             if args.json:
-                print(json.dumps({"fits": False, "message": str(err), "smallest": err.smallest.to_dict()}, indent=2))
+                smallest = err.smallest.to_dict() if err.smallest is not None else None
+                print(json.dumps({"fits": False, "message": str(err), "smallest": smallest}, indent=2))
             else:
                 print(f"memfit: {err}", file=sys.stderr)
             return 1

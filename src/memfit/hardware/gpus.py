@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 
-__all__ = ["ALIASES", "CATALOG", "GPU", "gpu", "gpu_names"]
+__all__ = ["ALIASES", "CATALOG", "GPU", "gpu", "gpu_names", "peer_link", "NETWORK_BANDWIDTH"]
 
 MiB = 1024**2
 GB_S = 1e9  # datasheets give bandwidth in decimal GB/s and TB/s
@@ -233,6 +233,24 @@ def _compact(name: str) -> str:
 
 
 _LOOKUP = {_compact(key): key for key in CATALOG} | {_compact(a): key for a, key in ALIASES.items()}
+
+
+# GPU-to-GPU bandwidth per direction within a node, for the planner's collectives
+# (``planner/ranks.py``). NVLink totals are NVIDIA's bidirectional figures, halved: V100 SXM2 NVLink 2
+# 300 GB/s, A100 SXM4 NVLink 3 600 GB/s, H100 SXM5 / H200 NVLink 4 900 GB/s, B200 NVLink 5 1.8 TB/s
+# (datasheets). Cards without NVLink in the catalog exchange over PCIe: their host link.
+_NVLINK = {"v100-16gb": 150e9, "v100-32gb": 150e9, "a100-40gb": 300e9, "a100-80gb": 300e9,
+           "h100-sxm": 450e9, "h200": 450e9, "b200": 900e9}
+#: bytes/s per GPU per direction between nodes: 400 Gb/s (one NDR InfiniBand / RoCE NIC per GPU, as
+#: in torchtitan's Grand Teton runs and NVIDIA's HGX reference designs). An assumption: say yours.
+NETWORK_BANDWIDTH = 50e9
+
+
+def peer_link(card: GPU) -> tuple[str, float]:
+    """(name, bytes/s per direction) of the link between two GPUs of one node."""
+    if card.name in _NVLINK:
+        return "NVLink", _NVLINK[card.name]
+    return card.host_link, card.host_link_bandwidth
 
 
 def gpu_names() -> list[str]:

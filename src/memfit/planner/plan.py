@@ -46,7 +46,8 @@ SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 
 def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | None = None,
          seq_len: int | None = None, allow=(), optimizer: str = "adamw", loss_fn=None,
-         device: str | None = None, progress=None, cache: EngineCache | None = None) -> Plans:
+         device: str | None = None, progress=None, cache: EngineCache | None = None, gpus: int | None = None,
+         nodes: int | None = None) -> Plans:
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
 
     model       as for :func:`memfit.estimate` (catalog name, config, nn.Module, factory).
@@ -61,6 +62,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     progress    ``progress(done, total)`` called as traces complete.
     cache       an ``EngineCache`` to keep the traces in for later calls (a budget sweep passes one to
                 every call, and each graph is traced once); default: traced afresh.
+    gpus, nodes a data-parallel run: ``gpus`` per node x ``nodes``, each a ``gpu`` with ``budget``; the
+                search is DDP / FSDP2 x checkpointing x micro-batch, each candidate a real per-rank
+                estimate (``ranks.py``); ``global_batch_size`` is over all ranks.
 
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
@@ -102,6 +106,20 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         raise MemfitError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     if seq_len is None and source.config is not None:
         seq_len = source.default_seq_len()
+    from memfit.hardware.cluster import world_of
+
+    world = world_of(gpus, nodes)
+    if world is not None:
+        from memfit.planner.ranks import plan_ranks
+
+        if batch is not None or allowed:
+            raise MemfitError("plan across GPUs searches exact recipes of catalog or config models: drop "
+                              + ("batch=" if batch is not None else "allow=") + " (or gpus=)")
+        if target is None:
+            raise MemfitError("plan across GPUs needs a gpu= (the card of every rank)")
+        return plan_ranks(source, target=target, budget_bytes=budget_bytes, world=world,
+                          global_batch_size=global_batch_size, seq_len=seq_len, optimizer=optimizer, loss_fn=loss_fn,
+                          progress=progress)
     cache = EngineCache() if cache is None else cache
     engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = search_space(engine, allowed, optimizer)

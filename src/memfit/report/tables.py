@@ -125,6 +125,9 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
     """The chosen plan, why, and the memory / speed front around it (``front_around``)."""
     best = plans.best
     where = plans.gpu or "this CPU"
+    gpus, nodes = plans.settings.get("gpus"), plans.settings.get("nodes")
+    if gpus:
+        where = f"{where} x {gpus}" + (f" x {nodes} nodes" if nodes and nodes > 1 else "") + " (per rank)"
     head = Text(f"{name} on {where}: {best.recipe.describe()}", style="bold")
     speed = (f"{best.tokens_per_second:,.0f} tokens/s" if best.tokens_per_second is not None
              else f"{best.samples_per_second:,.2f} samples/s")
@@ -143,7 +146,7 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
                   title_justify="left")
     for column in ("needs", "s/step", "tokens/s" if best.tokens_per_second is not None else "samples/s", "recipe"):
         table.add_column(column, justify="left" if column == "recipe" else "right")
-    rows, hidden = front_around(plans.front, best)
+    rows, hidden = front_around(plans.front, best) if plans.front else (list(plans)[:8], max(0, len(plans) - 8))
     for p in rows:
         rate = p.tokens_per_second if p.tokens_per_second is not None else p.samples_per_second
         style = "bold green" if p.recipe == best.recipe else ("dim" if p.device_bytes > plans.budget else None)

@@ -1,0 +1,203 @@
+"""``plan`` across GPUs: the fastest per-rank recipe of a data-parallel run that fits each card.
+
+The search: parallel (DDP; FSDP2 resharding after forward, ZeRO-3-like; FSDP2 keeping gathered
+parameters to backward, ZeRO-2-like) x activation checkpointing (off, every block) x the per-rank
+micro-batch (divisors of global batch / ranks; the rest is accumulation, gradients synced on the
+last micro-batch). Mixed precision is bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy``
+(bf16 compute, fp32 reduce, fp32 shards, as torchtitan trains), autocast for DDP. Every candidate's
+memory is a real per-rank estimate: one rank's step run by FSDP2 / DDP themselves under PyTorch's fake
+process group (``estimator/estimate.py``), replayed through the caching-allocator model under the
+card's limit; for each structure the largest micro-batch that fits is found by bisection over the
+divisors (memory grows with the micro-batch), so a structure costs a few traces, not one per size.
+
+Step time per rank: the traced kernels of the steady step (``cost.py``'s roofline on the card),
+plus the collectives, overlapped with compute as FSDP2 prefetches and DDP buckets do: the step takes
+max(compute, communication) plus one unit's all-gather that nothing hides. Collectives are rings:
+an all-gather or reduce-scatter of B bytes moves B x (n-1)/n per rank, an all-reduce twice that, at
+the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between nodes
+(``hardware/gpus.py``), at the host link's efficiency. FSDP2 all-gathers every unit in forward, and
+again in backward when it reshards, for every micro-batch; it reduce-scatters once per step (sync on
+the last micro-batch); HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the
+gradients once per step.
+
+Written here because no library plans these together: torchtitan's memory estimation mode and
+DeepSpeed's ``estimate_zero3_model_states_mem_needs`` give one configuration's memory (the latter
+without activations), and nobody ranks configurations by speed under a memory limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+from memfit.errors import MemfitError
+from memfit.hardware.cluster import World, fake_world
+from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
+from memfit.planner.cost import EFFICIENCY, Speed
+from memfit.planner.result import NothingFits, Plan, Plans
+from memfit.planner.terms import KernelRows, Phases
+from memfit.techniques.accumulation import divisors
+from memfit.techniques.recipe import Recipe
+from memfit.units import format_size
+
+__all__ = ["plan_ranks", "structures", "comm_seconds"]
+
+
+def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
+    """The recipe structures searched (without the micro-batch), likely fastest first."""
+    bf16 = card is None or card.bf16
+    ddp = {"parallel": "ddp", "precision": "bf16-mixed" if bf16 else "fp32"}
+    policy = {"mixed_precision": "bf16:fp32"} if bf16 else {}
+    zero2 = {"parallel": "fsdp", "reshard_after_forward": "false", **policy}
+    zero3 = {"parallel": "fsdp", **policy}
+    found = []
+    for checkpointing in ("off", "blocks") if has_blocks else ("off",):
+        for base in ((ddp, zero2, zero3) if world.size > 1 else (zero3,)):
+            found.append({**base, "checkpointing": checkpointing, "optimizer": optimizer})
+    return found
+
+
+def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
+    """(seconds of collectives per step, seconds of one unit's all-gather) for one rank (module docstring)."""
+    if world.size == 1:
+        return 0.0, 0.0
+    efficiency = EFFICIENCY["host_link"]
+    within = peer_link(card)[1] * efficiency
+    between = NETWORK_BANDWIDTH * efficiency
+    if recipe.parallel == "ddp":
+        ring = 2 * params * 4 * (world.size - 1) / world.size  # fp32 gradients, one all-reduce per step
+        return ring / (between if world.nodes > 1 else within), 0.0
+    n = world.gpus
+    gather_bytes = 2 if recipe.mixed_precision.startswith("bf16") else 4
+    reduce_bytes = 4 if recipe.mixed_precision in ("none", "bf16:fp32") else 2
+    gathers = 1 + (recipe.reshard_after_forward != "false")  # forward, and backward when resharded
+    all_gather = params * gather_bytes * (n - 1) / n / within if n > 1 else 0.0
+    seconds = all_gather * gathers * micro_batches
+    seconds += params * reduce_bytes * (n - 1) / n / within if n > 1 else 0.0
+    if world.nodes > 1:  # HSDP: the shards all-reduced between nodes
+        seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
+    return seconds, all_gather / max(units, 1)
+
+
+def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_size: int, seq_len, optimizer: str,
+               loss_fn=None, progress=None) -> Plans:
+    """The fastest per-rank recipes that fit ``budget_bytes`` on each of ``world``'s GPUs (``target``)."""
+    from memfit.estimator.estimate import estimate
+    from memfit.estimator.fake_trace import fake_trace
+    from memfit.techniques.checkpointing import find_blocks
+
+    start = time.perf_counter()
+    if global_batch_size % world.size:
+        raise MemfitError(f"global_batch_size={global_batch_size} does not divide over {world.size} GPUs: use a "
+                          f"multiple of {world.size}")
+    per_rank = global_batch_size // world.size
+    speed = Speed.from_gpu(target)
+    has_blocks = bool(source.depth)
+    if not has_blocks:
+        with _meta(source) as model:
+            has_blocks = bool(model is not None and find_blocks(model))
+    shapes = structures(target, world, has_blocks, optimizer)
+    sizes = sorted(divisors(per_rank), reverse=True)
+    done, traces, results, notes = [0], [0], [], []
+    total = len(shapes) * (2 + max(1, len(sizes).bit_length()))
+
+    def tick():
+        done[0] += 1
+        if progress is not None:
+            progress(min(done[0], total), total)
+
+    def trace(fields: dict, micro: int):
+        recipe = Recipe(**fields, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
+        traces[0] += 1
+        with fake_world(world, 0):
+            report, replay = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=None, steps=2,
+                                        batch_size=per_rank, seq_len=seq_len, gpu=target, budget=budget_bytes,
+                                        detail=True)
+        tick()
+        return recipe, report, replay
+
+    for fields in shapes:
+        fit = _largest_fitting(trace, fields, sizes)
+        if fit is None:
+            continue
+        recipe, report, replay = fit
+        rows = KernelRows.of(replay.ops)
+        steady = rows.where(Phases(replay.series).mask(rows.marks(), "forward", 1)
+                            | Phases(replay.series).mask(rows.marks(), "backward", 1)
+                            | Phases(replay.series).mask(rows.marks(), "optimizer", 1))
+        compute = speed.kernel_seconds(steady.cost())
+        comm, exposed = comm_seconds(recipe, world, report.parameters, (source.depth or 0) + 1,
+                                     recipe.grad_accum_steps, target)
+        seconds = max(compute, comm) + exposed
+        samples = global_batch_size / seconds
+        tokens = samples * seq_len if seq_len else None
+        results.append((Plan(recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, seconds, samples,
+                             tokens, verified=False, verdict=report.verdict), report, compute, comm))
+    if not results:
+        raise NothingFits(f"nothing fits {world.describe()} x {target.name} ({format_size(budget_bytes)} each): "
+                          f"every structure is over budget at micro-batch 1; more GPUs, or --allow lora,qlora",
+                          None)
+    results.sort(key=lambda item: (item[0].step_seconds, item[0].device_bytes))
+    best, report, compute, comm = results[0]
+    checked = estimate(source, recipe=best.recipe,
+                       batch_size=global_batch_size, seq_len=seq_len, gpu=target, budget=budget_bytes,
+                       gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+    link, rate = peer_link(target)
+    reasons = (f"{best.recipe.describe()} on {world.describe()}: {format_size(checked.device_bytes)} per rank of "
+               f"{format_size(budget_bytes)} (the highest rank's full estimate)",
+               f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of collectives "
+               f"({link} {rate / 1e9:,.0f} GB/s within a node"
+               + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
+               + "), overlapped")
+    chosen = Plan(best.recipe, checked.peak_bytes, checked.reserved_bytes, checked.device_bytes, best.step_seconds,
+                  best.samples_per_second, best.tokens_per_second, verified=True, reasons=reasons,
+                  verdict=checked.verdict)
+    rest = [plan for plan, *_ in results[1:]]
+    notes.append(f"{len(results)} of {len(shapes)} structures fit; {traces[0]} per-rank traces")
+    settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
+                "optimizer": optimizer, "gpus": world.gpus, "nodes": world.nodes, "traces": traces[0],
+                "speed": speed.name}
+    return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=len(shapes),
+                 front=[], seconds=time.perf_counter() - start, report=checked, settings=settings, notes=notes)
+
+
+def _largest_fitting(trace, fields: dict, sizes: list[int]):
+    """(recipe, report, replay) at the largest micro-batch of ``sizes`` (descending) that fits, or None."""
+    from memfit.estimator.verdict import OOM
+
+    def fits(result):
+        return result[1].verdict != OOM
+
+    first = trace(fields, sizes[0])
+    if fits(first):
+        return first
+    last = trace(fields, sizes[-1]) if len(sizes) > 1 else first
+    if not fits(last):
+        return None
+    low, high, best = 0, len(sizes) - 1, last  # sizes[low] does not fit, sizes[high] does
+    while high - low > 1:
+        middle = (low + high) // 2
+        result = trace(fields, sizes[middle])
+        if fits(result):
+            high, best = middle, result
+        else:
+            low = middle
+    return best
+
+
+class _meta:
+    """The model built on the meta device, for a look at its blocks (None if it cannot be built)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __enter__(self):
+        import torch
+
+        try:
+            with torch.device("meta"):
+                return self.source.build()
+        except Exception:  # noqa: BLE001 — only a look; the traces report a model that does not build
+            return None
+
+    def __exit__(self, *exc):
+        return False
