@@ -43,6 +43,8 @@ CASES = [
     ("fsdp-accumulation", TINY, 2, {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
     ("ddp-accumulation", TINY, 2, {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
     ("fsdp-lora", TINY, 2, {"parallel": "fsdp", "lora": "lora:8"}, 4, 1),
+    ("fsdp-offload", TINY, 2, {"parallel": "fsdp", "offload": "cpu-unpinned"}, 4, 1),
+    ("fsdp-offload-1", TINY, 1, {"parallel": "fsdp", "offload": "cpu-unpinned"}, 2, 1),
     ("fsdp-uneven", UNEVEN, 2, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-4", TINY, 4, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-uneven-4", UNEVEN, 4, {"parallel": "fsdp"}, 4, 1),
@@ -70,11 +72,20 @@ def run_case(name, config, ranks, recipe, batch, nodes, folder) -> list[dict]:
         # ranks the estimate did not trace hold what rank 0 holds (full shards)
         estimate = estimated.get(rank, estimated[0] if rank != ranks - 1 else estimated[max(estimated)])
         error = (estimate - truth["peak_bytes"]) / truth["peak_bytes"]
-        rows.append({"case": name, "ranks": ranks, "nodes": nodes, "rank": rank, "recipe": recipe,
-                     "true_bytes": truth["peak_bytes"], "estimated_bytes": estimate, "error": error,
-                     "estimate_seconds": round(seconds, 2)})
+        row = {"case": name, "ranks": ranks, "nodes": nodes, "rank": rank, "recipe": recipe,
+               "true_bytes": truth["peak_bytes"], "estimated_bytes": estimate, "error": error,
+               "estimate_seconds": round(seconds, 2)}
+        host = ""
+        if report.host_bytes is not None:
+            # the host side: the real run's peak during the last optimizer step, less what a GPU run
+            # keeps on the device then (buffers and the batch)
+            true_host = truth["phase_peaks"]["optimizer:1"] - truth["buffers_and_batch"]
+            row.update(true_host_bytes=true_host, estimated_host_bytes=report.host_bytes,
+                       host_error=(report.host_bytes - true_host) / true_host)
+            host = f"  host true {true_host:,} estimate {report.host_bytes:,} {100 * row['host_error']:+.3f}%"
+        rows.append(row)
         print(f"{name:24} rank {rank}/{ranks}  true {truth['peak_bytes']:>11,}  estimate {estimate:>11,}  "
-              f"{100 * error:+.3f}%", flush=True)
+              f"{100 * error:+.3f}%{host}", flush=True)
     return rows
 
 

@@ -136,6 +136,15 @@ class _Phases:
         pass
 
 
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    seen = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def _run(case: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -146,6 +155,7 @@ def _run(case: dict) -> dict:
     from memfit.scoped import quiet_profiler
     from memfit.techniques.apply import apply
     from memfit.techniques.recipe import Recipe
+    from memfit.techniques.step import batch_tensors
 
     torch.set_num_threads(1)
     for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -174,6 +184,8 @@ def _run(case: dict) -> dict:
                 pass
             for _ in range(case.get("steps", 2)):
                 step(batch)
+            # what a GPU run keeps on the device through the optimizer step of an offloaded run
+            resident = _bytes(list(model.buffers()) + batch_tensors(batch))
             with record_function("memfit::end"):
                 pass
         events, marks = _events(prof)
@@ -194,7 +206,7 @@ def _run(case: dict) -> dict:
                 name = phases[where - 1][1]
                 phase_peaks[name] = max(phase_peaks.get(name, 0), live)
     return {"rank": rank, "world_size": size, "peak_bytes": peak, "live_at_start": before or live,
-            "phase_peaks": phase_peaks}
+            "phase_peaks": phase_peaks, "buffers_and_batch": resident}
 
 
 def main(argv=None) -> int:

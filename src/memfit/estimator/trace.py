@@ -65,9 +65,14 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     if tick is not None:
         tick()
     params = list(model.parameters())
-    cuda = {}
+    cuda, host = {}, {}
+    device_side = ledger
+    if getattr(recipe, "offload", "none") != "none":
+        device_side, host = _offloaded(ledger, scratch, recipe)
+        if gpu is not None:  # the GPU's figures are of what stays on it; on the CPU all is one memory
+            result = replay(device_side, scratch)
     if gpu is not None:
-        verdict = cuda_fit(ledger, gpu, budget)
+        verdict = cuda_fit(device_side, gpu, budget)
         cuda = dict(verdict.report_fields(), context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
         result.allocator = verdict.unlimited  # the planner composes unlimited figures
     if keep:
@@ -96,9 +101,46 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
             "steps": steps,
             "batch_shapes": [list(t.shape) for t in batch_tensors(batch)],
         },
-        notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None),
+        notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None) + host.pop("notes", []),
         **cuda,
+        **host,
     ), result
+
+
+class _View:
+    """A ledger's records with only some storages' events: the GPU's or the host's side of an
+    offloaded step. Marks stay; kernel scratch stays with the GPU's side."""
+
+    def __init__(self, ledger, keep: set[int], spikes: bool):
+        from memfit.accounting.ledger import ALLOC, FREE, SPIKE
+
+        self.records, self.marks, self.sites, self.model = ledger.records, ledger.marks, ledger.sites, ledger.model
+        self.events = [(kind, i) for kind, i in ledger.events
+                       if (kind not in (ALLOC, FREE) or i in keep) and (spikes or kind != SPIKE)]
+
+
+def _offloaded(ledger, scratch, recipe):
+    """(the GPU's side, report fields of the host's side) of an FSDP2 step with ``CPUOffloadPolicy``."""
+    from memfit.accounting.replay import replay as replay_log
+    from memfit.techniques.parallel import host_records
+
+    host = host_records(ledger)
+    for index, record in enumerate(ledger.records):  # an in-place pair stays on one side
+        if record.donor is not None and (index in host) != (record.donor in host):
+            host.discard(index)
+            host.discard(record.donor)
+    device = set(range(len(ledger.records))) - host
+    on_host = replay_log(_View(ledger, host, spikes=False), [0] * len(ledger.sites))
+    pinned = 0
+    if recipe.offload == "cpu":  # FSDP2 pins the shards and their gradients, not the optimizer state
+        pinned = sum(on_host.by_category.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS))
+    fields = {"host_bytes": on_host.peak_bytes, "pinned_bytes": pinned,
+              "notes": [f"offload={recipe.offload}: the shards, their gradients and the optimizer step on the host: "
+                        f"{format_size(on_host.peak_bytes)} of host RAM at its peak"
+                        + (f", {format_size(pinned)} of it pinned" if pinned else "")
+                        + "; each unit's shard crosses the host link for its all-gather and each sharded gradient "
+                        "back (small transients on the GPU not traced)"]}
+    return _View(ledger, device, spikes=True), fields
 
 
 def _register(ledger, model, batch) -> None:

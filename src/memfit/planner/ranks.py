@@ -39,7 +39,10 @@ from memfit.techniques.accumulation import divisors
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["plan_ranks", "structures", "comm_seconds"]
+__all__ = ["plan_ranks", "structures", "comm_seconds", "smallest_world", "WORLDS"]
+
+#: GPU counts tried for a run that fits no single card (``smallest_world``)
+WORLDS = (2, 4, 8, 16, 32, 64)
 
 
 def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
@@ -133,9 +136,14 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         results.append((Plan(recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, seconds, samples,
                              tokens, verified=False, verdict=report.verdict), report, compute, comm))
     if not results:
+        found = smallest_world(source, target, budget_bytes, global_batch_size, seq_len, optimizer, loss_fn,
+                               gpus_per_node=world.gpus, above=world.size)
+        more = ("no more nodes of these up to 64 fit either" if found is None else
+                f"{found[0].describe()} fit: {format_size(found[1].device_bytes)} per rank by a per-rank estimate of "
+                f"{Recipe.from_dict(found[1].settings['recipe']).describe()} (--gpus {found[0].gpus} --nodes "
+                f"{found[0].nodes} for the fastest)")
         raise NothingFits(f"nothing fits {world.describe()} x {target.name} ({format_size(budget_bytes)} each): "
-                          f"every structure is over budget at micro-batch 1; more GPUs, or --allow lora,qlora",
-                          None)
+                          f"every structure is over budget at micro-batch 1; {more}", None)
     results.sort(key=lambda item: (item[0].step_seconds, item[0].device_bytes))
     best, report, compute, comm = results[0]
     checked = estimate(source, recipe=best.recipe,
@@ -158,6 +166,37 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                 "speed": speed.name}
     return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=len(shapes),
                  front=[], seconds=time.perf_counter() - start, report=checked, settings=settings, notes=notes)
+
+
+def smallest_world(source, target, budget_bytes: int, global_batch_size: int, seq_len, optimizer: str, loss_fn=None,
+                   gpus_per_node: int | None = None, above: int = 1):
+    """(World, per-rank Report) of the fewest GPUs of ``target`` over which FSDP2 (resharding, bf16
+    policy where the card has it, every block checkpointed, micro-batch 1) fits ``budget_bytes`` per
+    rank, by full per-rank estimates: one node of ``WORLDS`` GPUs, or with ``gpus_per_node`` that many
+    per node on 1, 2, 4, ... nodes; only worlds of more than ``above`` GPUs whose size divides the
+    batch. None if none up to 64 GPUs per node or 64 nodes fits. Stops at the first that fits: the
+    answer of a plan that found nothing, not a search for speed."""
+    from memfit.estimator.estimate import estimate
+    from memfit.estimator.verdict import OOM
+
+    fields = {"parallel": "fsdp", "optimizer": optimizer, "micro_batch_size": 1}
+    if target.bf16:
+        fields["mixed_precision"] = "bf16:fp32"
+    if source.depth:
+        fields["checkpointing"] = "blocks"
+    worlds = [World(n) for n in WORLDS] if gpus_per_node is None else \
+        [World(gpus_per_node, nodes) for nodes in WORLDS if nodes > 1 or gpus_per_node > 1]
+    if gpus_per_node is not None:
+        worlds.insert(0, World(gpus_per_node))
+    for world in worlds:
+        if world.size <= above or global_batch_size % world.size:
+            continue
+        recipe = Recipe(**fields, grad_accum_steps=global_batch_size // world.size)
+        report = estimate(source, recipe=recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target,
+                          budget=budget_bytes, gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+        if report.verdict != OOM:
+            return world, report
+    return None
 
 
 def _largest_fitting(trace, fields: dict, sizes: list[int]):

@@ -102,10 +102,27 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
                         key=lambda g: g.memory_bytes)
         if bigger:
             fixes.append(f"a bigger card ({bigger[0].name}, {format_size(bigger[0].memory_bytes)})")
-        fixes.append(f"sharding over {max(2, math.ceil(smallest.device_bytes / budget))}+ GPUs (FSDP)")
+        fixes.append(_sharding(engine, budget))
     return NothingFits(
         f"nothing fits {format_size(budget)}: the smallest recipe found ({smallest.recipe.describe()}) needs "
         f"{format_size(smallest.device_bytes)}; try " + ", or ".join(fixes), smallest)
+
+
+def _sharding(engine, budget: int) -> str:
+    """The fewest GPUs FSDP2 fits over, from real per-rank estimates (``ranks.smallest_world``)."""
+    from memfit.planner.ranks import WORLDS, smallest_world
+
+    try:
+        found = smallest_world(engine.source, engine.target, budget, engine.global_batch_size, engine.seq_len,
+                               engine.optimizer, engine.loss_fn)
+    except MemfitError as err:  # a model the fake process group cannot shard: say so, do not guess
+        return f"sharding over several GPUs (FSDP2 could not be estimated here: {err})"
+    if found is None:
+        return f"sharding over more than {WORLDS[-1]} GPUs, or over nodes (memfit plan --gpus N --nodes M)"
+    world, report = found
+    recipe = Recipe.from_dict(report.settings["recipe"]).describe()
+    return (f"sharding with FSDP2 over {world.size} GPUs ({format_size(report.device_bytes)} per rank by a per-rank "
+            f"estimate of {recipe}; memfit plan --gpus {world.size} for the fastest)")
 
 
 def _caveats(report) -> list[str]:

@@ -82,6 +82,12 @@ class Report:
                     was assumed built (construction).
     ranks           each distinct rank traced: rank, peak_bytes, by_category, phase_peaks (rank 0, and the
                     last rank when a parameter does not split evenly).
+
+    With ``offload`` (FSDP2's ``CPUOffloadPolicy``) the shards, their gradients and the optimizer step are in
+    host memory: with CUDA semantics ``peak_bytes``, ``reserved_bytes`` and the verdict are the GPU's side only;
+    on the CPU, where both sides are one memory, ``peak_bytes`` is their sum.
+    host_bytes      the host side's peak (host RAM the offloaded part needs).
+    pinned_bytes    of it, what FSDP2 pins (the shards and their gradients; ``offload=cpu``).
     """
 
     peak_bytes: int
@@ -114,6 +120,8 @@ class Report:
     micro_batch: dict | None = None
     world: dict | None = None
     ranks: list | None = None
+    host_bytes: int | None = None
+    pinned_bytes: int | None = None
 
     @property
     def device_bytes(self) -> int:

@@ -66,6 +66,10 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
         parts.append(_modules(report))
     peak = Text(f"peak {format_size(report.peak_bytes)}  ·  {report.bytes_per_parameter:.1f} bytes/param")
     parts.append(peak)
+    if report.host_bytes is not None:
+        side = "beside the GPU's" if report.reserved_bytes is not None else "included in the peak (one memory on the CPU)"
+        parts.append(Text(f"host RAM (offloaded shards, gradients, optimizer step): {format_size(report.host_bytes)}, "
+                          f"{format_size(report.pinned_bytes or 0)} pinned; {side}"))
     if report.reserved_bytes is not None:
         parts.append(Text(f"{report.gpu}: allocated {format_size(report.peak_bytes)}, reserved "
                           f"{format_size(report.reserved_bytes)} + CUDA context {format_size(report.context_bytes or 0)} "

@@ -12,6 +12,11 @@ reshards to groups of N ranks (FSDP2's partial resharding). ``mixed_precision`` 
 in ``reduce`` dtype, the shards and optimizer state staying fp32. Across nodes the mesh is 2-D and
 the blocks are sharded within a node and replicated between nodes (HSDP).
 
+``offload`` is FSDP2's ``CPUOffloadPolicy``: the shards, their gradients and the optimizer state live
+in host memory (pinned by default) and the optimizer steps there; each unit's shard is copied to the
+GPU for its all-gather and each sharded gradient back after its reduce-scatter. The GPU then holds
+the gathered units, activations and buffers; the host the rest (``host_records``).
+
 ``parallel=ddp`` is ``DistributedDataParallel``: every rank holds the whole model and its
 optimizer state, plus the reducer's gradient buckets (one copy of the trainable parameters).
 
@@ -36,9 +41,12 @@ import warnings
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL"]
+__all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "host_records"]
 
 PARALLEL = ("none", "ddp", "fsdp")
+OFFLOAD = ("none", "cpu", "cpu-unpinned")
+#: optimizers whose step runs only on a GPU (bitsandbytes, torchao kernels): not on an offloaded host
+_DEVICE_ONLY = ("8bit", "4bit", "paged", "fp8")
 _DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -82,6 +90,15 @@ _INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
 
 
 def _conflicts(recipe):
+    if recipe.offload != "none":
+        if recipe.parallel != "fsdp":
+            yield (f"offload={recipe.offload} and parallel={recipe.parallel} conflict: offload is FSDP2's "
+                   "CPUOffloadPolicy; set parallel=fsdp (at any number of GPUs, 1 included)")
+            return
+        if any(k in str(recipe.optimizer) for k in _DEVICE_ONLY):
+            yield (f"offload={recipe.offload} and optimizer={recipe.optimizer} conflict: with offload the optimizer "
+                   "steps on the host, and that optimizer's kernels run on a GPU only; use adamw (or adam, sgd)")
+            return
     if recipe.parallel == "none":
         for name in ("reshard_after_forward", "mixed_precision", "sync_grads"):
             default = next(f.default for f in TECHNIQUE.fields if f.name == name)
@@ -122,7 +139,7 @@ def _apply(build) -> None:
 
 def _shard(build, place) -> None:
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     recipe = build.recipe
     reshard = reshard_value(recipe.reshard_after_forward)
@@ -133,11 +150,14 @@ def _shard(build, place) -> None:
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     policy = (MixedPrecisionPolicy(param_dtype=names[dtypes[0]], reduce_dtype=names[dtypes[1]]) if dtypes
               else MixedPrecisionPolicy())
+    # pinning needs a GPU: a fake estimate on a CPU build shards unpinned, and reports the pinned bytes
+    offload = (CPUOffloadPolicy(pin_memory=recipe.offload == "cpu" and not place.fake) if recipe.offload != "none"
+               else OffloadPolicy())
     with _mesh_outside_fake():
-        _fully_shard(build, place, reshard, policy)
+        _fully_shard(build, place, reshard, policy, offload)
 
 
-def _fully_shard(build, place, reshard, policy) -> None:
+def _fully_shard(build, place, reshard, policy, offload) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from memfit.techniques.checkpointing import find_blocks
@@ -148,10 +168,11 @@ def _fully_shard(build, place, reshard, policy) -> None:
     if uneven is not None:
         place.notes["uneven"] = uneven  # the last rank's shards are smaller: estimate.py traces it too
     for _, block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
     # backward (its backward comes first), as torchtitan and torchtune leave it.
-    fully_shard(build.model, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy)
+    fully_shard(build.model, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
+                offload_policy=offload)
 
 
 @contextlib.contextmanager
@@ -223,6 +244,15 @@ def _fsdp_roles(watch):
         yield
 
 
+def host_records(ledger) -> set[int]:
+    """Records an offloaded FSDP2 step keeps in host memory: the shards, their gradients, the optimizer
+    state, and what the optimizer step allocates (it runs on the host). Everything else is the GPU's."""
+    from memfit.categories import Category
+
+    host = {Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE}
+    return {i for i, r in enumerate(ledger.records) if r.category in host or r.phase == "optimizer"}
+
+
 def _replicate(build, place) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -288,6 +318,9 @@ TECHNIQUE = Technique(
             Field("mixed_precision", "none", "fsdp: FSDP2 MixedPrecisionPolicy, compute[:reduce] dtype (bf16, "
                   "bf16:fp32): gathered parameters and gradients in it, shards stay fp32", slot=122,
                   check=_check_mixed),
+            Field("offload", "none", "fsdp: FSDP2 CPUOffloadPolicy: shards, their gradients and the optimizer step on the "
+                  "host (cpu: pinned, FSDP2's default; cpu-unpinned); host RAM and the host link pay", slot=124,
+                  choices=OFFLOAD),
             Field("sync_grads", "last", "with accumulation: reduce gradients on the last micro-batch only "
                   "(no_sync; fsdp keeps unsharded gradients meanwhile) or every one", slot=123,
                   choices=("last", "every"))),
