@@ -45,6 +45,7 @@ def _estimate(path, recipe, gpus=2, batch=4, **kwargs):
     ("tiny", {"parallel": "fsdp"}),
     ("tiny", {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}),
     ("uneven", {"parallel": "fsdp", "reshard_after_forward": "false"}),
+    ("tiny", {"parallel": "fsdp", "offload": "cpu-unpinned"}),
 ])
 def test_every_rank_matches_torchrun(configs, name, recipe):
     report = _estimate(configs[name], recipe)
@@ -53,6 +54,9 @@ def test_every_rank_matches_torchrun(configs, name, recipe):
     for truth in truths:
         estimate = estimated.get(truth["rank"], estimated[0])
         assert abs(estimate - truth["peak_bytes"]) <= 0.01 * truth["peak_bytes"], (truth, estimated)
+    if recipe.get("offload"):  # the host side: the real optimizer step's peak less buffers and batch
+        true_host = truths[0]["phase_peaks"]["optimizer:1"] - truths[0]["buffers_and_batch"]
+        assert abs(report.host_bytes - true_host) <= 0.02 * true_host, (report.host_bytes, true_host)
     if name == "uneven":  # the last rank's shards are smaller: traced, and the truth agrees they differ
         assert sorted(estimated) == [0, 1] and estimated[1] < estimated[0]
         assert truths[1]["peak_bytes"] < truths[0]["peak_bytes"]
@@ -68,6 +72,17 @@ def test_sharding_divides_the_model_states(configs):
     assert two.world == {"gpus": 2, "nodes": 1, "size": 2, "parallel": "fsdp", "rank": 0, "construction": "meta"}
     ddp = _estimate(configs["tiny"], {"parallel": "ddp"})
     assert ddp.by_category[Category.COMMUNICATION.value] > 0  # DDP's gradient buckets
+
+
+def test_offload_splits_gpu_and_host(configs):
+    plain = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpu="h100-sxm")
+    off = _estimate(configs["tiny"], {"parallel": "fsdp", "offload": "cpu"}, gpu="h100-sxm")
+    states = plain.by_category  # the shards and their state leave the GPU's figures
+    assert off.peak_bytes < plain.peak_bytes and off.by_category["optimizer_state"] == 0
+    assert off.host_bytes >= states["parameters"] + states["optimizer_state"]
+    assert 0 < off.pinned_bytes < off.host_bytes  # shards and gradients pinned, optimizer state not
+    cpu = _estimate(configs["tiny"], {"parallel": "fsdp", "offload": "cpu"})
+    assert cpu.peak_bytes == _estimate(configs["tiny"], {"parallel": "fsdp"}).peak_bytes  # one memory on a CPU
 
 
 def test_zero2_holds_more_than_zero3(configs):
@@ -95,6 +110,8 @@ def test_bad_input_is_one_line(configs, kwargs, words):
     ({"mixed_precision": "bf16"}, "needs parallel=fsdp"),
     ({"parallel": "ddp", "reshard_after_forward": "false"}, "FSDP2's"),
     ({"parallel": "fsdp", "reshard_after_forward": "maybe"}, "not understood"),
+    ({"offload": "cpu"}, "set parallel=fsdp"),
+    ({"parallel": "fsdp", "offload": "cpu", "optimizer": "adamw8bit"}, "run on a GPU only; use adamw"),
     ({"parallel": "fsdp", "mixed_precision": "fp32:bf16"}, "not understood"),
 ])
 def test_recipe_conflicts_name_both_fields(recipe, words):

@@ -1,7 +1,8 @@
 """``plan`` across GPUs: the fastest per-rank recipe of a data-parallel run that fits each card.
 
 The search: parallel (DDP; FSDP2 resharding after forward, ZeRO-3-like; FSDP2 keeping gathered
-parameters to backward, ZeRO-2-like) x activation checkpointing (off, every block) x the per-rank
+parameters to backward, ZeRO-2-like; FSDP2 with ``CPUOffloadPolicy``, at any GPU count, one
+included) x activation checkpointing (off, every block) x the per-rank
 micro-batch (divisors of global batch / ranks; the rest is accumulation, gradients synced on the
 last micro-batch). Mixed precision is bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy``
 (bf16 compute, fp32 reduce, fp32 shards, as torchtitan trains), autocast for DDP. Every candidate's
@@ -18,7 +19,8 @@ the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between
 (``hardware/gpus.py``), at the host link's efficiency. FSDP2 all-gathers every unit in forward, and
 again in backward when it reshards, for every micro-batch; it reduce-scatters once per step (sync on
 the last micro-batch); HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the
-gradients once per step.
+gradients once per step. Offload adds, unhidden, each gathered shard over the host link (fp32, per
+gather), the sharded gradients back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``.
 
 Written here because no library plans these together: torchtitan's memory estimation mode and
 DeepSpeed's ``estimate_zero3_model_states_mem_needs`` give one configuration's memory (the latter
@@ -39,7 +41,7 @@ from memfit.techniques.accumulation import divisors
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["plan_ranks", "structures", "comm_seconds", "smallest_world", "WORLDS"]
+__all__ = ["plan_ranks", "structures", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
@@ -52,11 +54,34 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
     policy = {"mixed_precision": "bf16:fp32"} if bf16 else {}
     zero2 = {"parallel": "fsdp", "reshard_after_forward": "false", **policy}
     zero3 = {"parallel": "fsdp", **policy}
+    offload = {**zero3, "offload": "cpu"}
     found = []
+    host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
     for checkpointing in ("off", "blocks") if has_blocks else ("off",):
-        for base in ((ddp, zero2, zero3) if world.size > 1 else (zero3,)):
+        bases = (ddp, zero2, zero3) if world.size > 1 else (zero3,)
+        for base in bases + ((offload,) if host_step else ()):
             found.append({**base, "checkpointing": checkpointing, "optimizer": optimizer})
     return found
+
+
+#: bytes/s one rank's share of the host streams through an offloaded optimizer step: a node's DRAM
+#: (~400 GB/s for two sockets of DDR5) shared by 8 ranks. An assumption, like ``NETWORK_BANDWIDTH``.
+HOST_STEP_BANDWIDTH = 50e9
+#: bytes an AdamW step reads and writes per fp32 parameter: parameter, gradient, two moments read,
+#: parameter and moments written (4 bytes each)
+ADAMW_BYTES = 7 * 4
+
+
+def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: int, card) -> float:
+    """Seconds an offloaded step adds on top of the GPU's: each gather's shard over the host link (fp32,
+    every micro-batch, twice when resharding), the sharded gradients back once, and the optimizer step
+    on the host."""
+    if recipe.offload == "none":
+        return 0.0
+    link = card.host_link_bandwidth * EFFICIENCY["host_link"]
+    shard = params * 4 / world.gpus
+    gathers = (1 + (recipe.reshard_after_forward != "false")) * micro_batches
+    return (gathers * shard + shard) / link + params / world.gpus * ADAMW_BYTES / HOST_STEP_BANDWIDTH
 
 
 def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
@@ -130,7 +155,9 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         compute = speed.kernel_seconds(steady.cost())
         comm, exposed = comm_seconds(recipe, world, report.parameters, (source.depth or 0) + 1,
                                      recipe.grad_accum_steps, target)
-        seconds = max(compute, comm) + exposed
+        # the host's optimizer step and the shard copies are not hidden behind the GPU's kernels
+        seconds = max(compute, comm) + exposed + offload_seconds(recipe, world, report.parameters,
+                                                                  recipe.grad_accum_steps, target)
         samples = global_batch_size / seconds
         tokens = samples * seq_len if seq_len else None
         results.append((Plan(recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, seconds, samples,
@@ -197,6 +224,25 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
         if report.verdict != OOM:
             return world, report
     return None
+
+
+def offload_fits(source, target, budget_bytes: int, global_batch_size: int, seq_len, optimizer: str, loss_fn=None):
+    """The per-rank Report of FSDP2 with ``CPUOffloadPolicy`` on one ``target`` (bf16 policy where the
+    card has it, every block checkpointed, micro-batch 1) if it fits ``budget_bytes``, else None."""
+    from memfit.estimator.estimate import estimate
+    from memfit.estimator.verdict import OOM
+
+    if any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8")):
+        return None
+    fields = {"parallel": "fsdp", "offload": "cpu", "optimizer": optimizer, "micro_batch_size": 1,
+              "grad_accum_steps": global_batch_size}
+    if target.bf16:
+        fields["mixed_precision"] = "bf16:fp32"
+    if source.depth:
+        fields["checkpointing"] = "blocks"
+    report = estimate(source, recipe=Recipe(**fields), batch_size=global_batch_size, seq_len=seq_len, gpu=target,
+                      budget=budget_bytes, gpus=1, loss_fn=loss_fn)
+    return None if report.verdict == OOM else report
 
 
 def _largest_fitting(trace, fields: dict, sizes: list[int]):

@@ -102,27 +102,35 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
                         key=lambda g: g.memory_bytes)
         if bigger:
             fixes.append(f"a bigger card ({bigger[0].name}, {format_size(bigger[0].memory_bytes)})")
-        fixes.append(_sharding(engine, budget))
+        fixes.extend(_sharding(engine, budget))
     return NothingFits(
         f"nothing fits {format_size(budget)}: the smallest recipe found ({smallest.recipe.describe()}) needs "
         f"{format_size(smallest.device_bytes)}; try " + ", or ".join(fixes), smallest)
 
 
-def _sharding(engine, budget: int) -> str:
-    """The fewest GPUs FSDP2 fits over, from real per-rank estimates (``ranks.smallest_world``)."""
-    from memfit.planner.ranks import WORLDS, smallest_world
+def _sharding(engine, budget: int) -> list[str]:
+    """FSDP2's CPU offload on this one card, and the fewest GPUs FSDP2 fits over, each from a real
+    per-rank estimate (``ranks.offload_fits``, ``ranks.smallest_world``)."""
+    from memfit.planner.ranks import WORLDS, offload_fits, smallest_world
 
+    args = (engine.source, engine.target, budget, engine.global_batch_size, engine.seq_len, engine.optimizer,
+            engine.loss_fn)
+    out = []
     try:
-        found = smallest_world(engine.source, engine.target, budget, engine.global_batch_size, engine.seq_len,
-                               engine.optimizer, engine.loss_fn)
+        offload = offload_fits(*args)
+        found = smallest_world(*args)
     except MemfitError as err:  # a model the fake process group cannot shard: say so, do not guess
-        return f"sharding over several GPUs (FSDP2 could not be estimated here: {err})"
+        return [f"sharding over several GPUs (FSDP2 could not be estimated here: {err})"]
+    if offload is not None:
+        out.append(f"FSDP2's CPU offload on this card ({format_size(offload.device_bytes)} on the GPU and "
+                   f"{format_size(offload.host_bytes or 0)} of host RAM by an estimate of "
+                   f"{Recipe.from_dict(offload.settings['recipe']).describe()}; memfit plan --gpus 1)")
     if found is None:
-        return f"sharding over more than {WORLDS[-1]} GPUs, or over nodes (memfit plan --gpus N --nodes M)"
+        return out + [f"sharding over more than {WORLDS[-1]} GPUs, or over nodes (memfit plan --gpus N --nodes M)"]
     world, report = found
     recipe = Recipe.from_dict(report.settings["recipe"]).describe()
-    return (f"sharding with FSDP2 over {world.size} GPUs ({format_size(report.device_bytes)} per rank by a per-rank "
-            f"estimate of {recipe}; memfit plan --gpus {world.size} for the fastest)")
+    return out + [f"sharding with FSDP2 over {world.size} GPUs ({format_size(report.device_bytes)} per rank by a "
+                  f"per-rank estimate of {recipe}; memfit plan --gpus {world.size} for the fastest)"]
 
 
 def _caveats(report) -> list[str]:
