@@ -116,24 +116,20 @@ def _settled(collective):
     return call
 
 
-class _Phases:
+def _phases():
     """A watch for ``apply`` that marks each phase in the profile (``memfit::forward:0``) and labels
-    nothing: the truth's only bookkeeping is where each phase begins."""
+    nothing (``Quiet``: the step runs as with nobody watching): the truth's only bookkeeping is where
+    each phase begins."""
+    import torch
 
-    def begin(self, phase, step):
-        import torch
+    from memfit.techniques.apply import Quiet
 
-        with torch.profiler.record_function(f"memfit::{phase}:{step}"):
-            pass
+    class Phases(Quiet):
+        def begin(self, phase, step):
+            with torch.profiler.record_function(f"memfit::{phase}:{step}"):
+                pass
 
-    def mark(self, tensor, category):
-        pass
-
-    def manage(self, tensors):
-        pass
-
-    def settle(self):
-        pass
+    return Phases()
 
 
 def _bytes(tensors) -> int:
@@ -178,7 +174,7 @@ def _run(case: dict) -> dict:
                 model.to(torch.bfloat16)
             torch.manual_seed(1 + rank)
             batch = source.make_batch(per_rank, case.get("seq_len"), None)
-            model, _, step = apply(model, recipe, watch=_Phases())
+            model, _, step = apply(model, recipe, watch=_phases())
             gc.collect()
             with record_function("memfit::steps"):
                 pass

@@ -37,10 +37,10 @@ from memfit.techniques.registry import techniques
 from memfit.techniques.spec import Build
 from memfit.techniques.step import check_loss, default_loss, token_weights
 
-__all__ = ["apply", "run_steps"]
+__all__ = ["apply", "run_steps", "Quiet"]
 
 
-class _Quiet:
+class Quiet:
     """Stands in for a ledger when nobody is watching."""
 
     def begin(self, phase, step):
@@ -65,7 +65,7 @@ def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=Non
                micro-batches of ``batch`` (split along dim 0), gradients zeroed after.
     """
     recipe = recipe or Recipe()
-    build = Build(recipe, model, next((p.device.type for p in model.parameters()), "cpu"), watch or _Quiet(),
+    build = Build(recipe, model, next((p.device.type for p in model.parameters()), "cpu"), watch or Quiet(),
                   loss_fn=loss_fn, user_loss=loss_fn is not None, optimizer_spec=optimizer or recipe.optimizer)
     for technique in techniques():
         if technique.apply is not None:
@@ -118,7 +118,7 @@ class _Step:
         # No hooks when nothing packs and nobody watches: an identity pack hook keeps a saved output
         # and its grad_fn in a cycle torch's gc cannot see, so a forward that raises (an OOM) would
         # leak its partial graph; backward breaks the cycle, an exception does not.
-        hooks = self._hooks() if self.pack or not isinstance(self.watch, _Quiet) else contextlib.nullcontext()
+        hooks = self._hooks() if self.pack or not isinstance(self.watch, Quiet) else contextlib.nullcontext()
         with hooks, contextlib.ExitStack() as stack:
             for context in self.contexts:
                 stack.enter_context(context())
