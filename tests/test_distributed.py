@@ -210,3 +210,17 @@ def test_collective_time_model():
     assert ddp == pytest.approx(2 * params * 4 * 7 / 8 / rate)
     assert hsdp > zero3  # the shards all-reduced between nodes too
     assert comm_seconds(Recipe(parallel="fsdp"), World(1), params, 33, 1, h100) == (0.0, 0.0)
+
+
+def test_fit_across_gpus_is_the_largest_per_rank_micro_batch(configs):
+    recipe = Recipe(parallel="fsdp")
+    found = memfit.fit(configs["tiny"], gpu="rtx-4090", budget="560MiB", recipe=recipe, gpus=2, seq_len=64)
+    n = found.micro_batch_size
+    assert n >= 1 and found.device_bytes <= found.budget_bytes < found.next_bytes
+    at = memfit.estimate(configs["tiny"], recipe=recipe.replace(micro_batch_size=n), batch_size=2 * n, seq_len=64,
+                         gpu="rtx-4090", budget="560MiB", gpus=2)
+    above = memfit.estimate(configs["tiny"], recipe=recipe.replace(micro_batch_size=n + 1), batch_size=2 * (n + 1),
+                            seq_len=64, gpu="rtx-4090", budget="560MiB", gpus=2)
+    assert at.verdict != "out_of_memory" and above.verdict == "out_of_memory"
+    with pytest.raises(MemfitError, match="needs parallel=ddp or parallel=fsdp"):
+        memfit.fit(configs["tiny"], gpu="rtx-4090", gpus=2, seq_len=64)

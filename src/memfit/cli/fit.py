@@ -18,6 +18,7 @@ def build(fit) -> None:
     _args.add_seq_len(fit)
     _args.add_recipe(fit)
     _args.recipe_flags(fit)
+    _args.add_world(fit)
     _args.add_batch(fit, help="package.module:function returning an example batch (for factory "
                     "models; grown along dim 0 to each size tried)")
     _args.add_loss(fit)
@@ -43,7 +44,7 @@ def run(args) -> int:
         try:
             found = fit(args.model, _args.import_spec(args.batch), gpu=args.gpu, budget=args.budget, recipe=recipe,
                         seq_len=args.seq_len, loss_fn=_args.import_spec(args.loss), device=args.device,
-                        progress=update)
+                        progress=update, gpus=getattr(args, "gpus", None), nodes=getattr(args, "nodes", None))
         except NoBatchFits as err:
             if args.json:
                 print(json.dumps({"fits": False, "message": str(err), "needed_bytes": err.needed_bytes,

@@ -107,7 +107,7 @@ class NoBatchFits(MemfitError):
 
 def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = None, precision: str = "fp32",
         optimizer: str = "adamw", seq_len: int | None = None, loss_fn=None, device: str | None = None,
-        limit: int = LIMIT, progress=None, cache=None) -> Fit:
+        limit: int = LIMIT, progress=None, cache=None, gpus: int | None = None, nodes: int | None = None) -> Fit:
     """The largest micro-batch of ``recipe`` that fits ``budget``, and the global batch it gives.
 
     model      as for :func:`memfit.estimate`.
@@ -122,8 +122,14 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
     cache      a ``memfit.planner.cache.EngineCache`` shared with other ``plan``/``fit`` calls of the
                same config: its traces and full estimates are reused; default: made afresh.
 
+    gpus, nodes  a data-parallel run (``recipe.parallel`` ddp or fsdp): the answer is the largest per-rank
+               micro-batch, each size a full per-rank estimate (``ranks.fit_ranks``).
+
     Raises ``NoBatchFits`` (a ``MemfitError``) when micro-batch 1 does not fit.
     """
+    if gpus is not None or nodes is not None:
+        return _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, limit, progress,
+                          gpus, nodes)
     start = time.perf_counter()
     search = _Search(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
                      progress, cache)
@@ -353,6 +359,27 @@ class _Search:
 
         first = batch_tensors(self.example)[0]  # token ids: a 2-D integer tensor (rows x sequence)
         return first.shape[1] if first.dim() == 2 and not first.is_floating_point() else None
+
+
+def _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, limit, progress, gpus, nodes):
+    from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
+    from memfit.hardware.cluster import world_of
+    from memfit.models.source import resolve
+    from memfit.planner.ranks import fit_ranks
+
+    world = world_of(gpus, nodes)
+    recipe, _ = recipe_from(recipe, precision, optimizer)
+    if recipe.parallel == "none":
+        raise MemfitError(f"gpus={gpus} needs parallel=ddp or parallel=fsdp in the recipe (--parallel fsdp)")
+    if batch is not None:
+        raise MemfitError("fit across GPUs grows a catalog or config model's batch: drop batch= (or gpus=)")
+    target = resolve_target("cuda", gpu or DEFAULT_GPU)
+    budget_bytes = target.memory_bytes if budget is None else parse_size(budget)
+    source = resolve(model)
+    if seq_len is None and source.config is not None:
+        seq_len = source.default_seq_len()
+    return fit_ranks(source, target=target, budget_bytes=budget_bytes, recipe=recipe, world=world, seq_len=seq_len,
+                     loss_fn=loss_fn, limit=limit, progress=progress)
 
 
 def _grown(batch, rows: int):

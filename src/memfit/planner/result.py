@@ -80,6 +80,7 @@ class Plans(list):
 class NothingFits(MemfitError):
     """No recipe fits: the smallest one found, and what would make one fit."""
 
-    def __init__(self, message: str, smallest: Plan):
-        super().__init__(message)
+    def __init__(self, message: str, smallest: Plan | None):
+        # an answer, not bad input: every fix it names (each from an estimate) is kept, on one line
+        ValueError.__init__(self, " ".join(str(message).split()))
         self.smallest = smallest
