@@ -365,7 +365,6 @@ def _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len,
     from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
     from memfit.hardware.cluster import world_of
     from memfit.models.source import resolve
-    from memfit.planner.ranks import fit_ranks
 
     world = world_of(gpus, nodes)
     recipe, _ = recipe_from(recipe, precision, optimizer)
@@ -380,6 +379,53 @@ def _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len,
         seq_len = source.default_seq_len()
     return fit_ranks(source, target=target, budget_bytes=budget_bytes, recipe=recipe, world=world, seq_len=seq_len,
                      loss_fn=loss_fn, limit=limit, progress=progress)
+
+
+def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World, seq_len, loss_fn=None,
+              limit: int = 65536, progress=None):
+    """``fit`` for one rank of ``world``: the largest per-rank micro-batch of ``recipe`` (its
+    ``grad_accum_steps`` kept) whose per-rank estimate fits ``budget_bytes``: doubling, then
+    bisection, every size a full per-rank estimate (memory grows with the micro-batch)."""
+    from memfit.estimator.estimate import estimate
+
+    start = time.perf_counter()
+    accum, seen = recipe.grad_accum_steps, {}
+
+    def check(micro: int):
+        if micro not in seen:
+            seen[micro] = estimate(source, recipe=recipe.replace(micro_batch_size=micro), seq_len=seq_len,
+                                   batch_size=micro * accum * world.size, gpu=target, budget=budget_bytes,
+                                   gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+            if progress is not None:
+                progress(len(seen), len(seen) + 1)
+        return seen[micro].verdict != OOM
+
+    if not check(1):
+        one = seen[1]
+        raise NoBatchFits(f"micro-batch 1 of {recipe.describe()} does not fit {world.describe()} x {target.name}: "
+                          f"{format_size(one.device_bytes + (one.missing_bytes or 0))} per rank of "
+                          f"{format_size(budget_bytes)}; memfit plan --gpus {world.gpus}"
+                          + (f" --nodes {world.nodes}" if world.nodes > 1 else "") + " finds a recipe that does",
+                          one.device_bytes + (one.missing_bytes or 0), budget_bytes)
+    low = 1
+    while low * 2 <= limit and check(low * 2):
+        low *= 2
+    high = min(low * 2, limit + 1)  # does not fit (or past the limit)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if check(middle) else (low, middle)
+    report, above = seen[low], seen.get(low + 1)
+    notes = [f"per rank of {world.describe()} ({recipe.parallel}): the global batch is micro-batch x "
+             f"{accum} accumulation x {world.size} ranks = {low * accum * world.size}"]
+    if above is None:
+        notes.append(f"the search stops at micro-batch {limit} (limit=)")
+    return Fit(recipe=recipe.replace(micro_batch_size=low), micro_batch_size=low, grad_accum_steps=accum,
+               budget_bytes=budget_bytes, device_bytes=report.device_bytes, allocated_bytes=report.peak_bytes,
+               reserved_bytes=report.reserved_bytes,
+               next_bytes=None if above is None else above.device_bytes + (above.missing_bytes or 0),
+               predicted_micro_batch_size=None, tokens_per_example=seq_len, estimates=len(seen), traces=0,
+               seconds=time.perf_counter() - start, device="cuda", gpu=target.name, model=source.name, report=report,
+               notes=tuple(notes))
 
 
 def _grown(batch, rows: int):

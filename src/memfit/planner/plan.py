@@ -25,16 +25,12 @@ import time
 
 from memfit.planner.cache import EngineCache
 from memfit.planner.reasons import _caveats, _front, _nothing_fits, _reasons
-from memfit.planner.result import NothingFits, Plan, Plans
+from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as _clean
 from memfit.planner.space import ALLOWABLE, allowed_names, search_space
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size, parse_size
 
-#: a candidate that fits only with a setting (expandable segments) or tightly is taken over clean ones
-#: that are slower than it by more than this factor (fused AdamW made fp32 recipes fit an H200 cleanly
-#: at 746 tokens/s beside a bf16-mixed one needing expandable segments at 6,847)
-CLEAN_SLOWDOWN = 1.25
 
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
 
@@ -221,15 +217,6 @@ def _margin(nbytes: int, target) -> int:
     from memfit.estimator.verdict import error_margin
 
     return error_margin(nbytes)
-
-
-def _clean(report) -> bool:
-    """Fits as the allocator is set by default, with no cudaFree-and-retry and the error to spare."""
-    if report.verdict is None:
-        return True
-    from memfit.estimator.verdict import FITS
-
-    return report.verdict == FITS and not report.retries and not report.tight
 
 
 def _fits(report, budget: int) -> bool:

@@ -35,13 +35,13 @@ from memfit.errors import MemfitError
 from memfit.hardware.cluster import World, fake_world
 from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
 from memfit.planner.cost import EFFICIENCY, Speed
-from memfit.planner.result import NothingFits, Plan, Plans
+from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.terms import KernelRows, Phases
 from memfit.techniques.accumulation import divisors
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["plan_ranks", "fit_ranks", "structures", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
+__all__ = ["plan_ranks", "structures", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
@@ -172,6 +172,14 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         raise NothingFits(f"nothing fits {world.describe()} x {target.name} ({format_size(budget_bytes)} each): "
                           f"every structure is over budget at micro-batch 1; {more}", None)
     results.sort(key=lambda item: (item[0].step_seconds, item[0].device_bytes))
+    # as the single-card plan: a clean fit (no retry, no expandable segments, the measured error to
+    # spare) wins unless a tight or conditional one is more than CLEAN_SLOWDOWN faster
+    clean = [item for item in results if is_clean(item[1])]
+    if clean and clean[0] is not results[0] and clean[0][0].step_seconds <= results[0][0].step_seconds * CLEAN_SLOWDOWN:
+        notes.append(f"{results.index(clean[0])} faster candidate(s) fit only tightly or with a setting: the fastest "
+                     "clean fit is chosen")
+        results.remove(clean[0])
+        results.insert(0, clean[0])
     best, report, compute, comm = results[0]
     checked = estimate(source, recipe=best.recipe,
                        batch_size=global_batch_size, seq_len=seq_len, gpu=target, budget=budget_bytes,
@@ -224,55 +232,6 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
         if report.verdict != OOM:
             return world, report
     return None
-
-
-def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World, seq_len, loss_fn=None,
-              limit: int = 65536, progress=None):
-    """``fit`` for one rank of ``world``: the largest per-rank micro-batch of ``recipe`` (its
-    ``grad_accum_steps`` kept) whose per-rank estimate fits ``budget_bytes``: doubling, then
-    bisection, every size a full per-rank estimate (memory grows with the micro-batch)."""
-    from memfit.estimator.estimate import estimate
-    from memfit.estimator.verdict import OOM
-    from memfit.planner.fit import Fit, NoBatchFits
-
-    start = time.perf_counter()
-    accum, seen = recipe.grad_accum_steps, {}
-
-    def check(micro: int):
-        if micro not in seen:
-            seen[micro] = estimate(source, recipe=recipe.replace(micro_batch_size=micro), seq_len=seq_len,
-                                   batch_size=micro * accum * world.size, gpu=target, budget=budget_bytes,
-                                   gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
-            if progress is not None:
-                progress(len(seen), len(seen) + 1)
-        return seen[micro].verdict != OOM
-
-    if not check(1):
-        one = seen[1]
-        raise NoBatchFits(f"micro-batch 1 of {recipe.describe()} does not fit {world.describe()} x {target.name}: "
-                          f"{format_size(one.device_bytes + (one.missing_bytes or 0))} per rank of "
-                          f"{format_size(budget_bytes)}; memfit plan --gpus {world.gpus}"
-                          + (f" --nodes {world.nodes}" if world.nodes > 1 else "") + " finds a recipe that does",
-                          one.device_bytes + (one.missing_bytes or 0), budget_bytes)
-    low = 1
-    while low * 2 <= limit and check(low * 2):
-        low *= 2
-    high = min(low * 2, limit + 1)  # does not fit (or past the limit)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if check(middle) else (low, middle)
-    report, above = seen[low], seen.get(low + 1)
-    notes = [f"per rank of {world.describe()} ({recipe.parallel}): the global batch is micro-batch x "
-             f"{accum} accumulation x {world.size} ranks = {low * accum * world.size}"]
-    if above is None:
-        notes.append(f"the search stops at micro-batch {limit} (limit=)")
-    return Fit(recipe=recipe.replace(micro_batch_size=low), micro_batch_size=low, grad_accum_steps=accum,
-               budget_bytes=budget_bytes, device_bytes=report.device_bytes, allocated_bytes=report.peak_bytes,
-               reserved_bytes=report.reserved_bytes,
-               next_bytes=None if above is None else above.device_bytes + (above.missing_bytes or 0),
-               predicted_micro_batch_size=None, tokens_per_example=seq_len, estimates=len(seen), traces=0,
-               seconds=time.perf_counter() - start, device="cuda", gpu=target.name, model=source.name, report=report,
-               notes=tuple(notes))
 
 
 def offload_fits(source, target, budget_bytes: int, global_batch_size: int, seq_len, optimizer: str, loss_fn=None):
