@@ -47,6 +47,7 @@ class Placement:
     world: World
     rank: int
     mesh: object  # a torch DeviceMesh: 1-D (size,) or 2-D (nodes, gpus) named ("replicate", "shard")
+    flat: object  # the 1-D mesh over every rank (``mesh`` itself on one node)
     fake: bool  # under the fake process group (an estimate), or a real one
     notes: dict = field(default_factory=dict)  # what the step's techniques found ("uneven": a parameter's name)
     init_sync: bool = True  # DDP broadcasts rank 0's parameters at construction (real runs)
@@ -93,7 +94,11 @@ def _mesh(world: World):
 
 
 def _placement(world: World, rank: int, fake: bool, init_sync: bool = True) -> Placement:
-    return Placement(world, rank, _mesh(world), fake, init_sync=init_sync)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = _mesh(world)
+    flat = mesh if world.nodes == 1 else init_device_mesh("cpu", (world.size,), mesh_dim_names=("world",))
+    return Placement(world, rank, mesh, flat, fake, init_sync=init_sync)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 The search: parallel (DDP; FSDP2 resharding after forward, ZeRO-3-like; FSDP2 keeping gathered
 parameters to backward, ZeRO-2-like; FSDP2 with ``CPUOffloadPolicy``, at any GPU count, one
-included) x activation checkpointing (off, every block) x the per-rank
+included; over several nodes HSDP and FSDP2 over every rank) x activation checkpointing (off, every block) x the per-rank
 micro-batch (divisors of global batch / ranks; the rest is accumulation, gradients synced on the
 last micro-batch). Mixed precision is bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy``
 (bf16 compute, fp32 reduce, fp32 shards, as torchtitan trains), autocast for DDP. Every candidate's
@@ -57,9 +57,12 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
     offload = {**zero3, "offload": "cpu"}
     found = []
     host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
+    spread = [{**zero3, "hsdp": False}] if world.nodes > 1 else []  # over every rank: 1/size each
+    if world.nodes > 1 and host_step:
+        spread.append({**offload, "hsdp": False})
     for checkpointing in ("off", "blocks") if has_blocks else ("off",):
         bases = (ddp, zero2, zero3) if world.size > 1 else (zero3,)
-        for base in bases + ((offload,) if host_step else ()):
+        for base in bases + ((offload,) if host_step else ()) + tuple(spread):
             found.append({**base, "checkpointing": checkpointing, "optimizer": optimizer})
     return found
 
@@ -79,9 +82,9 @@ def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: in
     if recipe.offload == "none":
         return 0.0
     link = card.host_link_bandwidth * EFFICIENCY["host_link"]
-    shard = params * 4 / world.gpus
+    shard = params * 4 / (world.gpus if recipe.hsdp else world.size)
     gathers = (1 + (recipe.reshard_after_forward != "false")) * micro_batches
-    return (gathers * shard + shard) / link + params / world.gpus * ADAMW_BYTES / HOST_STEP_BANDWIDTH
+    return (gathers * shard + shard) / link + shard / 4 * ADAMW_BYTES / HOST_STEP_BANDWIDTH
 
 
 def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
@@ -94,14 +97,16 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     if recipe.parallel == "ddp":
         ring = 2 * params * 4 * (world.size - 1) / world.size  # fp32 gradients, one all-reduce per step
         return ring / (between if world.nodes > 1 else within), 0.0
-    n = world.gpus
+    n = world.gpus if recipe.hsdp else world.size
+    if not recipe.hsdp and world.nodes > 1:  # one ring over every rank: as fast as its network hops
+        within = between
     gather_bytes = 2 if recipe.mixed_precision.startswith("bf16") else 4
     reduce_bytes = 4 if recipe.mixed_precision in ("none", "bf16:fp32") else 2
     gathers = 1 + (recipe.reshard_after_forward != "false")  # forward, and backward when resharded
     all_gather = params * gather_bytes * (n - 1) / n / within if n > 1 else 0.0
     seconds = all_gather * gathers * micro_batches
     seconds += params * reduce_bytes * (n - 1) / n / within if n > 1 else 0.0
-    if world.nodes > 1:  # HSDP: the shards all-reduced between nodes
+    if world.nodes > 1 and recipe.hsdp:  # HSDP: the shards all-reduced between nodes
         seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
     return seconds, all_gather / max(units, 1)
 
@@ -226,7 +231,8 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
     for world in worlds:
         if world.size <= above or global_batch_size % world.size:
             continue
-        recipe = Recipe(**fields, grad_accum_steps=global_batch_size // world.size)
+        # over nodes, HSDP would hold what one node holds: shard over every rank
+        recipe = Recipe(**fields, grad_accum_steps=global_batch_size // world.size, hsdp=world.nodes == 1)
         report = estimate(source, recipe=recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target,
                           budget=budget_bytes, gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
         if report.verdict != OOM:
