@@ -18,7 +18,7 @@ an all-gather or reduce-scatter of B bytes moves B x (n-1)/n per rank, an all-re
 the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between nodes
 (``hardware/gpus.py``), at the host link's efficiency. FSDP2 all-gathers every unit in forward, and
 again in backward when it reshards, for every micro-batch; it reduce-scatters once per step (sync on
-the last micro-batch); HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the
+the last micro-batch) or once per micro-batch; HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the
 gradients once per step. Offload adds, unhidden, each gathered shard over the host link (fp32, per
 gather), the sharded gradients back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``.
 
@@ -54,7 +54,9 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
     policy = {"mixed_precision": "bf16:fp32"} if bf16 else {}
     zero2 = {"parallel": "fsdp", "reshard_after_forward": "false", **policy}
     zero3 = {"parallel": "fsdp", **policy}
-    offload = {**zero3, "offload": "cpu"}
+    # offloaded gradients are reduced every micro-batch: kept unsharded (sync on the last) they would
+    # sit on the GPU whole, which is what offload is there to avoid
+    offload = {**zero3, "offload": "cpu", "sync_grads": "every"}
     found = []
     host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
     spread = [{**zero3, "hsdp": False}] if world.nodes > 1 else []  # over every rank: 1/size each
@@ -84,7 +86,8 @@ def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: in
     link = card.host_link_bandwidth * EFFICIENCY["host_link"]
     shard = params * 4 / (world.gpus if recipe.hsdp else world.size)
     gathers = (1 + (recipe.reshard_after_forward != "false")) * micro_batches
-    return (gathers * shard + shard) / link + shard / 4 * ADAMW_BYTES / HOST_STEP_BANDWIDTH
+    reduces = micro_batches if recipe.sync_grads == "every" else 1
+    return (gathers + reduces) * shard / link + shard / 4 * ADAMW_BYTES / HOST_STEP_BANDWIDTH
 
 
 def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
@@ -104,8 +107,9 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     reduce_bytes = 4 if recipe.mixed_precision in ("none", "bf16:fp32") else 2
     gathers = 1 + (recipe.reshard_after_forward != "false")  # forward, and backward when resharded
     all_gather = params * gather_bytes * (n - 1) / n / within if n > 1 else 0.0
+    reduces = micro_batches if recipe.sync_grads == "every" else 1
     seconds = all_gather * gathers * micro_batches
-    seconds += params * reduce_bytes * (n - 1) / n / within if n > 1 else 0.0
+    seconds += reduces * params * reduce_bytes * (n - 1) / n / within if n > 1 else 0.0
     if world.nodes > 1 and recipe.hsdp:  # HSDP: the shards all-reduced between nodes
         seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
     return seconds, all_gather / max(units, 1)
@@ -211,7 +215,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
 def smallest_world(source, target, budget_bytes: int, global_batch_size: int, seq_len, optimizer: str, loss_fn=None,
                    gpus_per_node: int | None = None, above: int = 1):
     """(World, per-rank Report) of the fewest GPUs of ``target`` over which FSDP2 (resharding, bf16
-    policy where the card has it, every block checkpointed, micro-batch 1) fits ``budget_bytes`` per
+    policy where the card has it, every block checkpointed, micro-batch 1, gradients reduced every
+    micro-batch) fits ``budget_bytes`` per
     rank, by full per-rank estimates: one node of ``WORLDS`` GPUs, or with ``gpus_per_node`` that many
     per node on 1, 2, 4, ... nodes; only worlds of more than ``above`` GPUs whose size divides the
     batch. None if none up to 64 GPUs per node or 64 nodes fits. Stops at the first that fits: the
@@ -219,7 +224,7 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
     from memfit.estimator.estimate import estimate
     from memfit.estimator.verdict import OOM
 
-    fields = {"parallel": "fsdp", "optimizer": optimizer, "micro_batch_size": 1}
+    fields = {"parallel": "fsdp", "optimizer": optimizer, "micro_batch_size": 1, "sync_grads": "every"}
     if target.bf16:
         fields["mixed_precision"] = "bf16:fp32"
     if source.depth:
@@ -242,14 +247,15 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
 
 def offload_fits(source, target, budget_bytes: int, global_batch_size: int, seq_len, optimizer: str, loss_fn=None):
     """The per-rank Report of FSDP2 with ``CPUOffloadPolicy`` on one ``target`` (bf16 policy where the
-    card has it, every block checkpointed, micro-batch 1) if it fits ``budget_bytes``, else None."""
+    card has it, every block checkpointed, micro-batch 1, gradients reduced every micro-batch) if it
+    fits ``budget_bytes``, else None."""
     from memfit.estimator.estimate import estimate
     from memfit.estimator.verdict import OOM
 
     if any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8")):
         return None
     fields = {"parallel": "fsdp", "offload": "cpu", "optimizer": optimizer, "micro_batch_size": 1,
-              "grad_accum_steps": global_batch_size}
+              "grad_accum_steps": global_batch_size, "sync_grads": "every"}
     if target.bf16:
         fields["mixed_precision"] = "bf16:fp32"
     if source.depth:

@@ -200,6 +200,8 @@ def page_state(opt, watch) -> None:
 
 def _apply(build) -> None:
     spec, impl, watch = build.optimizer_spec, build.recipe.optimizer_impl, build.watch
+    if impl == "auto" and getattr(build.recipe, "offload", "none") != "none":
+        impl = "forloop"  # FSDP2's CPU offload steps on host tensors: torch's default there is the for-loop
 
     def make(params):
         opt = make_optimizer(spec, params, impl)
