@@ -93,6 +93,7 @@ def test_zero2_holds_more_than_zero3(configs):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"recipe": {"parallel": "fsdp"}, "batch": 3}, "does not divide over 2 GPUs"),
+    ({"recipe": {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 2}, "batch": 8}, "is 4 per rank"),
     ({"recipe": {}, "batch": 4}, "parallel=ddp or parallel=fsdp"),
     ({"recipe": {"parallel": "fsdp"}, "batch": 4, "fast": True}, "fast=True and parallel conflict"),
     ({"recipe": {"parallel": "fsdp", "reshard_after_forward": "3"}, "batch": 4}, "does not divide the 2 GPUs"),

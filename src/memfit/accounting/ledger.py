@@ -45,8 +45,9 @@ try:  # a build without torch.distributed has no DTensor
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover
     _DTensor = None
-# Collectives and FSDP2's copy-in/out ops: no kernel scratch to replay (they cannot run alone);
-# a backend's own copies are ``distributed/backend.py``'s rule.
+# Collectives and FSDP2's copy-in/out ops: no kernel scratch to replay (they cannot run alone). A
+# backend's own staging copies (gloo's) are not the step's: the truth leaves them out too
+# (``distributed/truth.py``), as NCCL's buffers are outside the caching allocator.
 _NOT_PROBED = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA

@@ -77,7 +77,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                nodes (default 1). The step is one rank's, run by FSDP2 / DDP themselves under PyTorch's
                fake process group (``hardware/cluster.py``); ``batch_size`` is still the examples of one
                optimizer step, over all ranks: each rank's is batch_size / (gpus x nodes). The report is
-               the rank with the highest peak; ``report.ranks`` holds each distinct rank's.
+               the rank with the highest peak; ``report.ranks`` holds each distinct rank's. An explicit
+               ``batch`` is one rank's.
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
@@ -292,7 +293,13 @@ def step_batch(batch_size: int | None, recipe: Recipe, ranks: int = 1) -> int:
         if batch_size % ranks:
             raise MemfitError(f"batch_size={batch_size} does not divide over {ranks} GPUs: batch_size is the examples "
                               f"of one optimizer step over all ranks; use a multiple of {ranks}")
-        return step_batch(batch_size // ranks, recipe)
+        per_rank = batch_size // ranks
+        if recipe.micro_batch_size and per_rank != recipe.micro_batch_size * recipe.grad_accum_steps:
+            per_step = recipe.micro_batch_size * recipe.grad_accum_steps
+            raise MemfitError(f"batch_size={batch_size} over {ranks} GPUs is {per_rank} per rank, and micro_batch_size="
+                              f"{recipe.micro_batch_size} x grad_accum_steps={recipe.grad_accum_steps} = {per_step} "
+                              f"conflict: use batch_size={per_step * ranks}, or leave batch_size out")
+        return step_batch(per_rank, recipe)
     if not recipe.micro_batch_size:
         return batch_size or 1
     per_step = recipe.micro_batch_size * recipe.grad_accum_steps
