@@ -30,6 +30,8 @@ HERE = Path(__file__).parent
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
         "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+BERT = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 128}
 UNEVEN = dict(TINY, vocab_size=1001, tie_word_embeddings=False, intermediate_size=350)
 
 # (name, config, ranks, recipe, batch over all ranks, nodes)
@@ -46,6 +48,7 @@ CASES = [
     ("fsdp-offload", TINY, 2, {"parallel": "fsdp", "offload": "cpu-unpinned"}, 4, 1),
     ("fsdp-offload-1", TINY, 1, {"parallel": "fsdp", "offload": "cpu-unpinned"}, 2, 1),
     ("fsdp-uneven", UNEVEN, 2, {"parallel": "fsdp"}, 4, 1),
+    ("fsdp-bert-tied", BERT, 2, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-4", TINY, 4, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-uneven-4", UNEVEN, 4, {"parallel": "fsdp"}, 4, 1),
     ("hsdp-2x2", TINY, 4, {"parallel": "fsdp"}, 4, 2),

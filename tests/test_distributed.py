@@ -229,3 +229,14 @@ def test_fit_across_gpus_is_the_largest_per_rank_micro_batch(configs):
     assert at.verdict != "out_of_memory" and above.verdict == "out_of_memory"
     with pytest.raises(MemfitError, match="needs parallel=ddp or parallel=fsdp"):
         memfit.fit(configs["tiny"], gpu="rtx-4090", gpus=2, seq_len=64)
+
+
+def test_tied_and_one_off_blocks_stay_with_the_root(tmp_path):
+    # BERT's _no_split_modules names its embeddings, whose word embeddings are tied to the MLM head:
+    # FSDP2 wraps only the repeated layers; the tied weight stays in the root's group
+    config = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = memfit.estimate(str(tmp_path / "config.json"), batch_size=4, seq_len=32, recipe=Recipe(parallel="fsdp"),
+                             gpus=2)
+    assert report.by_category["unsharded_parameters"] > 0 and report.world["size"] == 2

@@ -168,7 +168,7 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
 
     mesh = place.mesh if build.recipe.hsdp else place.flat
     shards = place.world.gpus if build.recipe.hsdp else place.world.size
-    blocks = find_blocks(build.model)
+    blocks = _units(build.model, find_blocks(build.model))
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
     if uneven is not None:
         place.notes["uneven"] = uneven  # the last rank's shards are smaller: estimate.py traces it too
@@ -178,6 +178,18 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     # backward (its backward comes first), as torchtitan and torchtune leave it.
     fully_shard(build.model, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
                 offload_policy=offload)
+
+
+def _units(model, blocks) -> list:
+    """The blocks FSDP2 wraps on their own: the repeated ones (a model's ``_no_split_modules`` may name
+    one-off modules, BERT's embeddings), less any holding a parameter tied to another module (a tied
+    weight must be in one FSDP group: it stays with the root)."""
+    from collections import Counter
+
+    kinds = Counter(type(block) for _, block in blocks)
+    seen = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return [(name, block) for name, block in blocks if kinds[type(block)] > 1
+            and not any(seen[id(p)] > 1 for p in block.parameters())]
 
 
 @contextlib.contextmanager
