@@ -52,7 +52,7 @@ CASES = [
     ("fsdp-4", TINY, 4, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-uneven-4", UNEVEN, 4, {"parallel": "fsdp"}, 4, 1),
     ("hsdp-2x2", TINY, 4, {"parallel": "fsdp"}, 4, 2),
-    ("fsdp-over-2-nodes", TINY, 4, {"parallel": "fsdp", "hsdp": False}, 4, 2),
+    ("fsdp-over-2-nodes", TINY, 4, {"parallel": "fsdp", "shard_over": "world"}, 4, 2),
     ("fsdp-partial-reshard-4", TINY, 4, {"parallel": "fsdp", "reshard_after_forward": "2"}, 4, 1),
 ]
 SEQ = 64

@@ -111,7 +111,7 @@ def test_bad_input_is_one_line(configs, kwargs, words):
     ({"mixed_precision": "bf16"}, "needs parallel=fsdp"),
     ({"parallel": "ddp", "reshard_after_forward": "false"}, "FSDP2's"),
     ({"parallel": "fsdp", "reshard_after_forward": "maybe"}, "not understood"),
-    ({"parallel": "ddp", "hsdp": False}, "hsdp is FSDP2's mesh"),
+    ({"parallel": "ddp", "shard_over": "world"}, "shard_over is FSDP2's mesh"),
     ({"offload": "cpu"}, "set parallel=fsdp"),
     ({"parallel": "fsdp", "offload": "cpu", "optimizer": "adamw8bit"}, "run on a GPU only; use adamw"),
     ({"parallel": "fsdp", "mixed_precision": "fp32:bf16"}, "not understood"),
@@ -211,7 +211,7 @@ def test_collective_time_model():
     assert zero3 == pytest.approx(params * (2 * 2 + 4) * 7 / 8 / rate)
     assert ddp == pytest.approx(2 * params * 4 * 7 / 8 / rate)
     assert hsdp > zero3  # the shards all-reduced between nodes too
-    spread = comm_seconds(Recipe(parallel="fsdp", mixed_precision="bf16:fp32", hsdp=False), World(8, 2), params, 33,
+    spread = comm_seconds(Recipe(parallel="fsdp", mixed_precision="bf16:fp32", shard_over="world"), World(8, 2), params, 33,
                           1, h100)[0]
     assert spread == pytest.approx(params * (2 * 2 + 4) * 15 / 16 / (50e9 * 0.8))  # one ring at network speed
     assert comm_seconds(Recipe(parallel="fsdp"), World(1), params, 33, 1, h100) == (0.0, 0.0)

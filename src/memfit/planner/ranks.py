@@ -59,9 +59,9 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
     offload = {**zero3, "offload": "cpu", "sync_grads": "every"}
     found = []
     host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
-    spread = [{**zero3, "hsdp": False}] if world.nodes > 1 else []  # over every rank: 1/size each
+    spread = [{**zero3, "shard_over": "world"}] if world.nodes > 1 else []  # over every rank: 1/size each
     if world.nodes > 1 and host_step:
-        spread.append({**offload, "hsdp": False})
+        spread.append({**offload, "shard_over": "world"})
     for checkpointing in ("off", "blocks") if has_blocks else ("off",):
         bases = (ddp, zero2, zero3) if world.size > 1 else (zero3,)
         for base in bases + ((offload,) if host_step else ()) + tuple(spread):
@@ -84,7 +84,7 @@ def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: in
     if recipe.offload == "none":
         return 0.0
     link = card.host_link_bandwidth * EFFICIENCY["host_link"]
-    shard = params * 4 / (world.gpus if recipe.hsdp else world.size)
+    shard = params * 4 / (world.gpus if recipe.shard_over == "node" else world.size)
     gathers = (1 + (recipe.reshard_after_forward != "false")) * micro_batches
     reduces = micro_batches if recipe.sync_grads == "every" else 1
     return (gathers + reduces) * shard / link + shard / 4 * ADAMW_BYTES / HOST_STEP_BANDWIDTH
@@ -100,8 +100,8 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     if recipe.parallel == "ddp":
         ring = 2 * params * 4 * (world.size - 1) / world.size  # fp32 gradients, one all-reduce per step
         return ring / (between if world.nodes > 1 else within), 0.0
-    n = world.gpus if recipe.hsdp else world.size
-    if not recipe.hsdp and world.nodes > 1:  # one ring over every rank: as fast as its network hops
+    n = world.gpus if recipe.shard_over == "node" else world.size
+    if recipe.shard_over == "world" and world.nodes > 1:  # one ring over every rank: as fast as its network hops
         within = between
     gather_bytes = 2 if recipe.mixed_precision.startswith("bf16") else 4
     reduce_bytes = 4 if recipe.mixed_precision in ("none", "bf16:fp32") else 2
@@ -110,7 +110,7 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     reduces = micro_batches if recipe.sync_grads == "every" else 1
     seconds = all_gather * gathers * micro_batches
     seconds += reduces * params * reduce_bytes * (n - 1) / n / within if n > 1 else 0.0
-    if world.nodes > 1 and recipe.hsdp:  # HSDP: the shards all-reduced between nodes
+    if world.nodes > 1 and recipe.shard_over == "node":  # HSDP: the shards all-reduced between nodes
         seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
     return seconds, all_gather / max(units, 1)
 
@@ -237,7 +237,7 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
         if world.size <= above or global_batch_size % world.size:
             continue
         # over nodes, HSDP would hold what one node holds: shard over every rank
-        recipe = Recipe(**fields, grad_accum_steps=global_batch_size // world.size, hsdp=world.nodes == 1)
+        recipe = Recipe(**fields, grad_accum_steps=global_batch_size // world.size, shard_over="node" if world.nodes == 1 else "world")
         report = estimate(source, recipe=recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target,
                           budget=budget_bytes, gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
         if report.verdict != OOM:

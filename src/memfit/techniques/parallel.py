@@ -10,7 +10,7 @@ keeps them from forward to backward (ZeRO-2-like: no second all-gather, more mem
 reshards to groups of N ranks (FSDP2's partial resharding). ``mixed_precision`` is FSDP2's
 ``MixedPrecisionPolicy``: the all-gathered (compute) parameters in ``param`` dtype, gradients reduced
 in ``reduce`` dtype, the shards and optimizer state staying fp32. Across nodes the mesh is 2-D and
-the blocks are sharded within a node and replicated between nodes (HSDP); ``hsdp=false`` shards
+the blocks are sharded within a node and replicated between nodes (HSDP); ``shard_over=world`` shards
 over every rank of every node instead (1/size each, all-gathers over the network).
 
 ``offload`` is FSDP2's ``CPUOffloadPolicy``: the shards, their gradients and the optimizer state live
@@ -100,8 +100,9 @@ def _conflicts(recipe):
             yield (f"offload={recipe.offload} and optimizer={recipe.optimizer} conflict: with offload the optimizer "
                    "steps on the host, and that optimizer's kernels run on a GPU only; use adamw (or adam, sgd)")
             return
-    if recipe.parallel != "fsdp" and not recipe.hsdp:
-        yield f"hsdp=false and parallel={recipe.parallel} conflict: hsdp is FSDP2's mesh; set parallel=fsdp"
+    if recipe.parallel != "fsdp" and recipe.shard_over != "node":
+        yield (f"shard_over={recipe.shard_over} and parallel={recipe.parallel} conflict: shard_over is FSDP2's mesh; "
+               "set parallel=fsdp")
         return
     if recipe.parallel == "none":
         for name in ("reshard_after_forward", "mixed_precision", "sync_grads"):
@@ -166,8 +167,8 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
 
     from memfit.techniques.checkpointing import find_blocks
 
-    mesh = place.mesh if build.recipe.hsdp else place.flat
-    shards = place.world.gpus if build.recipe.hsdp else place.world.size
+    mesh = place.mesh if build.recipe.shard_over == "node" else place.flat
+    shards = place.world.gpus if build.recipe.shard_over == "node" else place.world.size
     blocks = _units(build.model, find_blocks(build.model))
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
     if uneven is not None:
@@ -338,9 +339,9 @@ TECHNIQUE = Technique(
             Field("offload", "none", "fsdp: FSDP2 CPUOffloadPolicy: shards, their gradients and the optimizer step on the "
                   "host (cpu: pinned, FSDP2's default; cpu-unpinned); host RAM and the host link pay", slot=124,
                   choices=OFFLOAD),
-            Field("hsdp", True, "fsdp over several nodes: shard within a node and replicate between (HSDP, the "
-                  "default); false shards over every rank (less memory, all-gathers cross the network)", slot=125,
-                  kind="bool"),
+            Field("shard_over", "node", "fsdp over several nodes: node shards within a node and replicates "
+                  "between (HSDP, the default); world shards over every rank (less memory, all-gathers cross the "
+                  "network)", slot=125, choices=("node", "world")),
             Field("sync_grads", "last", "with accumulation: reduce gradients on the last micro-batch only "
                   "(no_sync; fsdp keeps unsharded gradients meanwhile) or every one", slot=123,
                   choices=("last", "every"))),
