@@ -222,6 +222,7 @@ def test_fit_across_gpus_is_the_largest_per_rank_micro_batch(configs):
     found = memfit.fit(configs["tiny"], gpu="rtx-4090", budget="560MiB", recipe=recipe, gpus=2, seq_len=64)
     n = found.micro_batch_size
     assert n >= 1 and found.device_bytes <= found.budget_bytes < found.next_bytes
+    assert found.ranks == 2 and found.global_batch_size == 2 * n  # over both ranks
     at = memfit.estimate(configs["tiny"], recipe=recipe.replace(micro_batch_size=n), batch_size=2 * n, seq_len=64,
                          gpu="rtx-4090", budget="560MiB", gpus=2)
     above = memfit.estimate(configs["tiny"], recipe=recipe.replace(micro_batch_size=n + 1), batch_size=2 * (n + 1),

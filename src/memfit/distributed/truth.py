@@ -49,14 +49,14 @@ def _events(prof):
             return
         backend = backend or node.name.startswith(_BACKEND)
         if node.name.startswith("memfit::"):
-            marks[node.name] = (node.start_time_ns, node.start_tid)
+            marks.setdefault(node.name, []).append((node.start_time_ns, node.start_tid))
         for child in node.children:
             walk(child, node.name, backend)
 
     for event in prof.profiler.kineto_results.experimental_event_tree():
         walk(event)
     if os.environ.get("MEMFIT_TRUTH_DUMP") and "memfit::steps" in marks:
-        start = marks["memfit::steps"][0]
+        start = marks["memfit::steps"][0][0]
         live = {}
         for i in sorted(range(len(found)), key=lambda i: found[i][0]):
             when, size, tid, ptr = found[i]
@@ -187,8 +187,9 @@ def _run(case: dict) -> dict:
         events, marks = _events(prof)
     finally:
         dist.destroy_process_group()
-    (start, thread), (end, _) = marks.pop("memfit::steps"), marks.pop("memfit::end")
-    phases = sorted((when, name.split("::")[1]) for name, (when, _) in marks.items())
+    # a phase mark repeats with accumulation (forward:0 per micro-batch): every one is kept
+    (start, thread), (end, _) = marks.pop("memfit::steps")[0], marks.pop("memfit::end")[0]
+    phases = sorted((when, name.split("::")[1]) for name, seen in marks.items() for when, _ in seen)
     live, peak, before, phase_peaks, where = 0, 0, None, {}, 0
     for when, nbytes in main_thread(events, thread):
         if when >= start and before is None:

@@ -153,7 +153,8 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         if not uneven or rank == world.size - 1:
             break
         rank = world.size - 1
-    top_rank, top = max(reports, key=lambda pair: (pair[1].device_bytes, pair[1].peak_bytes))
+    top_rank, top = max(reports, key=lambda pair: (pair[1].device_bytes + (pair[1].missing_bytes or 0),
+                                                   pair[1].peak_bytes))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
     notes = [f"rank {top_rank} of {world.describe()} ({recipe.parallel}): one rank's step under PyTorch's fake "

@@ -125,10 +125,14 @@ def _offloaded(ledger, scratch, recipe):
     from memfit.techniques.parallel import host_records
 
     host = host_records(ledger)
-    for index, record in enumerate(ledger.records):  # an in-place pair stays on one side
-        if record.donor is not None and (index in host) != (record.donor in host):
-            host.discard(index)
-            host.discard(record.donor)
+    changed = True
+    while changed:  # an in-place pair (and so a chain of them) stays on one side: the GPU's
+        changed = False
+        for index, record in enumerate(ledger.records):
+            if record.donor is not None and (index in host) != (record.donor in host):
+                host.discard(index)
+                host.discard(record.donor)
+                changed = True
     device = set(range(len(ledger.records))) - host
     on_host = replay_log(_View(ledger, host, spikes=False), [0] * len(ledger.sites))
     pinned = 0

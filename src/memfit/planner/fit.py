@@ -67,10 +67,11 @@ class Fit:
     model: str
     report: object = field(repr=False, compare=False, default=None)  # the Report at the answer
     notes: tuple[str, ...] = ()
+    ranks: int = 1  # data-parallel ranks (``fit(gpus=...)``): the micro-batch is each rank's
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps
+        return self.micro_batch_size * self.grad_accum_steps * self.ranks
 
     @property
     def tokens_per_step(self) -> int | None:
@@ -84,6 +85,7 @@ class Fit:
         return {"fits": True, "model": self.model, "device": self.device, "gpu": self.gpu,
                 "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
                 "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
+                "ranks": self.ranks,
                 "budget_bytes": self.budget_bytes, "device_bytes": self.device_bytes,
                 "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
                 "margin_bytes": self.budget_bytes - self.device_bytes,
@@ -128,6 +130,8 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
     Raises ``NoBatchFits`` (a ``MemfitError``) when micro-batch 1 does not fit.
     """
     if gpus is not None or nodes is not None:
+        if device is not None and str(device).startswith("cpu"):
+            raise MemfitError("gpus= and device='cpu' conflict: fit across GPUs follows CUDA semantics; drop one")
         return _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, limit, progress,
                           gpus, nodes)
     start = time.perf_counter()
@@ -367,7 +371,13 @@ def _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len,
     from memfit.models.source import resolve
 
     world = world_of(gpus, nodes)
-    recipe, _ = recipe_from(recipe, precision, optimizer)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise MemfitError(f"limit must be a positive integer, got {limit!r}")
+    recipe, factory = recipe_from(recipe, precision, optimizer)
+    if factory is not None:
+        raise MemfitError("fit across GPUs takes the optimizer by name (the recipe's); drop the optimizer callable")
+    if recipe.micro_batch_size is not None:
+        raise MemfitError("fit searches the micro-batch size: drop micro_batch_size from the recipe")
     if recipe.parallel == "none":
         raise MemfitError(f"gpus={gpus} needs parallel=ddp or parallel=fsdp in the recipe (--parallel fsdp)")
     if batch is not None:
@@ -416,7 +426,7 @@ def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World
         low, high = (middle, high) if check(middle) else (low, middle)
     report, above = seen[low], seen.get(low + 1)
     notes = [f"per rank of {world.describe()} ({recipe.parallel}): the global batch is micro-batch x "
-             f"{accum} accumulation x {world.size} ranks = {low * accum * world.size}"]
+             f"{accum} accumulation x {world.size} ranks"]
     if above is None:
         notes.append(f"the search stops at micro-batch {limit} (limit=)")
     return Fit(recipe=recipe.replace(micro_batch_size=low), micro_batch_size=low, grad_accum_steps=accum,
@@ -425,7 +435,7 @@ def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World
                next_bytes=None if above is None else above.device_bytes + (above.missing_bytes or 0),
                predicted_micro_batch_size=None, tokens_per_example=seq_len, estimates=len(seen), traces=0,
                seconds=time.perf_counter() - start, device="cuda", gpu=target.name, model=source.name, report=report,
-               notes=tuple(notes))
+               notes=tuple(notes), ranks=world.size)
 
 
 def _grown(batch, rows: int):

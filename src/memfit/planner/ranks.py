@@ -38,10 +38,11 @@ from memfit.planner.cost import EFFICIENCY, Speed
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.terms import KernelRows, Phases
 from memfit.techniques.accumulation import divisors
+from memfit.techniques.parallel import mixed_dtypes
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["plan_ranks", "structures", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
+__all__ = ["plan_ranks", "NoWorld", "structures", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
@@ -103,8 +104,8 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     n = world.gpus if recipe.shard_over == "node" else world.size
     if recipe.shard_over == "world" and world.nodes > 1:  # one ring over every rank: as fast as its network hops
         within = between
-    gather_bytes = 2 if recipe.mixed_precision.startswith("bf16") else 4
-    reduce_bytes = 4 if recipe.mixed_precision in ("none", "bf16:fp32") else 2
+    dtypes = mixed_dtypes(recipe.mixed_precision) or ("fp32", "fp32")
+    gather_bytes, reduce_bytes = (4 if d == "fp32" else 2 for d in dtypes)
     gathers = 1 + (recipe.reshard_after_forward != "false")  # forward, and backward when resharded
     all_gather = params * gather_bytes * (n - 1) / n / within if n > 1 else 0.0
     reduces = micro_batches if recipe.sync_grads == "every" else 1
@@ -113,6 +114,10 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     if world.nodes > 1 and recipe.shard_over == "node":  # HSDP: the shards all-reduced between nodes
         seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
     return seconds, all_gather / max(units, 1)
+
+
+class NoWorld(MemfitError):
+    """``smallest_world`` had no world to try: the global batch divides over none larger."""
 
 
 def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_size: int, seq_len, optimizer: str,
@@ -172,9 +177,12 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         results.append((Plan(recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, seconds, samples,
                              tokens, verified=False, verdict=report.verdict), report, compute, comm))
     if not results:
-        found = smallest_world(source, target, budget_bytes, global_batch_size, seq_len, optimizer, loss_fn,
-                               gpus_per_node=world.gpus, above=world.size)
-        more = ("no more nodes of these up to 64 fit either" if found is None else
+        try:
+            found = smallest_world(source, target, budget_bytes, global_batch_size, seq_len, optimizer, loss_fn,
+                                   gpus_per_node=world.gpus, above=world.size)
+        except NoWorld as err:
+            found = str(err)
+        more = (found if isinstance(found, str) else "no more nodes of these up to 64 fit either" if found is None else
                 f"{found[0].describe()} fit: {format_size(found[1].device_bytes)} per rank by a per-rank estimate of "
                 f"{Recipe.from_dict(found[1].settings['recipe']).describe()} (--gpus {found[0].gpus} --nodes "
                 f"{found[0].nodes} for the fastest)")
@@ -233,15 +241,22 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
         [World(gpus_per_node, nodes) for nodes in WORLDS if nodes > 1 or gpus_per_node > 1]
     if gpus_per_node is not None:
         worlds.insert(0, World(gpus_per_node))
+    tried = None
     for world in worlds:
         if world.size <= above or global_batch_size % world.size:
             continue
-        # over nodes, HSDP would hold what one node holds: shard over every rank
-        recipe = Recipe(**fields, grad_accum_steps=global_batch_size // world.size, shard_over="node" if world.nodes == 1 else "world")
-        report = estimate(source, recipe=recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target,
+        # memory stops changing after the second micro-batch: two are traced, not all of them; over
+        # nodes, HSDP would hold what one node holds: shard over every rank
+        accum = min(global_batch_size // world.size, 2)
+        recipe = Recipe(**fields, grad_accum_steps=accum, shard_over="node" if world.nodes == 1 else "world")
+        report = estimate(source, recipe=recipe, batch_size=accum * world.size, seq_len=seq_len, gpu=target,
                           budget=budget_bytes, gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+        tried = world
         if report.verdict != OOM:
             return world, report
+    if tried is None:
+        raise NoWorld(f"the global batch of {global_batch_size} divides over no larger world of {target.name}s to "
+                      "try: use a global batch that is a multiple of the GPU count")
     return None
 
 
@@ -254,13 +269,14 @@ def offload_fits(source, target, budget_bytes: int, global_batch_size: int, seq_
 
     if any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8")):
         return None
+    accum = min(global_batch_size, 2)  # memory stops changing after the second micro-batch
     fields = {"parallel": "fsdp", "offload": "cpu", "optimizer": optimizer, "micro_batch_size": 1,
-              "grad_accum_steps": global_batch_size, "sync_grads": "every"}
+              "grad_accum_steps": accum, "sync_grads": "every"}
     if target.bf16:
         fields["mixed_precision"] = "bf16:fp32"
     if source.depth:
         fields["checkpointing"] = "blocks"
-    report = estimate(source, recipe=Recipe(**fields), batch_size=global_batch_size, seq_len=seq_len, gpu=target,
+    report = estimate(source, recipe=Recipe(**fields), batch_size=accum, seq_len=seq_len, gpu=target,
                       budget=budget_bytes, gpus=1, loss_fn=loss_fn)
     return None if report.verdict == OOM else report
 

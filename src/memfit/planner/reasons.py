@@ -111,7 +111,7 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
 def _sharding(engine, budget: int) -> list[str]:
     """FSDP2's CPU offload on this one card, and the fewest GPUs FSDP2 fits over, each from a real
     per-rank estimate (``ranks.offload_fits``, ``ranks.smallest_world``)."""
-    from memfit.planner.ranks import WORLDS, offload_fits, smallest_world
+    from memfit.planner.ranks import WORLDS, NoWorld, offload_fits, smallest_world
 
     args = (engine.source, engine.target, budget, engine.global_batch_size, engine.seq_len, engine.optimizer,
             engine.loss_fn)
@@ -119,6 +119,9 @@ def _sharding(engine, budget: int) -> list[str]:
     try:
         offload = offload_fits(*args)
         found = smallest_world(*args)
+    except NoWorld as err:
+        return [f"FSDP2's CPU offload on this card ({format_size(offload.device_bytes)} on the GPU)"
+                if offload is not None else "FSDP2's CPU offload (it does not fit this card either)", str(err)]
     except MemfitError as err:  # a model the fake process group cannot shard: say so, do not guess
         return [f"sharding over several GPUs (FSDP2 could not be estimated here: {err})"]
     if offload is not None:

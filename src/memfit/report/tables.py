@@ -187,8 +187,9 @@ def front_around(front: list, best, neighbours: int = NEIGHBOURS) -> tuple[list,
 def fit_view(found, name: str) -> Group:
     """The largest micro-batch, its bytes against the budget, and what the next size up needs."""
     where = found.gpu or "this CPU"
-    head = Text(f"{name} on {where}: micro-batch {found.micro_batch_size} x {found.grad_accum_steps} accumulation "
-                f"= global batch {found.global_batch_size}", style="bold")
+    ranks = f" x {found.ranks} ranks" if getattr(found, "ranks", 1) > 1 else ""
+    head = Text(f"{name} on {where}: micro-batch {found.micro_batch_size} x {found.grad_accum_steps} accumulation"
+                f"{ranks} = global batch {found.global_batch_size}", style="bold")
     lines = [head, Text(f"recipe: {found.recipe.replace(micro_batch_size=None).describe()}")]
     reserved = "" if found.reserved_bytes is None else f", reserved {format_size(found.reserved_bytes)}"
     spare = format_size(found.budget_bytes - found.device_bytes)

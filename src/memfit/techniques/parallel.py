@@ -148,8 +148,9 @@ def _shard(build, place) -> None:
 
     recipe = build.recipe
     reshard = reshard_value(recipe.reshard_after_forward)
-    if isinstance(reshard, int) and not isinstance(reshard, bool) and place.world.gpus % reshard:
-        raise MemfitError(f"reshard_after_forward={reshard} does not divide the {place.world.gpus} GPUs per node: "
+    shards = place.world.gpus if recipe.shard_over == "node" else place.world.size
+    if isinstance(reshard, int) and not isinstance(reshard, bool) and shards % reshard:
+        raise MemfitError(f"reshard_after_forward={reshard} does not divide the {shards} GPUs FSDP2 shards over: "
                           "pick a divisor, or true / false")
     dtypes = mixed_dtypes(recipe.mixed_precision)
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
