@@ -75,6 +75,9 @@ class Record:
     # caching allocator's: the bytes of every managed buffer of its parameter (they must be on the
     # device together while that parameter is updated); 0 for device memory.
     managed: int = 0
+    # With a ``placer`` (``techniques/device_map.py``): the device this storage is on ("0", "1", "cpu",
+    # "disk"); None on one device.
+    device: str | None = None
 
 
 @dataclass
@@ -127,7 +130,7 @@ class Ledger(TorchDispatchMode):
         self.device = device
         self.model = model
         self.cublas_workspace = cublas_workspace
-        self._workspaces: set[str] = set()
+        self._workspaces: set[tuple] = set()
         self.records: list[Record] = []
         self.events: list[tuple[int, int]] = []
         self.sites: list[Site] = []
@@ -143,6 +146,9 @@ class Ledger(TorchDispatchMode):
         self.prime: int | None = None  # the batch has this prime number of rows (the planner)
         self.counter = None  # an ``ops.OpCounter`` while one is attached (the planner)
         self.on_phase = None  # called with no arguments as each phase begins (a progress bar)
+        # Several devices (``device_map``): ``placer.place(ledger, args, kwargs, made, many)`` gives each
+        # new storage its device, ``placer.own(ledger)`` the model's own tensors theirs by owner.
+        self.placer = None
         # ``UntypedStorage.resize_`` frees and re-allocates a storage that lives on (FSDP2's unsharded
         # parameters: ``free_storage`` / ``alloc_storage``): each allocation is a record of its own.
         # ``_current``: the record a storage's first record stands for now (None: resized to nothing).
@@ -200,6 +206,8 @@ class Ledger(TorchDispatchMode):
             index = self._ids.get(tensor.untyped_storage())
             if index is not None and self.records[index].owner is None:
                 self.records[index].owner = name
+        if self.placer is not None:
+            self.placer.own(self)
 
     def note_offload(self, tensor: torch.Tensor) -> None:
         """A saved tensor left the device (activation offload): bytes over the host link."""
@@ -279,17 +287,34 @@ class Ledger(TorchDispatchMode):
         self._track(state.untyped_storage(), Category.TEMPORARIES)
         return state
 
-    def _workspace(self, func) -> None:
+    def _workspace(self, func, args, kwargs) -> None:
         thread = "backward" if self.phase == "backward" else "forward"
-        if func.overloadpacket in _MATMUL_OPS and thread not in self._workspaces:
-            self._workspaces.add(thread)
+        if func.overloadpacket not in _MATMUL_OPS:
+            return
+        device = self.placer.device_of(self, args, kwargs) if self.placer is not None else None
+        if (thread, device) not in self._workspaces:  # one cuBLAS handle per thread and device
+            self._workspaces.add((thread, device))
             index = len(self.records)
+            where = f", GPU {device}" if device is not None else ""
             self.records.append(Record(self.cublas_workspace, Category.TEMPORARIES, self.phase, self.step,
-                                       f"(cuBLAS workspace, {thread} thread)"))
+                                       f"(cuBLAS workspace, {thread} thread{where})", device=device))
             self.events.append((ALLOC, index))
 
     def _module(self) -> str:
         return self._modules.current()
+
+    def record_of(self, tensor: torch.Tensor) -> Record | None:
+        """The record of the storage that holds ``tensor``'s memory, if tracked."""
+        for local in plain(tensor):
+            index = self._ids.get(local.untyped_storage())
+            if index is not None:
+                return self.records[index]
+        return None
+
+    @property
+    def root(self) -> str:
+        """The prefix of every module name in the records (the model's class name)."""
+        return self._modules.names.get(id(self.model), "")
 
     def _track(self, storage, category: Category) -> int | None:
         if storage in self._ids:
@@ -334,7 +359,7 @@ class Ledger(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.cublas_workspace is not None:
-            self._workspace(func)
+            self._workspace(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.counter is not None:
             self.counter.record(func, args, kwargs, out)
@@ -358,6 +383,8 @@ class Ledger(TorchDispatchMode):
                 out_metas.append((tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
         if made and self.records[made[0][1]].module == OUTSIDE:
             self._derive_owners(args, kwargs, made, isinstance(out, (tuple, list)))
+        if made and self.placer is not None:
+            self.placer.place(self, args, kwargs, made, isinstance(out, (tuple, list)))
         if func.overloadpacket in _SOFTMAX and self.phase == "forward" and isinstance(out, torch.Tensor):
             self._note_attention(out)
         donor = self._accumulation_donor(func, args, kwargs)

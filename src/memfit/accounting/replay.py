@@ -14,7 +14,7 @@ from itertools import islice
 from memfit.accounting.ledger import ALLOC, FREE, KEPT, MARK, RENAME, SPIKE, Ledger, managed_peak, storage_events
 from memfit.categories import Category
 
-__all__ = ["Replay", "replay"]
+__all__ = ["Replay", "replay", "LedgerView"]
 
 TIMELINE_POINTS = 600
 
@@ -199,3 +199,14 @@ def event_series(ledger: Ledger, scratch: list[int], prime: int | None = None) -
         live[number], grads[number], state[number], mark[number] = total + spike, g, s, where
         scaled[number] = p
     return Series(live, grads, state, mark, marks, scaled if prime else None)
+
+
+class LedgerView:
+    """A ledger's records with only some storages' events (``keep``, record indices): one device's side
+    of a step on several (an offloaded step's GPU or host, a device_map's GPUs). Marks stay; kernel
+    scratch (``spikes``) stays with one side."""
+
+    def __init__(self, ledger, keep: set[int], spikes: bool):
+        self.records, self.marks, self.sites, self.model = ledger.records, ledger.marks, ledger.sites, ledger.model
+        self.events = [(kind, i) for kind, i in ledger.events
+                       if (kind not in (ALLOC, FREE) or i in keep) and (spikes or kind != SPIKE)]

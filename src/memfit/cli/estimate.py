@@ -17,6 +17,15 @@ def build(est) -> None:
     _args.add_recipe(est)
     _args.recipe_flags(est)
     _args.add_world(est)
+    est.add_argument("--device-map", default=None,
+                     help="place the model as from_pretrained(device_map=...) does: auto, balanced, balanced_low_0, "
+                          "sequential, or a .json of module -> GPU index / cpu / disk; each GPU's peak, the host RAM "
+                          "and the disk (CUDA semantics; --gpus is the GPU count)")
+    est.add_argument("--max-memory", default=None,
+                     help="with --device-map: the budgets from_pretrained takes, e.g. 0=70GB,1=70GB,cpu=100GB "
+                          "(default: every GPU's memory less its CUDA context, the host unbounded)")
+    est.add_argument("--offload-folder", default=None,
+                     help="with --device-map: where modules placed on disk live (needed when any are)")
     est.add_argument("--steps", type=_args.positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
     _args.add_budget(est, help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the "
                      "card, as set_per_process_memory_fraction enforces it (default: the whole card)")
@@ -62,7 +71,7 @@ def run(args) -> int:
         from memfit.hardware.gpus import gpu
 
         card = gpu(args.gpu)
-    cuda = card is not None or args.device == "cuda"  # the budget is the allocator's limit on the card
+    cuda = card is not None or args.device == "cuda" or args.device_map is not None  # the budget is the allocator's limit on the card
     recipe = _args.recipe_from_args(args)
     with _args.progress(f"tracing {args.model} on fake tensors") as update:
         report = estimate(args.model, _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
@@ -70,7 +79,8 @@ def run(args) -> int:
                           seq_len=args.seq_len, fast=False if args.full else None,
                           device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,
                           budget=args.budget if cuda else None, progress=update, lengths=args.lengths,
-                          packed=args.packed, gpus=args.gpus, nodes=args.nodes)
+                          packed=args.packed, gpus=args.gpus, nodes=args.nodes, device_map=args.device_map,
+                          max_memory=args.max_memory, offload_folder=args.offload_folder)
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:

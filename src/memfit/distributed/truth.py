@@ -28,7 +28,6 @@ from pathlib import Path
 __all__ = ["launch", "main"]
 
 
-NAMES: dict = {}
 # Profiler events of a collective: allocations under them are the backend's own staging copies.
 _BACKEND = ("c10d::", "gloo:", "record_param_comms")
 
@@ -40,37 +39,19 @@ def _events(prof):
 
     found, marks = [], {}
 
-    def walk(node, parent="", backend=False):
+    def walk(node, backend=False):
         if node.tag == _EventType.Allocation:
             fields = node.extra_fields
             found.append((node.start_time_ns, fields.alloc_size, -1 if backend else node.start_tid, fields.ptr))
-            if os.environ.get("MEMFIT_TRUTH_DUMP"):
-                NAMES[len(found) - 1] = parent
             return
         backend = backend or node.name.startswith(_BACKEND)
         if node.name.startswith("memfit::"):
             marks.setdefault(node.name, []).append((node.start_time_ns, node.start_tid))
         for child in node.children:
-            walk(child, node.name, backend)
+            walk(child, backend)
 
     for event in prof.profiler.kineto_results.experimental_event_tree():
         walk(event)
-    if os.environ.get("MEMFIT_TRUTH_DUMP") and "memfit::steps" in marks:
-        start = marks["memfit::steps"][0][0]
-        live = {}
-        for i in sorted(range(len(found)), key=lambda i: found[i][0]):
-            when, size, tid, ptr = found[i]
-            if when >= start:
-                break
-            if size > 0:
-                live[ptr] = (size, NAMES.get(i, ""), tid)
-            else:
-                live.pop(ptr, None)
-        Path(os.environ["MEMFIT_TRUTH_DUMP"] + f".live.{os.environ.get('RANK')}").write_text(json.dumps(
-            sorted((v for v in live.values() if v[0] > 100000), reverse=True)))
-        order = sorted(range(len(found)), key=lambda i: found[i][0])
-        Path(os.environ["MEMFIT_TRUTH_DUMP"] + f".{os.environ.get('RANK')}").write_text(json.dumps(
-            [(found[i][1], NAMES.get(i, ""), found[i][2]) for i in order]))
     found.sort(key=lambda item: item[0])
     return found, marks
 

@@ -31,7 +31,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
              moe_routing: str = "balanced", budget=None, progress=None, lengths=None, packed: bool = False,
-             gpus: int | None = None, nodes: int | None = None) -> Report:
+             gpus: int | None = None, nodes: int | None = None, device_map=None, max_memory=None,
+             offload_folder: str | None = None) -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -79,9 +80,25 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                optimizer step, over all ranks: each rank's is batch_size / (gpus x nodes). The report is
                the rank with the highest peak; ``report.ranks`` holds each distinct rank's. An explicit
                ``batch`` is one rank's.
+    device_map how Accelerate places the model over GPUs, host and disk, as ``from_pretrained`` takes it:
+               ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"`` (transformers' own placement
+               of the fake model under ``max_memory``), or a dict of module -> GPU index / "cpu" / "disk"
+               (or a .json of one). ``max_memory``: ``{0: "70GB", "cpu": "100GB"}`` or ``"0=70GB,cpu=100GB"``;
+               without GPU entries, ``gpus`` (default 1) cards of ``gpu``, each its memory less the CUDA
+               context. CUDA semantics (``gpu`` default h100-sxm); the report is the GPU that needs the most,
+               ``report.devices`` every device, ``report.device_map`` the placement
+               (``techniques/device_map.py``). ``offload_folder``: where modules on "disk" live (required
+               when the map puts any there, as from_pretrained requires it).
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
+    request = None
+    if device_map is not None or max_memory is not None or offload_folder is not None:
+        request = _placement(recipe, device_map, max_memory, gpus, nodes, fast)
+        request["offload_folder"] = offload_folder
+        gpus = nodes = None
+        if gpu is None and str(device).split(":")[0] == "cpu":
+            device = "cuda"
     world = _world(recipe, gpus, nodes)
     target = resolve_target(device, gpu)
     check_gpu(recipe.precision, target)
@@ -92,14 +109,26 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                                batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast,
                                progress=progress, moe_routing=moe_routing, lengths=lengths, packed=packed)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
+    placement = None
+    if request is not None:
+        from memfit.estimator.placed import placement_of
+
+        placement = placement_of(source, recipe, request, target)
+        fast = fast if placement.single else False  # a split step is traced in full
     shapes = [None]
     if lengths is not None or packed:
         shapes = _worst_shapes(source, batch, lengths, packed, recipe, batch_size, seq_len)
     tick = _ticker(progress, len(shapes) * phases(recipe, steps))  # one trace a shape (depth.py traces one copy)
     reports = [_estimate(source, batch, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
                          batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast, tick=tick,
-                         layout=shape) for shape in shapes]
-    return max(reports, key=lambda r: (r.device_bytes, r.peak_bytes))
+                         layout=shape, placement=None if placement is None or placement.single else placement)
+               for shape in shapes]
+    report = max(reports, key=lambda r: (r.device_bytes, r.peak_bytes))
+    if placement is not None and placement.single:
+        from memfit.estimator.placed import on_one_gpu
+
+        report = on_one_gpu(report, placement)
+    return report
 
 
 def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False, ragged: bool = True,
@@ -116,6 +145,29 @@ def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False,
         if name in kwargs:
             raise MemfitError(f"estimate_micro_batch takes the shape as rows and length: drop {name}=")
     return estimate(model, lengths=direct(rows, length, packed, ragged), **kwargs)
+
+
+def _placement(recipe: Recipe, device_map, max_memory, gpus, nodes, fast) -> dict:
+    """``trace``'s placement request, after the checks that need no model."""
+    from memfit.techniques.device_map import check_device_map, parse_max_memory
+
+    if device_map is None:
+        raise MemfitError("max_memory and offload_folder are for device_map placement: add device_map='auto' "
+                          "(--device-map auto), or drop them")
+    if recipe.parallel != "none":
+        raise MemfitError(f"device_map and parallel={recipe.parallel} conflict: device_map splits one model over the "
+                          "GPUs of one process, parallel runs one process per GPU; pick one")
+    if recipe.compile:
+        raise MemfitError("device_map and compile conflict: Accelerate's hooks move tensors between devices inside "
+                          "the forward; drop compile")
+    if nodes is not None:
+        raise MemfitError("device_map places a model over the GPUs of one machine: drop nodes")
+    if fast:
+        raise MemfitError("fast=True and device_map conflict: a placed step is traced in full; leave fast unset")
+    if gpus is not None and (not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1):
+        raise MemfitError(f"gpus must be a positive integer, got {shown(gpus)}")
+    return {"device_map": check_device_map(device_map), "max_memory": parse_max_memory(max_memory),
+            "gpus": gpus or 0}
 
 
 def _world(recipe: Recipe, gpus, nodes):
@@ -190,7 +242,7 @@ def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_si
 
 
 def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq_len, target, budget, fast, tick,
-              layout) -> Report:
+              layout, placement=None) -> Report:
     """One estimate: the depth fast path or a full trace; with ``layout``, of that micro-batch shape."""
     if layout is not None:
         batch_size = layout.rows * recipe.grad_accum_steps
@@ -211,7 +263,7 @@ def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq
     else:
         report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
-                               layout=layout)
+                               layout=layout, placement=placement)
     if layout is None:
         return report
     return dataclasses.replace(report, micro_batch=layout.summary(), notes=report.notes + [_shape_note(layout)])

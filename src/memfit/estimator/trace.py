@@ -13,7 +13,7 @@ import torch
 
 from memfit.accounting.ledger import Ledger
 from memfit.accounting.ops import OpCounter
-from memfit.accounting.replay import event_series, replay
+from memfit.accounting.replay import LedgerView, event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
 from memfit.hardware.cuda import cuda_semantics
@@ -34,7 +34,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
-          prime: int | None = None, keep: bool = False, budget: int | None = None, tick=None):
+          prime: int | None = None, keep: bool = False, budget: int | None = None, tick=None, placement=None):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device, and replay
@@ -45,17 +45,25 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     (``Replay.ledger``, ``Replay.scratch``), for the depth fast path. ``prime``: the batch dimension is this prime; the
     series and rows also say which bytes scale with it. ``tick()`` is called as each phase
     (forward, backward, optimizer) begins and once when the replay is done: ``phases(recipe, steps)``.
+    ``placement`` (``techniques.device_map.Placement``): the model run over several devices as Accelerate
+    dispatches it; the report is the GPU that needs the most, ``devices`` lists each (``estimator/placed.py``).
     """
     device = model_device(model)
     prepare_lora(model, recipe)  # peft imported, a QLoRA base quantised: neither is part of the step
+    placed = placement
     ledger = Ledger(device=device, model=model,
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
     ledger.prime = prime
     ledger.on_phase = tick
     _register(ledger, model, batch)
     counter = OpCounter(ledger, prime) if detail else contextlib.nullcontext()
+    dispatch = contextlib.nullcontext()
+    if placed is not None:
+        from memfit.techniques.device_map import dispatched
+
+        dispatch = dispatched(model, placed, ledger)
     try:
-        with ledger, counter, (cuda_semantics() if gpu is not None else contextlib.nullcontext()):
+        with ledger, counter, (cuda_semantics() if gpu is not None else contextlib.nullcontext()), dispatch as placer:
             run_steps(model, batch, recipe=recipe, steps=steps, optimizer=optimizer, loss_fn=loss_fn,
                       watch=ledger)
     finally:
@@ -67,7 +75,12 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     params = list(model.parameters())
     cuda, host = {}, {}
     device_side = ledger
-    if getattr(recipe, "offload", "none") != "none":
+    if placed is not None:
+        from memfit.estimator.placed import placed_sides
+
+        device_side, host = placed_sides(ledger, scratch, placer, gpu, budget)
+        result = replay(device_side, scratch)
+    elif getattr(recipe, "offload", "none") != "none":
         device_side, host = _offloaded(ledger, scratch, recipe)
         if gpu is not None:  # the GPU's figures are of what stays on it; on the CPU all is one memory
             result = replay(device_side, scratch)
@@ -107,18 +120,6 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     ), result
 
 
-class _View:
-    """A ledger's records with only some storages' events: the GPU's or the host's side of an
-    offloaded step. Marks stay; kernel scratch stays with the GPU's side."""
-
-    def __init__(self, ledger, keep: set[int], spikes: bool):
-        from memfit.accounting.ledger import ALLOC, FREE, SPIKE
-
-        self.records, self.marks, self.sites, self.model = ledger.records, ledger.marks, ledger.sites, ledger.model
-        self.events = [(kind, i) for kind, i in ledger.events
-                       if (kind not in (ALLOC, FREE) or i in keep) and (spikes or kind != SPIKE)]
-
-
 def _offloaded(ledger, scratch, recipe):
     """(the GPU's side, report fields of the host's side) of an FSDP2 step with ``CPUOffloadPolicy``."""
     from memfit.accounting.replay import replay as replay_log
@@ -134,7 +135,7 @@ def _offloaded(ledger, scratch, recipe):
                 host.discard(record.donor)
                 changed = True
     device = set(range(len(ledger.records))) - host
-    on_host = replay_log(_View(ledger, host, spikes=False), [0] * len(ledger.sites))
+    on_host = replay_log(LedgerView(ledger, host, spikes=False), [0] * len(ledger.sites))
     pinned = 0
     if recipe.offload == "cpu":  # FSDP2 pins the shards and their gradients, not the optimizer state
         pinned = sum(on_host.by_category.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS))
@@ -144,7 +145,7 @@ def _offloaded(ledger, scratch, recipe):
                         + (f", {format_size(pinned)} of it pinned" if pinned else "")
                         + "; each unit's shard crosses the host link for its all-gather and each sharded gradient "
                         "back (small transients on the GPU not traced)"]}
-    return _View(ledger, device, spikes=True), fields
+    return LedgerView(ledger, device, spikes=True), fields
 
 
 def _register(ledger, model, batch) -> None:

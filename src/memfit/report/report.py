@@ -88,6 +88,14 @@ class Report:
     on the CPU, where both sides are one memory, ``peak_bytes`` is their sum.
     host_bytes      the host side's peak (host RAM the offloaded part needs).
     pinned_bytes    of it, what FSDP2 pins (the shards and their gradients; ``offload=cpu``).
+
+    With ``device_map=`` (``techniques/device_map.py``: Accelerate's placement over GPUs, host and disk) the
+    top-level figures are the GPU that needs the most, and:
+    devices         one entry per device used: device ("cuda:0", "cpu", "disk"), peak_bytes, by_category, the
+                    map's modules on it, and on a GPU reserved_bytes, device_bytes and verdict.
+    device_map      the placement: strategy, gpus, entries (module -> device, as from_pretrained takes it),
+                    max_memory, and reported (the device whose figures the top level shows).
+    host_bytes      host RAM of the modules offloaded to "cpu"; disk_bytes what lies in the offload folder.
     """
 
     peak_bytes: int
@@ -122,6 +130,9 @@ class Report:
     ranks: list | None = None
     host_bytes: int | None = None
     pinned_bytes: int | None = None
+    devices: list | None = None
+    device_map: dict | None = None
+    disk_bytes: int | None = None
 
     @property
     def device_bytes(self) -> int:

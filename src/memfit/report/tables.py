@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from memfit.categories import PHASES
+from memfit.categories import PHASES, Category
 from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, verdict_line
 from memfit.units import format_size
 
@@ -59,6 +59,8 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
         cluster = f"{w['size']} GPU(s)" if w["nodes"] == 1 else f"{w['nodes']} nodes x {w['gpus']} GPUs"
         parts.append(Text(f"per rank: {w['parallel']} over {cluster}; rank {w['rank']}'s step, the highest peak of "
                           + ", ".join(f"rank {r['rank']} {format_size(r['device_bytes'])}" for r in report.ranks)))
+    if report.devices is not None:
+        parts.append(_devices(report))
     if not recipe.is_exact:
         parts.append(Text(f"changes the math: {', '.join(recipe.approximations)}", style="yellow"))
     parts += [_categories(report), _phases(report)]
@@ -66,7 +68,7 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
         parts.append(_modules(report))
     peak = Text(f"peak {format_size(report.peak_bytes)}  ·  {report.bytes_per_parameter:.1f} bytes/param")
     parts.append(peak)
-    if report.host_bytes is not None:
+    if report.host_bytes is not None and report.devices is None:
         side = "beside the GPU's" if report.reserved_bytes is not None else "included in the peak (one memory on the CPU)"
         parts.append(Text(f"host RAM (offloaded shards, gradients, optimizer step): {format_size(report.host_bytes)}, "
                           f"{format_size(report.pinned_bytes or 0)} pinned; {side}"))
@@ -90,6 +92,22 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
                           style=style))
     parts.extend(Text(f"note: {note}", style="dim") for note in report.notes)
     return Group(*parts)
+
+
+def _devices(report: Report) -> Table:
+    """One row per device of a ``device_map``: what is placed there and what it holds at its peak."""
+    table = Table(title=f"device_map ({report.device_map['strategy']}): the figures below are the GPU that needs "
+                        "the most", title_justify="left")
+    for column in ("device", "modules", "parameters", "peak allocated", "on the device", "verdict"):
+        table.add_column(column, justify="left" if column in ("device", "modules", "verdict") else "right")
+    for row in report.devices:
+        modules = row["modules"]
+        placed = "" if not modules else modules[0] if len(modules) == 1 else f"{modules[0]} .. {modules[-1]} ({len(modules)})"
+        need = row.get("device_bytes")
+        table.add_row(row["device"], placed, format_size(row["by_category"].get(Category.PARAMETERS.value, 0)),
+                      format_size(row["peak_bytes"]), "" if need is None else format_size(need),
+                      row.get("verdict") or ("host RAM" if row["device"] == "cpu" else "offload folder"))
+    return table
 
 
 def _categories(report: Report) -> Table:
