@@ -63,6 +63,35 @@ def test_every_rank_matches_torchrun(configs, name, recipe):
     assert report.peak_bytes == max(estimated.values())
 
 
+def test_built_on_the_device_matches_torchrun_from_before_the_build(configs, tmp_path):
+    """construction=device: the whole model on the GPU, then sharded; with 16 blocks over 4 ranks the
+    construction outweighs the step, and the truth's peak from before the build agrees to the byte class."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY, hidden_size=128, intermediate_size=352, num_hidden_layers=16)))
+    recipe = {"parallel": "fsdp", "construction": "device", "optimizer": "sgd"}
+    report = memfit.estimate(str(path), batch_size=4, seq_len=8, recipe=Recipe(**recipe), gpus=4)
+    meta = memfit.estimate(str(path), batch_size=4, seq_len=8, recipe=Recipe(**dict(recipe, construction="meta")),
+                           gpus=4)
+    host = memfit.estimate(str(path), batch_size=4, seq_len=8, recipe=Recipe(**dict(recipe, construction="host")),
+                           gpus=4)
+    truths = launch({"model": str(path), "recipe": recipe, "batch_size": 4, "seq_len": 8, "steps": 2}, 4)
+    for truth in truths:
+        assert truth["peak_with_construction"] > truth["peak_bytes"]  # the build is the peak
+        assert abs(report.peak_bytes - truth["peak_with_construction"]) <= 0.01 * truth["peak_with_construction"]
+        assert abs(meta.peak_bytes - truth["peak_bytes"]) <= 0.01 * truth["peak_bytes"]
+    assert host.peak_bytes == meta.peak_bytes and meta.host_bytes is None
+    model = _meta_model(path)
+    whole = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))  # rotary inv_freq
+    assert host.host_bytes == whole and report.world["construction"] == "device"
+
+
+def _meta_model(path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+
+
 def test_sharding_divides_the_model_states(configs):
     one = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpus=1, batch=2)
     two = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpus=2, batch=4)

@@ -171,19 +171,22 @@ def _run(case: dict) -> dict:
     # a phase mark repeats with accumulation (forward:0 per micro-batch): every one is kept
     (start, thread), (end, _) = marks.pop("memfit::steps")[0], marks.pop("memfit::end")[0]
     phases = sorted((when, name.split("::")[1]) for name, seen in marks.items() for when, _ in seen)
-    live, peak, before, phase_peaks, where = 0, 0, None, {}, 0
+    live, peak, before, phase_peaks, where, whole = 0, 0, None, {}, 0, 0
     for when, nbytes in main_thread(events, thread):
         if when >= start and before is None:
             before = peak = live
         while where < len(phases) and phases[where][0] <= when:
             where += 1
         live += nbytes
+        if when <= end:  # from before the model was built: what construction=device holds too
+            whole = max(whole, live)
         if before is not None and when <= end:
             peak = max(peak, live)
             if where:
                 name = phases[where - 1][1]
                 phase_peaks[name] = max(phase_peaks.get(name, 0), live)
-    return {"rank": rank, "world_size": size, "peak_bytes": peak, "live_at_start": before or live,
+    return {"rank": rank, "world_size": size, "peak_bytes": peak, "peak_with_construction": whole,
+            "live_at_start": before or live,
             "phase_peaks": phase_peaks, "buffers_and_batch": resident}
 
 

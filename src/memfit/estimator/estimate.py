@@ -212,12 +212,16 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
     notes = [f"rank {top_rank} of {world.describe()} ({recipe.parallel}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
     if recipe.parallel == "fsdp":
-        notes.append("construction: built on the meta device, sharded, then materialised (to_empty), as torchtitan "
-                     "does; a rank never holds the whole model")
+        notes.append({"meta": "construction=meta: built on the meta device, sharded, then materialised (to_empty), "
+                              "as torchtitan does; a rank never holds the whole model",
+                      "host": "construction=host: built whole in each rank's host RAM, then sharded onto the GPU "
+                              "(host_bytes); the GPU never holds the whole model",
+                      "device": "construction=device: built whole on the GPU, then sharded; the construction is "
+                                "traced with the step and its peak counts"}[recipe.construction])
     if uneven:
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel,
-            "rank": top_rank, "construction": "meta" if recipe.parallel == "fsdp" else "replicated"}
+            "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes)
 
 

@@ -25,8 +25,13 @@ With accumulation, ``sync_grads=last`` (default) skips the gradient reduction of
 but the last (``set_requires_gradient_sync(False)``; DDP's ``no_sync``): under FSDP2 each unit then
 keeps its unsharded gradients until the last micro-batch. ``every`` reduce-scatters after each one.
 
-The construction is not part of the step: the estimate assumes a model built on the meta device,
-sharded, then materialised (``to_empty``), as torchtitan does, so a rank never held the whole model.
+``construction`` says how an FSDP2 model came to be sharded: ``meta`` (default) built on the meta device,
+sharded, then materialised (``to_empty``), as torchtitan does: a rank never holds the whole model and
+the construction is not part of the figures; ``host`` built whole in each rank's host memory, then
+sharded onto the GPU, as simple scripts do: the GPU as with ``meta``, the host the whole model per
+rank while it is sharded (``host_bytes``); ``device`` built whole on the GPU (``model.cuda()``), then
+sharded: the construction is traced with the step, and its peak (the whole model plus the shards made
+so far) counts.
 
 Does not combine with (yet, each one error): chunked_loss (its head runs outside the root's
 forward, on resharded weights), compile, qlora and 8/4-bit optimizers (bitsandbytes does not take
@@ -42,10 +47,11 @@ import warnings
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "host_records"]
+__all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "CONSTRUCTION", "host_records"]
 
 PARALLEL = ("none", "ddp", "fsdp")
 OFFLOAD = ("none", "cpu", "cpu-unpinned")
+CONSTRUCTION = ("meta", "host", "device")
 #: optimizers whose step runs only on a GPU (bitsandbytes, torchao kernels): not on an offloaded host
 _DEVICE_ONLY = ("8bit", "4bit", "paged", "fp8")
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -100,6 +106,10 @@ def _conflicts(recipe):
             yield (f"offload={recipe.offload} and optimizer={recipe.optimizer} conflict: with offload the optimizer "
                    "steps on the host, and that optimizer's kernels run on a GPU only; use adamw (or adam, sgd)")
             return
+    if recipe.parallel != "fsdp" and recipe.construction != "meta":
+        yield (f"construction={recipe.construction} and parallel={recipe.parallel} conflict: construction says how "
+               "FSDP2 shards a model; set parallel=fsdp")
+        return
     if recipe.parallel != "fsdp" and recipe.shard_over != "node":
         yield (f"shard_over={recipe.shard_over} and parallel={recipe.parallel} conflict: shard_over is FSDP2's mesh; "
                "set parallel=fsdp")
@@ -139,7 +149,8 @@ def _apply(build) -> None:
         build.step_contexts.append(lambda: _fsdp_roles(build.watch))
     if recipe.grad_accum_steps > 1 and recipe.sync_grads == "last":
         build.before_micro.append(_sync_last if recipe.parallel == "fsdp" else _ddp_sync_last)
-    build.watch.settle()  # construction (sharding, DDP's buckets) is before the step
+    if recipe.construction != "device":  # built on the GPU: the whole model and its sharding are seen
+        build.watch.settle()  # construction (sharding, DDP's buckets) is before the step
 
 
 def _shard(build, place) -> None:
@@ -345,5 +356,8 @@ TECHNIQUE = Technique(
                   "network)", slot=125, choices=("node", "world")),
             Field("sync_grads", "last", "with accumulation: reduce gradients on the last micro-batch only "
                   "(no_sync; fsdp keeps unsharded gradients meanwhile) or every one", slot=123,
-                  choices=("last", "every"))),
+                  choices=("last", "every")),
+            Field("construction", "meta", "fsdp: how the model was built before sharding: meta (torchtitan: never "
+                  "whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then "
+                  "sharded: its peak counts)", slot=126, choices=CONSTRUCTION)),
     order=20, apply=_apply, conflicts=_conflicts, trace="none")
