@@ -2,6 +2,7 @@
 
     python bench/fast_vs_full.py                 # every case; writes bench/results/fast-vs-full.json
     python bench/fast_vs_full.py --only demo     # cases whose name contains "demo" (merged into the file)
+    python bench/fast_vs_full.py --only fsdp     # one rank of FSDP2 at 8 to 64 ranks
 
 Each case runs ``memfit.estimate(..., fast=True)`` (a 4-block copy traced, its allocation log
 written out at full depth and replayed: ``depth.py``, ``accounting/synth.py``) and
@@ -29,6 +30,7 @@ from memfit.techniques.recipe import Recipe  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fast-vs-full.json")
 BF16 = {"precision": "bf16-mixed"}
+FSDP = {"parallel": "fsdp"}
 DEMO = dict(BF16, checkpointing="blocks", chunked_loss=8, micro_batch_size=8, grad_accum_steps=8, lora="qlora:16")
 # (name, model, recipe fields, gpu or None for CPU semantics, seq_len, batch_size)
 CASES = [
@@ -62,6 +64,22 @@ CASES = [
     ("3b offload ckpt", "llama-3.2-3b", dict(BF16, offload_activations=True, checkpointing="blocks"), "a100", 1024, 2),
     ("qwen0.5b cpu", "qwen2.5-0.5b", BF16, None, 256, 2),
     ("gpt2 cpu", "gpt2", {}, None, 256, 2),
+    # one rank of FSDP2 (gpus / nodes: the cluster, batch over all ranks): a block is a unit
+    ("fsdp 8b x8 bf16:fp32 ckpt", "llama-3.1-8b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
+                                                        gpus=8), "h100-sxm", 2048, 8),
+    ("fsdp 8b 8 nodes x8", "llama-3.1-8b", dict(FSDP, mixed_precision="bf16:fp32", gpus=8, nodes=8), "h100-sxm",
+     2048, 64),
+    ("fsdp mistral-7b x8 zero2", "mistral-7b", dict(FSDP, reshard_after_forward="false", gpus=8), "h100-sxm",
+     2048, 8),
+    ("fsdp 13b 2 nodes x8 world", "llama-2-13b", dict(FSDP, shard_over="world", gpus=8, nodes=2), "a100-80gb",
+     2048, 16),
+    ("fsdp 70b x8", "llama-3.1-70b", dict(FSDP, gpus=8), "h100-sxm", 2048, 8),
+    ("fsdp 70b x8 bf16:fp32 ckpt", "llama-3.1-70b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
+                                                          gpus=8), "h100-sxm", 2048, 8),
+    ("fsdp 70b 2 nodes x8 hsdp", "llama-3.1-70b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
+                                                        gpus=8, nodes=2), "h100-sxm", 2048, 16),
+    ("fsdp 70b 8 nodes x8 world", "llama-3.1-70b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
+                                                         shard_over="world", gpus=8, nodes=8), "h100-sxm", 2048, 64),
 ]
 
 
@@ -75,7 +93,9 @@ def _relative(fast, full):
 
 def run(case) -> dict:
     name, model, fields, gpu, seq_len, batch_size = case
-    kwargs = dict(seq_len=seq_len, batch_size=batch_size, recipe=Recipe(**fields))
+    fields = dict(fields)
+    world = {k: fields.pop(k) for k in ("gpus", "nodes") if k in fields}
+    kwargs = dict(seq_len=seq_len, batch_size=batch_size, recipe=Recipe(**fields), **world)
     if gpu is not None:
         kwargs["gpu"] = gpu
     times, figures, notes = {}, {}, []
@@ -86,7 +106,7 @@ def run(case) -> dict:
         figures[label] = _figures(report)
         if fast:
             notes = [n for n in report.notes if "counterpart" in n]
-    row = {"case": name, "model": model, "recipe": Recipe(**fields).describe(), "gpu": gpu or "cpu",
+    row = {"case": name, "model": model, "recipe": Recipe(**fields).describe(), "gpu": gpu or "cpu", **world,
            "seq_len": seq_len, "batch_size": batch_size, "fast": figures["fast"], "full": figures["full"],
            "relative": {k: _relative(figures["fast"][k], figures["full"][k]) for k in figures["full"]},
            "fast_seconds": times["fast"], "full_seconds": times["full"], "notes": notes}

@@ -92,6 +92,22 @@ def _meta_model(path):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
 
 
+@pytest.mark.parametrize("recipe", [{"parallel": "fsdp"},
+                                    {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"},
+                                    {"parallel": "fsdp", "reshard_after_forward": "false", "micro_batch_size": 1,
+                                     "grad_accum_steps": 2}])
+def test_depth_fast_path_writes_out_fsdp_units(tmp_path, recipe):
+    """A block is an FSDP2 unit: the 4-block copy's log written out at 12 blocks equals the full trace of
+    every rank, to the byte, allocator included (the shards keep their module's name through the class
+    swap fully_shard makes)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY, num_hidden_layers=12, vocab_size=301, tie_word_embeddings=False)))
+    fast, full = (memfit.estimate(str(path), batch_size=4, seq_len=32, recipe=Recipe(**recipe), gpus=2,
+                                  gpu="h100-sxm", fast=f) for f in (True, False))
+    assert fast.method == "depth" and full.method == "fake"
+    assert fast.ranks == full.ranks and fast.reserved_bytes == full.reserved_bytes
+
+
 def test_sharding_divides_the_model_states(configs):
     one = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpus=1, batch=2)
     two = _estimate(configs["tiny"], {"parallel": "fsdp"}, gpus=2, batch=4)
@@ -124,7 +140,7 @@ def test_zero2_holds_more_than_zero3(configs):
     ({"recipe": {"parallel": "fsdp"}, "batch": 3}, "does not divide over 2 GPUs"),
     ({"recipe": {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 2}, "batch": 8}, "is 4 per rank"),
     ({"recipe": {}, "batch": 4}, "parallel=ddp or parallel=fsdp"),
-    ({"recipe": {"parallel": "fsdp"}, "batch": 4, "fast": True}, "fast=True and parallel conflict"),
+    ({"recipe": {"parallel": "ddp"}, "batch": 4, "fast": True}, "fast=True and parallel=ddp conflict"),
     ({"recipe": {"parallel": "fsdp", "reshard_after_forward": "3"}, "batch": 4}, "does not divide the 2 GPUs"),
 ])
 def test_bad_input_is_one_line(configs, kwargs, words):

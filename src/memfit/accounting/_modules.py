@@ -24,6 +24,9 @@ class ModuleStack:
 
     def __init__(self, model):
         self.model = model
+        # the model's class name as it was built: FSDP2's fully_shard swaps the class (FSDPLlamaForCausalLM),
+        # and records made before and after sharding must name the same modules alike
+        self.root = type(model).__name__ if model is not None else ""
         self.names: dict[int, str] = {}
         self._missed = weakref.WeakSet()  # modules seen that are not the model's (weak: ids are reused)
         self._owners: dict[int, str] | None = None
@@ -34,8 +37,7 @@ class ModuleStack:
         self._pending_module = ""
 
     def _name_modules(self) -> None:
-        model = self.model
-        root = type(model).__name__ if model is not None else ""
+        model, root = self.model, self.root
         self.names = {id(m): f"{root}.{n}" if n else root for n, m in (model.named_modules() if model else ())}
 
     def _name(self, module) -> str:

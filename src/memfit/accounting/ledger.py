@@ -203,9 +203,9 @@ class Ledger(TorchDispatchMode):
         """Give an owner to tensors of the model that the set-up made (LoRA adapters added by
         ``apply`` after the parameters were registered)."""
         for tensor, name in self._modules.owned_tensors():
-            index = self._ids.get(tensor.untyped_storage())
-            if index is not None and self.records[index].owner is None:
-                self.records[index].owner = name
+            record = self.record_of(tensor)  # a DTensor (FSDP2's shard): its local tensor's record
+            if record is not None and record.owner is None:
+                record.owner = name
         if self.placer is not None:
             self.placer.own(self)
 
@@ -314,7 +314,7 @@ class Ledger(TorchDispatchMode):
     @property
     def root(self) -> str:
         """The prefix of every module name in the records (the model's class name)."""
-        return self._modules.names.get(id(self.model), "")
+        return self._modules.root
 
     def _track(self, storage, category: Category) -> int | None:
         if storage in self._ids:
@@ -406,10 +406,9 @@ class Ledger(TorchDispatchMode):
 
     def _path(self, tensor) -> str | None:
         """The module a tracked tensor belongs to: where it was made, else its owner."""
-        index = self._ids.get(tensor.untyped_storage())
-        if index is None:
+        record = self.record_of(tensor)
+        if record is None:
             return None
-        record = self.records[index]
         return record.module if record.module != OUTSIDE else record.owner
 
     def _derive_owners(self, args, kwargs, made, many: bool) -> None:

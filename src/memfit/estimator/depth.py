@@ -111,7 +111,7 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
 def _parameters(ledger, log) -> tuple[int, int]:
     """Logical weights and trainable weights of the deep model: each parameter of the shallow copy
     counted once per block its block was written as."""
-    root = type(ledger.model).__name__
+    root = ledger.root  # the class name as built (FSDP2 renames the class of what it shards)
     total = trainable = 0
     for name, param in ledger.model.named_parameters():
         owner = f"{root}.{name.rsplit('.', 1)[0]}" if "." in name else root

@@ -57,7 +57,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                card. The report's ``verdict`` says whether the step fits (``memfit/estimator/verdict.py``).
     fast       trace a 4-block copy and write its allocation log out at full depth (``depth.py``;
                default: for configs with >= 8 blocks and no explicit batch); ``False`` forces the
-               full trace.
+               full trace. Per rank it writes out FSDP2's units (a block is one); DDP, an offloaded step
+               and a device_map split are traced in full.
     recipe     a :class:`memfit.Recipe` of memory techniques; ``precision`` and ``optimizer`` are
                shorthands for two of its fields. With accumulation, ``batch`` is what one
                optimizer step consumes; a made batch has micro_batch_size x grad_accum_steps rows.
@@ -191,15 +192,19 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
-    if fast:
-        raise MemfitError("fast=True and parallel conflict: per-rank steps are traced in full (the depth fast path "
-                          "does not yet write out FSDP2's units); leave fast unset")
+    if recipe.parallel != "fsdp" or recipe.offload != "none":
+        # DDP's gradient buckets and an offloaded step's host side are not per block: traced in full
+        what = f"parallel={recipe.parallel}" if recipe.parallel != "fsdp" else f"offload={recipe.offload}"
+        if fast:
+            raise MemfitError(f"fast=True and {what} conflict: that step is traced in full (its memory is not laid "
+                              "out block by block for the depth fast path); leave fast unset")
+        fast = False
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     reports, rank = [], 0
     while True:
         with fake_world(world, rank) as place:
             tick = _ticker(progress, phases(recipe, kwargs["steps"]))
-            report = _estimate(source, batch, recipe=recipe, fast=False, tick=tick, layout=None, **kwargs)
+            report = _estimate(source, batch, recipe=recipe, fast=fast, tick=tick, layout=None, **kwargs)
             reports.append((rank, report))
             uneven = place.notes.get("uneven")
         if not uneven or rank == world.size - 1:
