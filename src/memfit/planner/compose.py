@@ -52,6 +52,15 @@ class Engine:
 
         self.source, self.batch, self.target, self.seq_len = source, batch, target, seq_len
         self.loss_fn, self.optimizer, self.global_batch_size = loss_fn, optimizer, global_batch_size
+        # a callable ``params -> Optimizer``: the optimizer traces and full estimates build it as the
+        # user wrote it (the recipes' ``optimizer`` field is then the placeholder ``recipe_from`` puts)
+        self.factory = optimizer if callable(optimizer) else None
+        # What the traces refused, each with the reason, so ``offered`` drops the candidates that
+        # need it (the full estimate checking them would refuse them the same way):
+        self.no_inbwd: dict = {}  # optim key -> why stepping in backward could not be traced
+        self.refused: dict = {}  # ("graph" | "optimizer", key) -> why that trace failed (``prepare``)
+        self.no_mb: dict = {}  # micro-batch size -> why the model refused a batch of that many rows
+        self._refusable = False
         self.progress = progress
         # the cost model: the target's, or this CPU's (measured, seconds); a caller that reads no
         # times (``fit``) passes any
@@ -109,7 +118,13 @@ class Engine:
         m = self.global_batch_size
         return (1,) if m == 1 else (1, 2) if m == 2 else (2, m)
 
-    def prepare(self, space) -> None:
+    def prepare(self, space, refusable: bool = False) -> None:
+        """Trace what ``space`` needs. With ``refusable`` (``plan``: a search), a trace the model or
+        step refuses drops the candidates that need it (``offered``) instead of ending the search,
+        unless it is the plain step's own (no technique: nothing could be planned): a technique
+        that cannot apply to this model (LoRA without linear layers), or a micro-batch of one row a
+        model refuses (``BatchNorm1d`` in training)."""
+        self._refusable = refusable
         graphs, optims = set(), set()
         for r in space:
             graphs.add(self._graph_key(r))
@@ -118,14 +133,30 @@ class Engine:
             optims.add(self._optim_key(r))
         graphs -= set(self._graphs)
         optims -= set(self._optims)
+        if refusable:  # refused in an earlier call on this engine: refused again
+            graphs -= {key for kind, key in self.refused if kind == "graph"}
+            optims -= {key for kind, key in self.refused if kind == "optimizer"}
         self._done = 0
         self._todo = len(self.depths) * (len(graphs) * len(self._mb_points()) + 2 * len(optims))
-        for key in sorted(graphs, key=repr):
-            self._graph(key)
-        for key in sorted(optims, key=repr):
-            self._optim(key)
+        plain = Recipe(optimizer=self.recipe_optimizer)
+        for kind, keys, make, base in (("graph", graphs, self._graph, self._graph_key(plain)),
+                                       ("optimizer", optims, self._optim, self._optim_key(plain))):
+            for key in sorted(keys, key=repr):
+                try:
+                    make(key)
+                except MemfitError as err:
+                    if not refusable or key == base:
+                        raise
+                    self.refused[kind, key] = str(err)
 
-    def _trace(self, depth, recipe: Recipe, batch_size: int, seq_len, steps: int, prime=None):
+    @property
+    def recipe_optimizer(self) -> str:
+        """The recipes' ``optimizer``: the name, or for a custom optimizer its placeholder."""
+        from memfit.planner.space import optimizer_name
+
+        return optimizer_name(self.optimizer)
+
+    def _trace(self, depth, recipe: Recipe, batch_size: int, seq_len, steps: int, prime=None, factory=None):
         from memfit.estimator.fake_trace import fake_trace
         from memfit.techniques.step import batch_slice
 
@@ -133,7 +164,7 @@ class Engine:
         batch = None
         if self.batch is not None:
             batch = batch_slice(self.batch() if callable(self.batch) else self.batch, 0, batch_size)
-        result = fake_trace(source, batch, recipe=recipe, loss_fn=self.loss_fn, optimizer=None, steps=steps,
+        result = fake_trace(source, batch, recipe=recipe, loss_fn=self.loss_fn, optimizer=factory, steps=steps,
                             batch_size=batch_size, seq_len=seq_len, gpu=self.target, detail=True, prime=prime)
         self._done += 1
         self.traces += 1
@@ -143,24 +174,78 @@ class Engine:
 
     def _graph(self, key):
         recipe = Recipe(**dict(zip(_trace_fields("graph"), key)), optimizer="sgd")
-        self._graphs[key] = {
-            depth: {mb: GraphPoint(*self._trace(depth, recipe, mb, self.seq_len, 1, self.prime), self.speed,
-                                   self.prime)
-                    for mb in self._mb_points()}
-            for depth in self.depths}
+        found, one_row = {}, None
+        for depth in self.depths:
+            points = {}
+            for mb in self._mb_points():
+                if mb in self.no_mb:
+                    continue
+                try:
+                    points[mb] = GraphPoint(*self._trace(depth, recipe, mb, self.seq_len, 1, self.prime), self.speed,
+                                            self.prime)
+                except MemfitError as err:
+                    if not self._one_row(mb):
+                        raise
+                    one_row = str(err)  # a user batch of two rows: traced at 2 alone (if 2 is refused: raised)
+            found[depth] = points
+        if one_row is not None:
+            self.no_mb[1] = one_row
+        self._graphs[key] = found
+
+    def _one_row(self, mb: int) -> bool:
+        """Whether a trace refused at micro-batch ``mb`` may be read as the model refusing one row
+        (then traced at the next size, and micro-batch 1 not offered): a search over a user batch
+        of more than one row."""
+        return self._refusable and mb == 1 and self.batch is not None and self.global_batch_size > 1
+
+    def _optim_trace(self, depth, recipe: Recipe, seq_len):
+        """(trace, rows) of two steps of ``recipe`` on one row (the optimizer sees no activations),
+        or on the smallest larger micro-batch where the model refuses one row (``no_mb``)."""
+        rows = min(p for p in self._mb_points() if p > 1) if self._one_row(1) else 1
+        if 1 in self.no_mb:
+            return self._trace(depth, recipe, rows, seq_len, 2, factory=self.factory), rows
+        try:
+            return self._trace(depth, recipe, 1, seq_len, 2, factory=self.factory), 1
+        except MemfitError as err:
+            if not self._one_row(1):
+                raise
+            self._todo += 1
+            found = self._trace(depth, recipe, rows, seq_len, 2, factory=self.factory)  # refused too: raised
+            self.no_mb[1] = str(err)
+            return found, rows
 
     def _optim(self, key):
         short = None if self.seq_len is None else min(self.seq_len, SHORT_SEQ)
         found = {}
         for depth in self.depths:
             base = Recipe(**dict(zip(_trace_fields("optimizer"), key)))
-            plain = self._trace(depth, base, 1, short, 2)
+            plain, rows = self._optim_trace(depth, base, short)
             try:
-                inbwd = self._trace(depth, base.replace(optimizer_in_backward=True), 1, short, 2)
-            except MemfitError:
-                inbwd = None
+                probe = base.replace(optimizer_in_backward=True)
+            except MemfitError:  # a pair Recipe refuses (fp16-mixed): never a candidate
+                probe = None
+            inbwd = None
+            if probe is not None:
+                try:
+                    inbwd = self._trace(depth, probe, rows, short, 2, factory=self.factory)
+                except MemfitError as err:
+                    # the plain step traced, stepping in backward did not (a custom optimizer that
+                    # cannot step one parameter at a time): its candidates are not offered
+                    # (``offered``), since the full estimate that checks them would refuse them too
+                    self.no_inbwd.setdefault(key, str(err))
             found[depth] = optimizer_terms(plain, inbwd, self.speed)
         self._optims[key] = found
+
+    def offered(self, r: Recipe) -> bool:
+        """Whether ``r`` is a candidate its traces could make: none of its traces was refused
+        (``refused``, ``no_mb``; stepping in backward: ``no_inbwd``)."""
+        graphs = [self._graph_key(r)]
+        if r.checkpointing.startswith("blocks:"):
+            graphs.append(self._graph_key(r.replace(checkpointing="blocks")))
+        return not (any(("graph", key) in self.refused for key in graphs)
+                    or ("optimizer", self._optim_key(r)) in self.refused
+                    or r.micro_batch_size in self.no_mb
+                    or (r.optimizer_in_backward and self._optim_key(r) in self.no_inbwd))
 
     def _graph_at(self, key, depth, mb) -> GraphTerms:
         points = self._graphs[key][depth]
@@ -233,9 +318,11 @@ class Engine:
             batch = self.batch() if callable(self.batch) else self.batch
             device = "cpu" if self.target is None else "cuda"
 
+            custom = {} if self.factory is None else {"optimizer": self.factory}
+
             def full(recipe, budget=budget):
                 return estimate(self.source, batch, recipe=recipe, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                                device=device, gpu=self.target, budget=budget)
+                                device=device, gpu=self.target, budget=budget, **custom)
 
             k = r.grad_accum_steps
             if batch is None and k > 5:

@@ -10,6 +10,13 @@ checked with a full ``estimate``, which replays the caching allocator under the 
 budget by the estimate's own account. A plan that fits only with
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` may be chosen, and says so.
 
+Only what the estimate accepts is offered: a custom optimizer (a callable) is planned as the user
+built it, without ``optimizer_impl`` or 8-bit states (``space.by_name``); a candidate whose trace
+the model or step refuses (LoRA without linear layers, a micro-batch of one row under
+``BatchNorm1d``, stepping in backward with an optimizer that cannot step one parameter at a time)
+is left out (``Engine.offered``), and one whose full estimate refuses it is passed over; the notes
+say which and why.
+
 Tracing every candidate would take minutes for an 8B model, so candidates are composed from a
 few traces: ``compose.py``.
 
@@ -26,7 +33,7 @@ import time
 from memfit.planner.cache import EngineCache
 from memfit.planner.reasons import _caveats, _front, _nothing_fits, _reasons
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as _clean
-from memfit.planner.space import ALLOWABLE, allowed_names, search_space
+from memfit.planner.space import ALLOWABLE, allowed_names, custom_optimizer, search_space
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size, parse_size
@@ -36,12 +43,15 @@ __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
 
 NO_BLOCKS = ("checkpointing left out of the search: the model has no repeated blocks to checkpoint "
              "(name modules yourself with checkpointing=modules:a,b)")
+CUSTOM_OPTIMIZER = ("optimizer: your own (a callable), planned as you built it: optimizer_impl and 8-bit states "
+                    "are not searched (set foreach/fused on your optimizer); run this recipe with the same "
+                    "optimizer=, its optimizer field is a placeholder")
 MAX_CHECKS = 8  # full estimates tried, fastest first, before giving up on the predictions
 SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 
 
 def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | None = None,
-         seq_len: int | None = None, allow=(), optimizer: str = "adamw", loss_fn=None,
+         seq_len: int | None = None, allow=(), optimizer="adamw", loss_fn=None,
          device: str | None = None, progress=None, cache: EngineCache | None = None, gpus: int | None = None,
          nodes: int | None = None) -> Plans:
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
@@ -54,7 +64,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                 for speeds when only ``budget`` is given; ``device="cpu"`` plans for the CPU.
     global_batch_size  examples per optimizer step; micro-batch x accumulation divides it exactly.
     allow       names from ``ALLOWABLE`` that may change the math (LoRA, 8-bit states, pure bf16).
-    optimizer   the optimizer training uses (``adamw``...); changed only to an allowed 8-bit form.
+    optimizer   the optimizer training uses (``adamw``...); changed only to an allowed 8-bit form. Or
+                a callable ``params -> Optimizer`` (your own): planned as you built it, so neither its
+                step (``optimizer_impl``) nor 8-bit states are searched; run the plan's recipe with
+                the same ``optimizer=`` (the recipe's ``optimizer`` field is then a placeholder).
     progress    ``progress(done, total)`` called as traces complete.
     cache       an ``EngineCache`` to keep the traces in for later calls (a budget sweep passes one to
                 every call, and each graph is traced once); default: traced afresh.
@@ -75,7 +88,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     for name, value, limit in (("global_batch_size", global_batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
             raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
-    Recipe(optimizer=optimizer)  # an unknown name is one line naming the choices
+    custom = custom_optimizer(optimizer)
+    if not custom:
+        Recipe(optimizer=optimizer)  # an unknown name is one line naming the choices
     device = device or "cuda"
     if gpu is not None and str(device).startswith("cpu"):
         raise MemfitError("gpu and device='cpu' conflict: drop one")
@@ -113,18 +128,23 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                               + ("batch=" if batch is not None else "allow=") + " (or gpus=)")
         if target is None:
             raise MemfitError("plan across GPUs needs a gpu= (the card of every rank)")
+        if custom:
+            raise MemfitError("plan across GPUs takes the optimizer by name (adamw, adafactor, ...): drop the "
+                              "optimizer callable (or gpus=)")
         return plan_ranks(source, target=target, budget_bytes=budget_bytes, world=world,
                           global_batch_size=global_batch_size, seq_len=seq_len, optimizer=optimizer, loss_fn=loss_fn,
                           progress=progress)
     cache = EngineCache() if cache is None else cache
     engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = search_space(engine, allowed, optimizer)
-    engine.prepare(space)
+    engine.prepare(space, refusable=True)
+    space = [r for r in space if engine.offered(r)]  # what a trace refused, the full estimate would too
     predicted = [engine.predict(r, budget_bytes if target is not None else None) for r in space]
     fitting = sorted((p for p in predicted if p.device_bytes <= budget_bytes), key=_rank)
-    notes = list(engine.notes)
+    notes = list(engine.notes) + _left_out(engine, allowed)
     chosen, report, rejected = None, None, 0
     explicit = None if budget is None else budget_bytes
+    refused: list = []  # (recipe, MemfitError): candidates whose full estimate refused them, passed over
     # First the candidates predicted to fit with the measured error to spare, fastest first: the
     # first that fits cleanly by a full estimate (no retry, no expandable segments, not tight) wins.
     # One that fits only on those terms is kept as the fallback; then the rest, as before.
@@ -135,8 +155,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         if fallback is not None and candidate.step_seconds > fallback[0].step_seconds * CLEAN_SLOWDOWN:
             slower = True  # a clean fit this much slower is a worse answer than a setting
             break
-        full = _checked(engine, candidate.recipe, explicit)
+        full = _checked(engine, candidate.recipe, explicit, refused)
         tried.add(candidate.recipe)
+        if full is None:
+            continue
         if _fits(full, budget_bytes) and _clean(full):
             chosen, report = candidate, full
             break
@@ -144,7 +166,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
             fallback = (candidate, full)
     roomy_choice = chosen is not None
     for candidate in ([] if chosen is not None or fallback is not None else fitting[:MAX_CHECKS]):
-        full = _checked(engine, candidate.recipe, explicit)
+        full = _checked(engine, candidate.recipe, explicit, refused)
+        if full is None:
+            continue
         if _fits(full, budget_bytes):
             chosen, report = candidate, full
             break
@@ -169,22 +193,33 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         smallest = sorted(predicted, key=lambda p: (p.device_bytes, p.step_seconds))[:SMALLEST_CHECKS]
         # the smallest is checked for the answer's figure; the others only if they could be near
         smallest = smallest[:1] + [p for p in smallest[1:] if p.device_bytes <= 1.5 * budget_bytes]
-        checked = [(p, _checked(engine, p.recipe, explicit)) for p in smallest if p not in fitting[:MAX_CHECKS]]
+        checked = [(p, _checked(engine, p.recipe, explicit, refused)) for p in smallest
+                   if p not in fitting[:MAX_CHECKS]]
+        checked = [(p, full) for p, full in checked if full is not None]
+        if not checked and refused:
+            raise refused[0][1]
         fits = sorted(((p, full) for p, full in checked if _fits(full, budget_bytes)),
                       key=lambda pair: _rank(pair[0]))
         if not fits:
             raise _nothing_fits(engine, checked, budget_bytes, allowed)
         chosen, report = fits[0]
         notes.append("chosen among the smallest predicted recipes, checked in full")
+    if refused:
+        notes.append(f"{len(refused)} candidate(s) passed over: their full estimate refused them (the first, "
+                     f"{refused[0][0].describe()}: {refused[0][1]})")
     exact = Plan(chosen.recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, chosen.step_seconds,
                  chosen.samples_per_second, chosen.tokens_per_second, verified=True, verdict=report.verdict)
     reasons = _reasons(exact, chosen, predicted, budget_bytes, engine) + _caveats(report)
+    if custom:
+        reasons.append(CUSTOM_OPTIMIZER)
     if not engine.has_blocks:
         reasons.append(NO_BLOCKS)
     exact = Plan(**{**exact.__dict__, "reasons": tuple(reasons)})
-    rest = [p for p in fitting if p.recipe != chosen.recipe and _rank(p) >= _rank(chosen)]
+    passed_over = {r for r, _ in refused}
+    rest = [p for p in fitting
+            if p.recipe != chosen.recipe and _rank(p) >= _rank(chosen) and p.recipe not in passed_over]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
-                "optimizer": optimizer, "allow": sorted(allowed), "traces": engine.traces,
+                "optimizer": _optimizer_setting(optimizer), "allow": sorted(allowed), "traces": engine.traces,
                 "speed": engine.speed.name}
     return Plans([exact] + rest, budget=budget_bytes, device="cpu" if target is None else "cuda",
                  gpu=None if target is None else target.name, candidates=len(predicted),
@@ -192,13 +227,55 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                  settings=settings, notes=notes)
 
 
-def _checked(engine, recipe: Recipe, budget: int | None):
+def _optimizer_setting(optimizer) -> str:
+    """``optimizer`` as the plan's settings show it: the name, or ``custom:`` and the callable's name."""
+    if not custom_optimizer(optimizer):
+        return optimizer
+    return "custom:" + str(getattr(optimizer, "__qualname__", None) or type(optimizer).__name__)
+
+
+def _left_out(engine, allowed: set[str]) -> list[str]:
+    """Notes on what the search left out for this model and step: the 8-bit forms ``allow`` named,
+    with a custom optimizer; and what its traces refused (``Engine.offered``), each with the reason."""
+    from memfit.planner.compose import _trace_fields
+    from memfit.techniques.optimizer import SEARCH_APPROXIMATE
+
+    out = []
+    named = sorted(a for a in allowed if a in SEARCH_APPROXIMATE)
+    if engine.factory is not None and named:
+        out.append(f"allow={','.join(named)} left out: your optimizer is a callable, which memfit cannot make 8-bit; "
+                   "pass its name (optimizer='adamw') to search 8-bit states")
+    default = Recipe(optimizer=engine.recipe_optimizer).to_dict()
+    common: dict[str, set] = {}  # reason -> the field values every trace refused for it has set
+    for (kind, key), reason in engine.refused.items():
+        values = {(k, v) for k, v in zip(_trace_fields(kind), key) if default.get(k) != v}
+        common[reason] = values if reason not in common else common[reason] & values
+    for reason, values in common.items():
+        what = ", ".join(f"{k}={v}" for k, v in sorted(values, key=lambda kv: Recipe.fields().index(kv[0])))
+        out.append(f"{what or 'some techniques'} left out: refused for this model ({reason})")
+    if 1 in engine.no_mb:
+        out.append(f"micro_batch_size=1 left out: the model refused a batch of one row ({engine.no_mb[1]})")
+    if engine.no_inbwd:
+        reason = next(iter(engine.no_inbwd.values()))
+        out.append(f"optimizer_in_backward left out: stepping in backward could not be traced ({reason})")
+    return out
+
+
+def _checked(engine, recipe: Recipe, budget: int | None, refused: list | None = None):
     """The full estimate of ``recipe`` with its verdict under ``budget`` (None: the whole card).
 
     The whole-card estimate is traced once per recipe; under a budget the allocator must be replayed
     again only if its unlimited reserved peak does not fit below the budget (if it does, nothing
-    ever reaches the limit and the budgeted run is the same run)."""
-    full = engine.verify(recipe)
+    ever reaches the limit and the budgeted run is the same run). With ``refused``, a recipe the
+    estimate refuses (a technique this model or batch cannot take, which the composed traces did
+    not show) is added to it and None returned: the search passes it over instead of ending."""
+    try:
+        full = engine.verify(recipe)
+    except MemfitError as err:
+        if refused is None:
+            raise
+        refused.append((recipe, err))
+        return None
     if budget is None or full.verdict is None:
         return full
     from memfit.estimator.verdict import FITS, fit_reserved, limits

@@ -92,7 +92,9 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
     fixes = []
     if engine.seq_len and engine.source.task != "image-classification":
         fixes.append(f"a shorter sequence than {engine.seq_len}")
-    missing = [a for a in ("lora", "qlora", "adamw8bit") if a not in allowed]
+    # 8-bit states only for an optimizer memfit builds by name (``space.by_name``)
+    missing = [a for a in ("lora", "qlora", "adamw8bit") if a not in allowed
+               and not (a == "adamw8bit" and engine.factory is not None)]
     if missing:
         fixes.append(f"allowing {','.join(missing)} (--allow)")
     if engine.target is not None:
@@ -113,6 +115,9 @@ def _sharding(engine, budget: int) -> list[str]:
     per-rank estimate (``ranks.offload_fits``, ``ranks.smallest_world``)."""
     from memfit.planner.ranks import WORLDS, NoWorld, offload_fits, smallest_world
 
+    if engine.factory is not None:  # the per-rank estimates build the optimizer by name
+        return ["sharding over several GPUs or FSDP2's CPU offload (not estimated here: with your optimizer "
+                "by name, memfit plan --gpus N sizes it)"]
     args = (engine.source, engine.target, budget, engine.global_batch_size, engine.seq_len, engine.optimizer,
             engine.loss_fn)
     out = []

@@ -5,6 +5,11 @@ checkpointing x activation offload x chunked loss x optimizer x micro-batch / ac
 optimizer-in-backward for the built-in ones), nested in apply's order; a combination ``Recipe``
 rejects, or a technique marks as not worth searching, is skipped. Techniques that change the math
 are searched only when ``allow`` names them.
+
+A custom optimizer (a callable ``params -> Optimizer``) is planned as the user built it: the
+fields that name or rebuild an optimizer (``BY_NAME``: 8-bit states, ``optimizer_impl``,
+``offload_optimizer``) stay at their defaults, since the estimate that checks a plan refuses
+``optimizer_impl`` with a callable and would run the callable under any other name.
 """
 
 from __future__ import annotations
@@ -17,7 +22,30 @@ from memfit.techniques.recipe import Recipe
 from memfit.techniques.registry import techniques
 from memfit.techniques.spec import SearchContext
 
-__all__ = ["ALLOWABLE", "allowable", "allowed_names", "search_space", "search_context", "divisors"]
+__all__ = ["ALLOWABLE", "BY_NAME", "allowable", "allowed_names", "search_space", "search_context", "divisors",
+           "by_name", "custom_optimizer", "optimizer_name"]
+
+#: the Recipe fields that take effect only on an optimizer memfit builds by name: with a custom
+#: optimizer ``make_optimizer`` runs the callable whatever ``optimizer`` says and refuses an
+#: ``optimizer_impl`` other than auto, and ``offload_optimizer`` refuses a callable
+BY_NAME = ("optimizer", "optimizer_impl", "offload_optimizer")
+
+
+def custom_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` is the user's own ``params -> Optimizer`` rather than a name."""
+    return callable(optimizer)
+
+
+def optimizer_name(optimizer) -> str:
+    """The name a plan's recipes carry for ``optimizer``: a custom one's is the placeholder
+    ``recipe_from`` gives an ``estimate`` with a callable (``Recipe().optimizer``)."""
+    return Recipe().optimizer if custom_optimizer(optimizer) else optimizer
+
+
+def by_name(recipe: Recipe) -> bool:
+    """Whether every ``BY_NAME`` field of ``recipe`` is at its default (what a custom optimizer takes)."""
+    default = Recipe()
+    return all(getattr(recipe, name, None) == getattr(default, name, None) for name in BY_NAME)
 
 
 def allowable() -> tuple[str, ...]:
@@ -44,19 +72,23 @@ def allowed_names(allow) -> set[str]:
     return names
 
 
-def search_context(engine, allowed: set[str], optimizer: str) -> SearchContext:
-    """What the techniques' ``search`` see of the planner's question."""
-    return SearchContext(gpu=engine.target, allowed=frozenset(allowed), optimizer=optimizer,
+def search_context(engine, allowed: set[str], optimizer) -> SearchContext:
+    """What the techniques' ``search`` see of the planner's question (a custom optimizer as its
+    placeholder name; ``search_space`` keeps its candidates to ``by_name`` ones)."""
+    return SearchContext(gpu=engine.target, allowed=frozenset(allowed), optimizer=optimizer_name(optimizer),
                          global_batch_size=engine.global_batch_size, depth=engine.depth or 0,
                          has_blocks=engine.has_blocks, causal_lm=engine.causal_lm)
 
 
-def search_space(engine, allowed: set[str], optimizer: str) -> list[Recipe]:
-    """Every candidate recipe; combinations ``Recipe`` rejects are skipped."""
+def search_space(engine, allowed: set[str], optimizer) -> list[Recipe]:
+    """Every candidate recipe; combinations ``Recipe`` rejects are skipped, and with a custom
+    optimizer (a callable) those that would rebuild it by name (``by_name``)."""
     ctx = search_context(engine, allowed, optimizer)
     searched = techniques()
     axes = [list(t.search(ctx)) if t.search is not None else [{}] for t in searched]
     keep = [t.searchable for t in searched if t.searchable is not None]
+    if custom_optimizer(optimizer):
+        keep.append(by_name)
     out = []
     for choice in itertools.product(*axes):
         values = {}
