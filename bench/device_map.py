@@ -60,7 +60,8 @@ def main() -> None:
             continue
         row.update(seconds=round(time.perf_counter() - start, 1), method=report.method,
                    entries=report.device_map["entries"], reported=report.device_map["reported"],
-                   devices=[{k: r.get(k) for k in ("device", "peak_bytes", "reserved_bytes", "device_bytes", "verdict")}
+                   devices=[{k: r.get(k) for k in ("device", "peak_bytes", "reserved_bytes", "device_bytes", "verdict",
+                                                        "missing_bytes")}
                             | {"parameter_bytes": r["by_category"].get("parameters", 0)} for r in report.devices],
                    host_bytes=report.host_bytes)
         rows.append(row)

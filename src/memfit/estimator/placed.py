@@ -46,7 +46,8 @@ def placed_sides(ledger, scratch, placer, gpu, budget):
             verdict = cuda_fit(view, gpu, budget)
             fields = verdict.report_fields()
             row.update(peak_bytes=fields["peak_bytes"], reserved_bytes=fields["reserved_bytes"],
-                       device_bytes=fields["reserved_bytes"] + gpu.cuda_context_bytes, verdict=fields["verdict"])
+                       device_bytes=fields["reserved_bytes"] + gpu.cuda_context_bytes, verdict=fields["verdict"],
+                       missing_bytes=fields.get("missing_bytes"))
             need = row["device_bytes"] + (fields.get("missing_bytes") or 0)
             if need > top_need:
                 top, top_need = (device, view), need

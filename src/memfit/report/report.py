@@ -92,7 +92,7 @@ class Report:
     With ``device_map=`` (``techniques/device_map.py``: Accelerate's placement over GPUs, host and disk) the
     top-level figures are the GPU that needs the most, and:
     devices         one entry per device used: device ("cuda:0", "cpu", "disk"), peak_bytes, by_category, the
-                    map's modules on it, and on a GPU reserved_bytes, device_bytes and verdict.
+                    map's modules on it, and on a GPU reserved_bytes, device_bytes, verdict and missing_bytes.
     device_map      the placement: strategy, gpus, entries (module -> device, as from_pretrained takes it),
                     max_memory, and reported (the device whose figures the top level shows).
     host_bytes      host RAM of the modules offloaded to "cpu"; disk_bytes what lies in the offload folder.
