@@ -160,3 +160,14 @@ def test_a_micro_batch_the_model_refuses_is_left_out(rows):
     assert any("micro_batch_size=1 left out" in n for n in plans.notes)
     measured = true_peak(Normed, batch, loss_fn=classify, optimizer=_adamw, recipe=plans.best.recipe)
     assert measured <= plans.budget
+
+
+def test_pure_bf16_of_a_float_batch_is_refused_and_not_planned():
+    """A float32 batch into a model cast to bf16 fails in every real matmul (torch's meta kernels do not
+    check): the estimate refuses it with the fix, and the planner leaves the bf16 candidates out."""
+    with pytest.raises(MemfitError, match="same dtype.*casts the model, not the batch"):
+        memfit.estimate(Wide, WIDE_BATCH, loss_fn=classify, recipe=Recipe(precision="bf16"))
+    plans = _plan_wide("64MiB", allow="bf16")
+    assert all(p.recipe.precision != "bf16" for p in list(plans) + plans.front)
+    with pytest.raises(RuntimeError, match="same dtype"):  # the real step, as the estimate says
+        Wide().to(torch.bfloat16)(WIDE_BATCH[0])

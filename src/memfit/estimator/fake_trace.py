@@ -91,7 +91,11 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
         except (RuntimeError, TypeError, ValueError, IndexError, KeyError, OverflowError) as err:
             if _overflow(err):
                 raise MemfitError(f"{_overflow(err)}: use a smaller batch_size or seq_len") from None
-            raise MemfitError(f"the model rejected the batch: {_first_line(err)}") from None
+            hint = ""
+            if "same dtype" in str(err) and recipe.precision in ("bf16", "fp16"):
+                hint = (f": precision={recipe.precision} casts the model, not the batch; pass the batch in that dtype, "
+                        "or use bf16-mixed")
+            raise MemfitError(f"the model rejected the batch: {_first_line(err)}{hint}") from None
     notes = []  # what only the fake run knows, after the trace: the Report is made anew with them
     if top_k:
         notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "

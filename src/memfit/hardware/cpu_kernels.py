@@ -93,6 +93,11 @@ def probe_operands(func, args, kwargs):
     return args, {**kwargs, "offs": routed}
 
 
+# the two matrices of each matmul op: real kernels refuse operands of two dtypes, torch's meta kernels do not
+_MATMUL_OPERANDS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.bmm: (0, 1), torch.ops.aten.addmm: (1, 2),
+                    torch.ops.aten.baddbmm: (1, 2), torch.ops.aten.mv: (0, 1), torch.ops.aten.addmv: (1, 2)}
+
+
 class CpuKernels(TorchDispatchMode):
     """Answers ops whose meta kernel rejects what the CPU kernel accepts, and holds the MoE
     routing that replays of its kernels follow (see module docstring)."""
@@ -118,6 +123,13 @@ class CpuKernels(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        operands = _MATMUL_OPERANDS.get(func.overloadpacket)
+        if operands is not None:
+            first, second = (args[i] if i < len(args) else None for i in operands)
+            if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.dtype != second.dtype:
+                # the meta kernels skip the check every real kernel makes (a float32 batch into a bf16 model)
+                raise RuntimeError(f"expected mat1 and mat2 to have the same dtype, but got: {first.dtype} != "
+                                   f"{second.dtype}")
         if func is _GROUPED_MM:
             a, b = args[0], args[1]
             offs = args[2] if len(args) > 2 else kwargs.get("offs")
