@@ -41,7 +41,7 @@ PLANS = [  # (model, gpu, seq_len, global batch, allow)
 ]
 
 
-RANKS = [  # (model, gpus, nodes, recipe): one rank's step under the fake process group, traced in full
+RANKS = [  # (model, gpus, nodes, recipe): one rank's step under the fake process group (FSDP2: the depth fast path)
     ("llama-3.1-8b", 8, 1, {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"}),
     ("llama-3.1-8b", 8, 8, {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"}),
     ("llama-3.1-70b", 8, 1, {"parallel": "fsdp"}),
