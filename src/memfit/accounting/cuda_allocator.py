@@ -54,7 +54,7 @@ which of several same-sized tensors a free releases. Function by function, with 
 Where the code is: this module holds the request logic; ``cuda_blocks.py`` the sizes, blocks, pools
 and statistics; ``cuda_segments.py`` the release paths and expandable segments.
 
-Not modelled (one stream is what a training step uses, and these need a real device or clock):
+Not modelled (streams are, as each request carries one: FSDP2 allocates on three; these need a real device or clock):
 ``record_stream`` and the CUDA events that delay a free, CUDA-graph private pools and mempools,
 free-memory callbacks, IPC, other processes on the device, and the driver's choice of virtual
 addresses (segments are laid out at increasing addresses, which only matters as a tie-break between

@@ -78,6 +78,9 @@ class Record:
     # With a ``placer`` (``techniques/device_map.py``): the device this storage is on ("0", "1", "cpu",
     # "disk"); None on one device.
     device: str | None = None
+    # The CUDA stream it was allocated on (0: the default stream; FSDP2's copy-in and reduce-scatter
+    # streams: ``techniques/parallel.py``): the caching allocator reuses a block on its own stream only.
+    stream: int = 0
 
 
 @dataclass
@@ -149,6 +152,7 @@ class Ledger(TorchDispatchMode):
         # Several devices (``device_map``): ``placer.place(ledger, args, kwargs, made, many)`` gives each
         # new storage its device, ``placer.own(ledger)`` the model's own tensors theirs by owner.
         self.placer = None
+        self.stream = 0  # the stream new storages are allocated on (``on_stream``)
         # ``UntypedStorage.resize_`` frees and re-allocates a storage that lives on (FSDP2's unsharded
         # parameters: ``free_storage`` / ``alloc_storage``): each allocation is a record of its own.
         # ``_current``: the record a storage's first record stands for now (None: resized to nothing).
@@ -303,6 +307,15 @@ class Ledger(TorchDispatchMode):
     def _module(self) -> str:
         return self._modules.current()
 
+    @contextlib.contextmanager
+    def on_stream(self, stream: int):
+        """Storages allocated inside are on CUDA stream ``stream`` (``Record.stream``)."""
+        before, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = before
+
     def record_of(self, tensor: torch.Tensor) -> Record | None:
         """The record of the storage that holds ``tensor``'s memory, if tracked."""
         for local in plain(tensor):
@@ -321,7 +334,7 @@ class Ledger(TorchDispatchMode):
             return None
         nbytes = storage.nbytes()
         index = len(self.records)
-        self.records.append(Record(nbytes, category, self.phase, self.step, self._module()))
+        self.records.append(Record(nbytes, category, self.phase, self.step, self._module(), stream=self.stream))
         self._ids[storage] = index
         self.events.append((ALLOC, index))
         self._finalizers.append(weakref.finalize(storage, self._free, index))
@@ -350,7 +363,8 @@ class Ledger(TorchDispatchMode):
             self._current[first] = None
             return
         new = len(self.records)
-        self.records.append(Record(storage.nbytes(), category, self.phase, self.step, self._module()))
+        self.records.append(Record(storage.nbytes(), category, self.phase, self.step, self._module(),
+                                   stream=self.stream))
         self.events.append((ALLOC, new))
         self._ids[storage] = new
         self._current[first], self._first[new] = new, first

@@ -19,6 +19,7 @@ deep model's index), but kernel scratch sites keep the shallow copy's names.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from memfit.accounting.replay import replay
@@ -80,6 +81,14 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     small, result = fake_trace(shallow, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True, tick=tick, layout=layout)
     log = synthesise(result.ledger, depth=depth, unit=unit)
+    if log.unmatched and getattr(recipe, "parallel", "none") != "none":
+        # FSDP2's units with a free the written log cannot place (selective checkpointing recomputing
+        # under a gathered unit): the written log would keep buffers alive, so the step is traced in full
+        report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                               batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=None,
+                               layout=layout)
+        return dataclasses.replace(report, notes=report.notes + [
+            f"traced in full: the depth fast path could not place {log.unmatched} free(s) of the {blocks}-block copy"])
     full = replay(log, result.scratch)
     cuda = {}
     if gpu is not None:

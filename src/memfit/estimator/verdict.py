@@ -155,7 +155,7 @@ def replay(ledger, **knobs) -> tuple[AllocatorStats, SimulatedOutOfMemory | None
     try:
         for kind, index in storage_events(ledger):
             if kind == ALLOC:
-                handles[index] = allocator.malloc(records[index].nbytes)
+                handles[index] = allocator.malloc(records[index].nbytes, stream=getattr(records[index], "stream", 0))
             elif kind == RENAME:  # in-place accumulation: the donor's block, renamed
                 handles[index] = handles.pop(records[index].donor)
             elif kind == FREE and index in handles:

@@ -13,6 +13,10 @@ in ``reduce`` dtype, the shards and optimizer state staying fp32. Across nodes t
 the blocks are sharded within a node and replicated between nodes (HSDP); ``shard_over=world`` shards
 over every rank of every node instead (1/size each, all-gathers over the network).
 
+Under CUDA semantics each allocation carries its stream (``Record.stream``): FSDP2 gathers on its
+copy-in stream (implicit prefetching) and reduce-scatters into buffers of its reduce-scatter stream,
+and the caching allocator keeps a pool per stream (``_fsdp_roles``).
+
 ``offload`` is FSDP2's ``CPUOffloadPolicy``: the shards, their gradients and the optimizer state live
 in host memory (pinned by default) and the optimizer steps there; each unit's shard is copied to the
 GPU for its all-gather and each sharded gradient back after its reduce-scatter. The GPU then holds
@@ -249,8 +253,13 @@ def _fsdp_roles(watch):
         yield
         return
 
+    streams = getattr(watch, "on_stream", None)  # a ledger; the truth's watch labels nothing
+
     def all_gather(*args, **kwargs):
-        result = gather(*args, **kwargs)
+        # implicit prefetching (not async_op) copies in and gathers on FSDP2's own streams
+        async_op = args[2] if len(args) > 2 else kwargs.get("async_op", False)
+        with streams(0 if async_op else COPY_IN_STREAM) if streams else contextlib.nullcontext():
+            result = gather(*args, **kwargs)
         if result is not None:
             watch.mark(result[0], Category.COMMUNICATION)
         return result
@@ -258,7 +267,11 @@ def _fsdp_roles(watch):
     def reduce_scatter(fsdp_params, unsharded_grads, *args, **kwargs):
         for grad in unsharded_grads:  # foreach_reduce empties the list
             watch.mark(grad, Category.UNSHARDED_GRADIENTS)
-        result = reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+        with contextlib.ExitStack() as scope:
+            comm = args[2] if len(args) > 2 else kwargs.get("reduce_scatter_comm")
+            if streams is not None and comm is not None and hasattr(comm, "allocate"):
+                scope.enter_context(_reduce_streams(comm, watch))
+            result = reduce(fsdp_params, unsharded_grads, *args, **kwargs)
         watch.mark(result[0], Category.COMMUNICATION)
         return result
 
@@ -271,6 +284,32 @@ def _fsdp_roles(watch):
     with patched(group_module, "foreach_all_gather", all_gather), \
             patched(group_module, "foreach_reduce", reduce_scatter), \
             patched(param_module.FSDPParam, "init_unsharded_param", unsharded):
+        yield
+
+
+# The streams of FSDP2's allocations under CUDA semantics (``Record.stream``; 0 is the default stream).
+COPY_IN_STREAM, REDUCE_SCATTER_STREAM = 1, 2
+
+
+@contextlib.contextmanager
+def _reduce_streams(comm, ledger):
+    """``foreach_reduce`` allocates the reduce-scatter input on the current stream, then enters the
+    reduce-scatter stream for the output and all after it (the post-reduce cast, HSDP's all-reduce
+    stream taken as the same)."""
+    from memfit.scoped import patched
+
+    allocate = comm.allocate
+    calls = 0
+    scope = contextlib.ExitStack()
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the output: from here on, the reduce-scatter stream
+            scope.enter_context(ledger.on_stream(REDUCE_SCATTER_STREAM))
+        return allocate(*args, **kwargs)
+
+    with scope, patched(comm, "allocate", counted):
         yield
 
 
