@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,20 +30,16 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
+from memfit.accounting.events import (ALLOC, FREE, KEPT, MANAGED, MARK, RENAME, SPIKE, Record, Site, managed_peak,
+                                      plain, storage_events)
 from memfit.categories import PRIORITY, Category
 from memfit.scoped import patched, rng_hop_rules
 
-__all__ = ["Ledger", "Record", "plain", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED", "OUTSIDE", "storage_events", "managed_peak"]
+# the log's vocabulary lives in events.py; re-exported here, where its users have always found it
+__all__ = ["Ledger", "Record", "Site", "plain", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED", "OUTSIDE",
+           "storage_events", "managed_peak"]
 
-ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
-# What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule, and of one
-# of managed memory (no device bytes of the allocator).
-RENAME, KEPT, MANAGED = 4, 5, 6
 _BORN = {torch.ops.aten.lift_fresh.default}
-try:  # a build without torch.distributed has no DTensor
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
 # Collectives and FSDP2's copy-in/out ops: no kernel scratch to replay (they cannot run alone). A
 # backend's own staging copies (gloo's) are not the step's: the truth leaves them out too
 # (``distributed/truth.py``), as NCCL's buffers are outside the caching allocator.
@@ -53,48 +48,6 @@ _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.ate
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
 _MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
     "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
-
-
-@dataclass
-class Record:
-    """One storage: its size, the role it played, and where it was born."""
-
-    nbytes: int
-    category: Category
-    phase: str
-    step: int
-    module: str
-    donor: int | None = None  # the record whose memory this one reuses (in-place accumulation)
-    donated: bool = False  # its memory went on in another record: its free releases nothing
-    scaled: int = 0  # with ``Ledger.prime``: the bytes of it that scale with the batch
-    # Made outside any module (parameters, optimizer state, foreach temporaries, accumulated
-    # gradients): the module whose tensor it is or derives from. The depth fast path reads it.
-    owner: str | None = None
-    freed_in: str | None = None  # the module running when it was freed (``OUTSIDE`` if none)
-    # CUDA managed memory (bitsandbytes' paged optimizer state, ``cudaMallocManaged``), not the
-    # caching allocator's: the bytes of every managed buffer of its parameter (they must be on the
-    # device together while that parameter is updated); 0 for device memory.
-    managed: int = 0
-    # With a ``placer`` (``techniques/device_map.py``): the device this storage is on ("0", "1", "cpu",
-    # "disk"); None on one device.
-    device: str | None = None
-    # The CUDA stream it was allocated on (0: the default stream; FSDP2's copy-in and reduce-scatter
-    # streams: ``techniques/parallel.py``): the caching allocator reuses a block on its own stream only.
-    stream: int = 0
-
-
-@dataclass
-class Site:
-    """One call of an op whose kernel may allocate scratch the dispatcher never sees."""
-
-    key: tuple
-    phase: str
-    step: int
-    module: str
-    spec: list = field(repr=False)  # how to rebuild the call with real tensors
-    arg_records: list = field(default_factory=list)  # ledger record of each tensor leaf, or None
-    out_records: list = field(default_factory=list)  # ledger record of each fresh output, or None
-    out_metas: list = field(default_factory=list)  # (shape, stride, dtype) of each output
 
 
 def _probe_worthy(func, tensors) -> bool:
@@ -482,48 +435,6 @@ class Ledger(TorchDispatchMode):
                     out_records, out_metas)
         self.sites.append(site)
         self.events.append((SPIKE, len(self.sites) - 1))
-
-
-def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``tensor``'s memory: itself, or for a ``DTensor`` (FSDP2's
-    parameters, gradients and optimizer state) its local tensor, whose storage the allocator saw. An op on a wrapper runs its inner ops below this
-    mode; their outputs are seen here, inside the wrapper the op returns."""
-    if not (_DTensor is not None and isinstance(tensor, _DTensor)):
-        return [tensor]
-    return plain(tensor._local_tensor)
-
-
-def storage_events(ledger):
-    """``ledger.events`` as device memory sees them: the donated-gradient rule, in one place.
-
-    A record with a ``donor`` was made by an add that a plain run does in place (``Ledger``'s
-    ``_accumulation_donor``): its ALLOC takes over the donor's storage and adds no bytes, so it comes
-    out as ``(RENAME, index)``; the donor's later FREE releases nothing (its memory lives on in that
-    record), so it comes out as ``(KEPT, index)``. Managed memory (``Record.managed``) is not device
-    memory of the allocator: its events come out as ``(MANAGED, index)``, which moves no device
-    bytes (``managed_peak`` counts them). Every other event comes out as it is.
-    ``ledger``: anything with ``.records`` and ``.events``, as ``Ledger`` has them."""
-    records = ledger.records
-    for kind, index in ledger.events:
-        if kind in (ALLOC, FREE) and getattr(records[index], "managed", 0):
-            yield MANAGED, index
-        elif kind == ALLOC and records[index].donor is not None:
-            yield RENAME, index
-        elif kind == FREE and records[index].donated:
-            yield KEPT, index
-        else:
-            yield kind, index
-
-
-def managed_peak(ledger) -> tuple[int, int]:
-    """(highest live bytes of managed memory over the run, the largest set of managed buffers one
-    parameter's update needs on the device at once), from ``Record.managed``; (0, 0) without any."""
-    records, live, peak = ledger.records, 0, 0
-    for kind, index in ledger.events:
-        if kind in (ALLOC, FREE) and getattr(records[index], "managed", 0):
-            live += records[index].nbytes if kind == ALLOC else -records[index].nbytes
-            peak = max(peak, live)
-    return peak, max((getattr(r, "managed", 0) for r in records), default=0)
 
 
 def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:
