@@ -142,5 +142,54 @@ def test_cli_device_map(config, tmp_path):
     assert [r["device"] for r in data["devices"]] == ["cuda:0", "cuda:1"]
     top = next(r for r in data["devices"] if r["device"] == data["device_map"]["reported"])
     assert data["peak_bytes"] == top["peak_bytes"] and data["device_bytes"] == top["device_bytes"]
+    forward = subprocess.run(run + ["--device-map", str(mapping), "--forward-only", "--json"], capture_output=True,
+                             text=True)
+    assert forward.returncode == 0, forward.stderr
+    data = json.loads(forward.stdout)
+    assert data["settings"]["workload"] == "forward" and data["phase_peaks"]["backward"] == 0
     bad = subprocess.run(run + ["--device-map", "auto", "--max-memory", "0=lots"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a size" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _tiny_llama():
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+def test_forward_only_matches_the_allocator(precision):
+    """workload="forward": the forward without gradients, graded by the CPU allocator's own events."""
+    from memfit.estimator.truth import true_peak
+
+    ids = torch.randint(0, 512, (2, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    estimated = memfit.estimate(_tiny_llama, batch, precision=precision, workload="forward")
+    assert estimated.phase_peaks["backward"] == estimated.phase_peaks["optimizer"] == 0
+    assert estimated.peak_bytes == true_peak(_tiny_llama, batch, precision=precision, workload="forward")
+
+
+def test_forward_only_with_layers_on_the_host_holds_one_layer_at_a_time(config):
+    """For inference the blocks may live on the host: each block's weights come to the GPU for its forward
+    alone (nothing saves them without gradients), so the GPU holds one block's weights at a time."""
+    kw = dict(KW, precision="bf16", workload="forward")
+    placed = memfit.estimate(config, device_map={"model.embed_tokens": 0, "model.rotary_emb": 0,
+                                                 "model.layers": "cpu", "model.norm": 0, "lm_head": 0}, **kw)
+    rows = {r["device"]: r for r in placed.devices}
+    resident = _param_bytes(["model.embed_tokens", "model.norm", "lm_head"], 2)
+    one_block = _param_bytes(["model.layers.0"], 2)
+    assert rows["cpu"]["by_category"]["parameters"] == _param_bytes(["model.layers"], 2)
+    assert rows["cuda:0"]["by_category"]["parameters"] <= resident + one_block
+    plain = memfit.estimate(config, fast=False, **kw)
+    assert placed.peak_bytes < plain.peak_bytes
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(workload="infer"), "workload must be one of"),
+    (dict(workload="forward", recipe=memfit.Recipe(parallel="fsdp"), gpus=2), "workload=forward and parallel"),
+    (dict(workload="forward", recipe=memfit.Recipe(micro_batch_size=1, grad_accum_steps=2)), "one forward"),
+])
+def test_bad_workload_is_one_line(config, kwargs, words):
+    with pytest.raises(MemfitError, match=words):
+        memfit.estimate(config, seq_len=64, batch_size=2, **kwargs)

@@ -26,6 +26,9 @@ def build(est) -> None:
                           "(default: every GPU's memory less its CUDA context, the host unbounded)")
     est.add_argument("--offload-folder", default=None,
                      help="with --device-map: where modules placed on disk live (needed when any are)")
+    est.add_argument("--forward-only", action="store_true",
+                     help="estimate forwards without gradients (inference: no_grad, eval mode) instead of training "
+                          "steps; with --device-map, a model placed for inference")
     est.add_argument("--steps", type=_args.positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
     _args.add_budget(est, help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the "
                      "card, as set_per_process_memory_fraction enforces it (default: the whole card)")
@@ -80,7 +83,8 @@ def run(args) -> int:
                           device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,
                           budget=args.budget if cuda else None, progress=update, lengths=args.lengths,
                           packed=args.packed, gpus=args.gpus, nodes=args.nodes, device_map=args.device_map,
-                          max_memory=args.max_memory, offload_folder=args.offload_folder)
+                          max_memory=args.max_memory, offload_folder=args.offload_folder,
+                          workload="forward" if args.forward_only else "train")
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:

@@ -65,7 +65,7 @@ def block_unit(source: Source, recipe=None) -> int | None:
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
-                      gpu=None, budget: int | None = None, tick=None, layout=None) -> Report:
+                      gpu=None, budget: int | None = None, tick=None, layout=None, workload: str = "train") -> Report:
     if recipe.compile:
         raise MemfitError("compile and the depth fast path conflict: a compiled step (whole or per block) has no "
                           "per-block records to write out; trace it in full (fast=False, --full)")
@@ -74,19 +74,19 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     if unit is None or not depth or depth % unit or depth <= TEMPLATE_UNITS * unit or recipe.safe_step is not None:
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=tick,
-                               layout=layout)
+                               layout=layout, workload=workload)
         return report
     blocks = TEMPLATE_UNITS * unit
     shallow = source.shallow(blocks)
     small, result = fake_trace(shallow, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
-                               batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True, tick=tick, layout=layout)
+                               batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True, tick=tick, layout=layout, workload=workload)
     log = synthesise(result.ledger, depth=depth, unit=unit)
     if log.unmatched and getattr(recipe, "parallel", "none") != "none":
         # FSDP2's units with a free the written log cannot place (selective checkpointing recomputing
         # under a gathered unit): the written log would keep buffers alive, so the step is traced in full
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=None,
-                               layout=layout)
+                               layout=layout, workload=workload)
         return dataclasses.replace(report, notes=report.notes + [
             f"traced in full: the depth fast path could not place {log.unmatched} free(s) of the {blocks}-block copy"])
     full = replay(log, result.scratch)

@@ -32,7 +32,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
              device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
              moe_routing: str = "balanced", budget=None, progress=None, lengths=None, packed: bool = False,
              gpus: int | None = None, nodes: int | None = None, device_map=None, max_memory=None,
-             offload_folder: str | None = None) -> Report:
+             offload_folder: str | None = None, workload: str = "train") -> Report:
     """Estimate the memory of ``steps`` training steps without allocating it.
 
     model      an ``nn.Module``; a zero-argument callable building one (built on the meta device,
@@ -90,9 +90,14 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                ``report.devices`` every device, ``report.device_map`` the placement
                (``techniques/device_map.py``). ``offload_folder``: where modules on "disk" live (required
                when the map puts any there, as from_pretrained requires it).
+    workload   ``"train"`` (default: ``steps`` optimizer steps) or ``"forward"``: ``steps`` forwards of the
+               model on the batch without gradients (``torch.no_grad``, eval mode), with the recipe's
+               precision, attention and quantised weights; the one phase is ``forward``. A model placed
+               with ``device_map`` for inference is estimated so.
     """
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
+    _check_workload(workload, recipe, gpus, nodes)
     request = None
     if device_map is not None or max_memory is not None or offload_folder is not None:
         request = _placement(recipe, device_map, max_memory, gpus, nodes, fast)
@@ -119,10 +124,11 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     shapes = [None]
     if lengths is not None or packed:
         shapes = _worst_shapes(source, batch, lengths, packed, recipe, batch_size, seq_len)
-    tick = _ticker(progress, len(shapes) * phases(recipe, steps))  # one trace a shape (depth.py traces one copy)
+    tick = _ticker(progress, len(shapes) * phases(recipe, steps, workload))  # one trace a shape (depth.py: one copy)
     reports = [_estimate(source, batch, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
                          batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast, tick=tick,
-                         layout=shape, placement=None if placement is None or placement.single else placement)
+                         layout=shape, placement=None if placement is None or placement.single else placement,
+                         workload=workload)
                for shape in shapes]
     report = max(reports, key=lambda r: (r.device_bytes, r.peak_bytes))
     if placement is not None and placement.single:
@@ -146,6 +152,20 @@ def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False,
         if name in kwargs:
             raise MemfitError(f"estimate_micro_batch takes the shape as rows and length: drop {name}=")
     return estimate(model, lengths=direct(rows, length, packed, ragged), **kwargs)
+
+
+def _check_workload(workload, recipe: Recipe, gpus, nodes) -> None:
+    from memfit.techniques.apply import WORKLOADS
+
+    if workload not in WORKLOADS:
+        raise MemfitError(f"workload must be one of {', '.join(WORKLOADS)}, got {shown(workload)}")
+    if workload == "forward":
+        if recipe.parallel != "none":
+            raise MemfitError(f"workload=forward and parallel={recipe.parallel} conflict: a forward-only step is "
+                              "estimated on one card or with device_map; drop parallel")
+        if recipe.grad_accum_steps > 1 or recipe.micro_batch_size:
+            raise MemfitError("workload=forward runs the whole batch in one forward: drop micro_batch_size and "
+                              "grad_accum_steps")
 
 
 def _placement(recipe: Recipe, device_map, max_memory, gpus, nodes, fast) -> dict:
@@ -251,7 +271,7 @@ def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_si
 
 
 def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq_len, target, budget, fast, tick,
-              layout, placement=None) -> Report:
+              layout, placement=None, workload: str = "train") -> Report:
     """One estimate: the depth fast path or a full trace; with ``layout``, of that micro-batch shape."""
     if layout is not None:
         batch_size = layout.rows * recipe.grad_accum_steps
@@ -268,11 +288,11 @@ def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq
 
         report = estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
                                    batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
-                                   layout=layout)
+                                   layout=layout, workload=workload)
     else:
         report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
-                               layout=layout, placement=placement)
+                               layout=layout, placement=placement, workload=workload)
     if layout is None:
         return report
     return dataclasses.replace(report, micro_batch=layout.summary(), notes=report.notes + [_shape_note(layout)])

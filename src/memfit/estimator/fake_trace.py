@@ -35,17 +35,17 @@ __all__ = ["fake_trace"]
 
 def fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu=None,
                detail: bool = False, prime: int | None = None, keep: bool = False, budget: int | None = None,
-               tick=None, layout=None, placement=None):
+               tick=None, layout=None, placement=None, workload: str = "train"):
     """One full trace of ``source`` on fake tensors: (Report, replay); ``detail``, ``keep``, ``tick`` as for
     ``trace``; ``layout`` (a ``models.lengths.MicroBatch``): the made batch has micro-batches of that shape."""
     with quiet_fake_log(), compile_scope(recipe):
         return _fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                            batch_size=batch_size, seq_len=seq_len, gpu=gpu, detail=detail, prime=prime, keep=keep,
-                           budget=budget, tick=tick, layout=layout, placement=placement)
+                           budget=budget, tick=tick, layout=layout, placement=placement, workload=workload)
 
 
 def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len, gpu, detail, prime,
-                keep, budget, tick, layout, placement):
+                keep, budget, tick, layout, placement, workload):
     device = torch.device("cpu")
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = weight_dtype(recipe.precision)
@@ -80,7 +80,7 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep,
-                                   budget=budget, tick=tick, placement=placement)
+                                   budget=budget, tick=tick, placement=placement, workload=workload)
         except MemfitError:
             raise
         except (UnsupportedOperatorException, DataDependentOutputException,

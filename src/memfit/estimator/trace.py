@@ -34,7 +34,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=None, detail: bool = False,
-          prime: int | None = None, keep: bool = False, budget: int | None = None, tick=None, placement=None):
+          prime: int | None = None, keep: bool = False, budget: int | None = None, tick=None, placement=None,
+          workload: str = "train"):
     """(Report, Replay) of ``steps`` steps of ``model`` on ``batch``, real or fake.
 
     ``gpu`` (a catalog ``GPU``): follow CUDA semantics (``memfit.cuda``) for that device, and replay
@@ -47,6 +48,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     (forward, backward, optimizer) begins and once when the replay is done: ``phases(recipe, steps)``.
     ``placement`` (``techniques.device_map.Placement``): the model run over several devices as Accelerate
     dispatches it; the report is the GPU that needs the most, ``devices`` lists each (``estimator/placed.py``).
+    ``workload="forward"``: ``steps`` forwards without gradients instead of training steps.
     """
     device = model_device(model)
     prepare_lora(model, recipe)  # peft imported, a QLoRA base quantised: neither is part of the step
@@ -62,11 +64,11 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     if placed is not None:
         from memfit.techniques.device_map import dispatched
 
-        dispatch = dispatched(model, placed, ledger)
+        dispatch = dispatched(model, placed, ledger, training=workload == "train")
     try:
         with ledger, counter, (cuda_semantics() if gpu is not None else contextlib.nullcontext()), dispatch as placer:
             run_steps(model, batch, recipe=recipe, steps=steps, optimizer=optimizer, loss_fn=loss_fn,
-                      watch=ledger)
+                      watch=ledger, workload=workload)
     finally:
         ledger.close()
     scratch, unprobed = measure_scratch(ledger)
@@ -115,6 +117,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
             "precision": recipe.precision,
             "optimizer": getattr(optimizer, "__name__", "custom") if optimizer else recipe.optimizer,
             "steps": steps,
+            "workload": workload,
             "batch_shapes": [list(t.shape) for t in batch_tensors(batch)],
         },
         notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None) + host.pop("notes", []),
@@ -189,9 +192,11 @@ def fold_peaks(peaks: dict, steps: int) -> dict:
                            for step in range(steps)]}
 
 
-def phases(recipe, steps: int) -> int:
+def phases(recipe, steps: int, workload: str = "train") -> int:
     """How often ``trace`` ticks: forward and backward of each micro-batch and the optimizer, per
-    step, and the replay."""
+    step, and the replay (a forward-only workload: one forward per step)."""
+    if workload == "forward":
+        return steps + 1
     return steps * (2 * recipe.grad_accum_steps + 1) + 1
 
 

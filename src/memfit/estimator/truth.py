@@ -45,7 +45,8 @@ def resident_bytes(model, batch, extra=()) -> int:
     return total
 
 
-def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp32", steps=2, recipe=None) -> int:
+def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp32", steps=2, recipe=None,
+              workload: str = "train") -> int:
     """Peak bytes of real CPU steps as the allocator saw them, plus what existed before them.
 
     The steps are the recipe's step (``memfit.apply``) with nobody watching: no ledger, no hooks.
@@ -59,5 +60,5 @@ def true_peak(factory, batch, *, loss_fn=None, optimizer="adamw", precision="fp3
     extra = prepare_lora(model, recipe)  # a quantised model, as a quantised checkpoint would load
     base = resident_bytes(model, batch, extra)
     peak = allocator_peak(lambda: run_steps(model, batch, recipe=recipe, steps=steps, optimizer=custom,
-                                            loss_fn=loss_fn))
+                                            loss_fn=loss_fn, workload=workload))
     return base + peak

@@ -133,6 +133,24 @@ class _Step:
             self.update()
         return total
 
+    def infer(self, batch):
+        """The forward alone, without gradients (``torch.no_grad``, the model in eval mode: no dropout),
+        over the whole ``batch``, with the recipe's forward contexts (autocast); returns its output."""
+        index = self.count
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with contextlib.ExitStack() as stack:
+                for context in self.step_contexts:
+                    stack.enter_context(context())
+                self.watch.begin("forward", index)
+                with torch.no_grad():
+                    out = self._forward(batch)
+        finally:
+            self.model.train(was_training)
+        self.count += 1
+        return out
+
     def backward(self, micro: list):
         """Forward and backward of each micro-batch of ``micro`` (one global batch), losses weighted
         so the accumulated gradients are the whole batch's; returns the batch's loss. The optimizer
@@ -188,11 +206,16 @@ def _plain_tensors(value) -> list:
     return [t for name in names for t in _plain_tensors(getattr(value, name))]
 
 
-def run_steps(model, batch, *, recipe: Recipe, steps: int, optimizer=None, loss_fn=None, watch=None):
-    """``apply`` then ``steps`` optimizer steps; the loop estimate, measure and the truth share."""
+WORKLOADS = ("train", "forward")
+
+
+def run_steps(model, batch, *, recipe: Recipe, steps: int, optimizer=None, loss_fn=None, watch=None,
+              workload: str = "train"):
+    """``apply`` then ``steps`` optimizer steps (``workload="forward"``: ``steps`` forwards without
+    gradients, ``Step.infer``); the loop estimate, measure and the truth share."""
     _, opt, step = apply(model, recipe, optimizer=optimizer, loss_fn=loss_fn, watch=watch)
     for _ in range(steps):
-        step(batch)
+        step.infer(batch) if workload == "forward" else step(batch)
     if isinstance(opt, InBackward):
         opt.remove()
     return opt

@@ -398,10 +398,10 @@ def _device_of_value(ledger, value, default: str) -> str:
 
 
 @contextlib.contextmanager
-def dispatched(model: torch.nn.Module, placement: Placement, ledger):
+def dispatched(model: torch.nn.Module, placement: Placement, ledger, training: bool = True):
     """``model`` run as Accelerate's ``dispatch_model`` runs it (module docstring), with ``ledger``
-    told each storage's device."""
-    placer = Placer(placement, ledger.root, model)
+    told each storage's device. ``training``: refuse trainable parameters off the GPUs."""
+    placer = Placer(placement, ledger.root, model if training else None)
     handles = []
     main = placement.main
     for name, device in placement.entries.items():
