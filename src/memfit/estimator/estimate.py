@@ -232,6 +232,9 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         rank = world.size - 1
     top_rank, top = max(reports, key=lambda pair: (pair[1].device_bytes + (pair[1].missing_bytes or 0),
                                                    pair[1].peak_bytes))
+    host = {}
+    if recipe.parallel == "fsdp" and recipe.construction == "host":
+        host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
     notes = [f"rank {top_rank} of {world.describe()} ({recipe.parallel}): one rank's step under PyTorch's fake "
@@ -247,7 +250,33 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel,
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
-    return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes)
+    return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)
+
+
+def _whole_model_bytes(source, recipe: Recipe) -> int:
+    """Bytes of every parameter and buffer of the model as built (in the recipe's weight dtype), before
+    any sharding: built on the meta device, so nothing is allocated."""
+    import torch
+
+    from memfit.techniques.precision import weight_dtype
+
+    dtype = weight_dtype(recipe.precision)
+    with torch.device("meta"):
+        model = source.build()
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    return sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+               for t in tensors)
+
+
+def _built_on_host(report, whole: int) -> dict:
+    """Report fields of an FSDP2 model built whole in each rank's host memory, then sharded: the host holds
+    the whole model until it is sharded (before the step), and an offloaded step's host side after."""
+    from memfit.units import format_size
+
+    return {"host_bytes": max(report.host_bytes or 0, whole),
+            "notes": [f"construction=host: each rank builds the whole model in host RAM ({format_size(whole)}), then "
+                      "shards it onto its GPU; a node's ranks together need that many times --gpus of host RAM "
+                      "while they do"]}
 
 
 def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_size: int, seq_len):

@@ -58,7 +58,6 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     ledger.prime = prime
     ledger.on_phase = tick
     _register(ledger, model, batch)
-    whole = _storage_bytes(list(model.parameters()) + list(model.buffers()))  # before any sharding
     counter = OpCounter(ledger, prime) if detail else contextlib.nullcontext()
     dispatch = contextlib.nullcontext()
     if placed is not None:
@@ -87,8 +86,6 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         device_side, host = _offloaded(ledger, scratch, recipe)
         if gpu is not None:  # the GPU's figures are of what stays on it; on the CPU all is one memory
             result = replay(device_side, scratch)
-    if getattr(recipe, "construction", "meta") == "host" and recipe.parallel == "fsdp":
-        host = _built_on_host(host, whole)
     if gpu is not None:
         verdict = cuda_fit(device_side, gpu, budget)
         cuda = dict(verdict.report_fields(), context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
@@ -152,25 +149,6 @@ def _offloaded(ledger, scratch, recipe):
                         + "; each unit's shard crosses the host link for its all-gather and each sharded gradient "
                         "back (small transients on the GPU not traced)"]}
     return LedgerView(ledger, device, spikes=True), fields
-
-
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for tensor in tensors:
-        seen[id(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _built_on_host(host: dict, whole: int) -> dict:
-    """Report fields of an FSDP2 model built whole in the host memory of each rank, then sharded: the host
-    holds the whole model until it is sharded (before the step), and the step's own host side after."""
-    host = dict(host)
-    step = host.get("host_bytes") or 0
-    host["host_bytes"] = max(step, whole)
-    host["notes"] = host.get("notes", []) + [
-        f"construction=host: each rank builds the whole model in host RAM ({format_size(whole)}), then shards "
-        "it onto its GPU; a node's ranks together need that many times --gpus of host RAM while they do"]
-    return host
 
 
 def _register(ledger, model, batch) -> None:
