@@ -29,8 +29,9 @@ train-demo: setup
 	$(BIN)/python examples/make_tokens.py memfit-run/tokens.bin
 	$(BIN)/memfit train examples/tiny-llama/config.json --config examples/train-tiny.yaml --no-resume
 
+# one pytest worker per core (pytest-xdist): most tests are single-threaded Python tracing
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n auto
 
 bench: setup
 	$(BIN)/python bench/accuracy.py

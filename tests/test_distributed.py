@@ -92,22 +92,46 @@ def _meta_model(path):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
 
 
-@pytest.mark.parametrize("recipe", [{"parallel": "fsdp"},
-                                    {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"},
+@pytest.mark.parametrize("recipe", [{"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"},
                                     {"parallel": "fsdp", "reshard_after_forward": "false", "micro_batch_size": 1,
                                      "grad_accum_steps": 2},
                                     {"parallel": "fsdp", "checkpointing": "selective"}])
 def test_depth_fast_path_writes_out_fsdp_units(tmp_path, recipe):
-    """A block is an FSDP2 unit: the 4-block copy's log written out at 12 blocks equals the full trace of
+    """A block is an FSDP2 unit: the 4-block copy's log written out at 9 blocks equals the full trace of
     every rank, to the byte, allocator included (the shards keep their module's name through the class
     swap fully_shard makes)."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(TINY, num_hidden_layers=12, vocab_size=301, tie_word_embeddings=False)))
+    path.write_text(json.dumps(dict(TINY, num_hidden_layers=9, vocab_size=301, tie_word_embeddings=False)))
     fast, full = (memfit.estimate(str(path), batch_size=4, seq_len=32, recipe=Recipe(**recipe), gpus=2,
                                   gpu="h100-sxm", fast=f) for f in (True, False))
     # selective checkpointing's frees under a gathered unit cannot be placed in the written log: in full
     assert fast.method == ("fake" if recipe.get("checkpointing") == "selective" else "depth") and full.method == "fake"
     assert fast.ranks == full.ranks and fast.reserved_bytes == full.reserved_bytes
+
+
+def test_fsdp_allocates_on_its_own_streams_under_cuda_semantics(configs):
+    """FSDP2's all-gather buffers are allocated on its copy-in stream and the reduce-scatter output on its
+    reduce-scatter stream; the allocator keeps their blocks apart, so reserved can only grow, and
+    allocated does not change."""
+    from memfit.estimator.fake_trace import fake_trace
+    from memfit.estimator.verdict import replay
+    from memfit.hardware.gpus import gpu
+    from memfit.models.source import resolve
+    from memfit.techniques.parallel import COPY_IN_STREAM, REDUCE_SCATTER_STREAM
+
+    recipe = Recipe(parallel="fsdp")
+    with fake_world(World(gpus=2), 0):
+        _, result = fake_trace(resolve(configs["tiny"]), None, recipe=recipe, loss_fn=None, optimizer=None, steps=2,
+                               batch_size=2, seq_len=32, gpu=gpu("h100-sxm"), keep=True)
+    records = result.ledger.records
+    gathered = [r for r in records if r.category is Category.COMMUNICATION and r.phase == "forward"]
+    assert gathered and all(r.stream == COPY_IN_STREAM for r in gathered)
+    assert any(r.stream == REDUCE_SCATTER_STREAM for r in records if r.phase == "backward")
+    streams, _ = replay(result.ledger)
+    for r in records:
+        r.stream = 0
+    one, _ = replay(result.ledger)
+    assert streams.peak_allocated == one.peak_allocated and streams.peak_reserved >= one.peak_reserved
 
 
 def test_sharding_divides_the_model_states(configs):

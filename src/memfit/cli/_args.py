@@ -69,8 +69,9 @@ def add_recipe(parser) -> None:
 def add_world(parser) -> None:
     """The cluster of a data-parallel run (``--parallel ddp|fsdp``): GPUs per node and nodes."""
     parser.add_argument("--gpus", type=positive, default=None,
-                        help="GPUs per node of a data-parallel run (with --parallel ddp or fsdp); the report is one "
-                             "rank's, --batch-size stays the examples of one step over all ranks")
+                        help="GPUs per node of a data-parallel run (with --parallel ddp or fsdp; the report is one "
+                             "rank's, --batch-size stays the examples of one step over all ranks), or the GPUs "
+                             "--device-map places the model over")
     parser.add_argument("--nodes", type=positive, default=None,
                         help="nodes of --gpus GPUs each (FSDP shards within a node and replicates between: HSDP)")
 
