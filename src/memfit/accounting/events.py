@@ -47,7 +47,7 @@ class Record:
     # caching allocator's: the bytes of every managed buffer of its parameter (they must be on the
     # device together while that parameter is updated); 0 for device memory.
     managed: int = 0
-    # With a ``placer`` (``techniques/device_map.py``): the device this storage is on ("0", "1", "cpu",
+    # With a ``placer`` (``techniques/dispatch.py``): the device this storage is on ("0", "1", "cpu",
     # "disk"); None on one device.
     device: str | None = None
     # The CUDA stream it was allocated on (0: the default stream; FSDP2's copy-in and reduce-scatter

@@ -1,4 +1,5 @@
-"""Each device's side of a step run over a ``device_map`` (``techniques/device_map.py``).
+"""Each device's side of a step run over a ``device_map`` (placed by ``techniques/device_map.py``, run
+by ``techniques/dispatch.py``).
 
 The trace tags every storage with its device; here the log is split by device and each GPU's side is
 replayed through the caching allocator under its card, the host's side counted as host RAM, and what

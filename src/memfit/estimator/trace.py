@@ -61,7 +61,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     counter = OpCounter(ledger, prime) if detail else contextlib.nullcontext()
     dispatch = contextlib.nullcontext()
     if placed is not None:
-        from memfit.techniques.device_map import dispatched
+        from memfit.techniques.dispatch import dispatched
 
         dispatch = dispatched(model, placed, ledger, training=workload == "train")
     try:
