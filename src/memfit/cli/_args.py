@@ -1,8 +1,8 @@
 """What the verbs share: argument types, the flags several verbs take (each defined once here), the
 Recipe flags, and the helpers around a run (progress bar, ``--out`` check, ``package.module:function``).
 
-Importing this module loads the Recipe vocabulary (``memfit.techniques``, hence torch): only a verb's
-own parser does, when that verb is on the command line (see ``_Parser`` in ``memfit.cli``).
+The Recipe flags come from a static table of the techniques' fields (``_recipe_flags``, kept equal to
+the registry by a test), so building a verb's parser imports no torch and its ``--help`` is quick.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 
+from memfit.cli import _recipe_flags
 from memfit.errors import MemfitError
 from memfit.units import parse_size
 
-__all__ = ["size", "positive", "add_model", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
-           "add_batch", "add_world", "add_loss", "add_out", "add_json", "recipe_flags", "recipe_from_args", "import_spec",
-           "progress", "check_out", "check_gpu_device"]
+__all__ = ["size", "positive", "add_model", "model_of", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
+           "add_batch", "add_world", "add_loss", "add_out", "add_json", "recipe_fields", "allowable", "recipe_flags",
+           "recipe_from_args", "import_spec", "progress", "check_out", "check_gpu_device"]
 
 SEQ_LEN_HELP = "tokens per example (default: the model's, at most 2048)"
 
@@ -42,8 +44,22 @@ def positive(text: str) -> int:
 # the flag means for the verb, so the verbs whose meaning differs pass their own.
 
 def add_model(parser) -> None:
-    parser.add_argument("model", help="catalog name (see `memfit models`), a config.json path, or "
+    parser.add_argument("model", help="a Hugging Face Hub id (Qwen/Qwen3-8B: its config.json only, never weights), "
+                        "a local folder or config.json, a catalog name (see `memfit models`), or "
                         "package.module:function")
+    parser.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit to read")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the repository's own model code (auto_map in config.json), as transformers asks")
+
+
+def model_of(args):
+    """The model argument as the API takes it: the name itself, or a resolved source when --revision or
+    --trust-remote-code say how to read it."""
+    if args.revision is None and not args.trust_remote_code:
+        return args.model
+    from memfit.models.source import resolve
+
+    return resolve(args.model, revision=args.revision, trust_remote_code=args.trust_remote_code)
 
 
 def add_gpu(parser, help: str) -> None:
@@ -92,22 +108,40 @@ def add_json(parser, help: str) -> None:
     parser.add_argument("--json", action="store_true", help=help)
 
 
+def recipe_fields() -> tuple:
+    """The Recipe's fields as ``_recipe_flags.FLAGS`` rows: that static table, so a verb's --help needs
+    no torch; the live registry where this process has loaded it (a plug-in's field gets its flag)."""
+    if "memfit.techniques.registry" in sys.modules:
+        from memfit.techniques.registry import fields
+
+        return tuple(_recipe_flags.row(f) for f in fields())
+    return _recipe_flags.FLAGS
+
+
+def allowable() -> tuple:
+    """What ``plan --allow`` takes (as ``recipe_fields``: the static table unless the registry is loaded)."""
+    if "memfit.techniques.registry" in sys.modules:
+        from memfit.planner.space import allowable
+
+        return allowable()
+    return _recipe_flags.ALLOWABLE
+
+
 def recipe_flags(parser) -> None:
     """One flag per Recipe field, from the techniques' declarations (``techniques/spec.py``); None
-    means "not given", so a --recipe file's value stands."""
-    from memfit.techniques.registry import fields
-
+    means "not given", so a --recipe file's value stands. A true/false field is settable both ways
+    (``--set-to-none`` / ``--no-set-to-none``)."""
     types = {"int": int, "count": positive, "optional-count": positive, "float": float}
-    for field in fields():
-        if field.kind == "bool" and field.choices:  # --flag alone: true; --flag VALUE: one of the choices
-            parser.add_argument(field.flag, nargs="?", const=True, choices=field.choices, default=None,
-                                help=field.help)
-        elif field.kind == "bool":
-            parser.add_argument(field.flag, action="store_true", default=None, help=field.help)
+    for name, kind, choices, help in recipe_fields():
+        flag = "--" + name.replace("_", "-")
+        if kind == "bool" and choices:  # --flag alone: true; --flag VALUE: one of the choices; --no-flag: false
+            parser.add_argument(flag, nargs="?", const=True, choices=choices, default=None, help=help)
+            parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=False,
+                                help=f"{flag} false (overrides a --recipe file)")
+        elif kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            choices = field.choices if field.choices and field.flag_choices else None
-            parser.add_argument(field.flag, type=types.get(field.kind), choices=choices, default=None,
-                                help=field.help)
+            parser.add_argument(flag, type=types.get(kind), choices=choices or None, default=None, help=help)
 
 
 def recipe_from_args(args):

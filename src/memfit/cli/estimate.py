@@ -77,7 +77,7 @@ def run(args) -> int:
     cuda = card is not None or args.device == "cuda" or args.device_map is not None  # the budget is the allocator's limit on the card
     recipe = _args.recipe_from_args(args)
     with _args.progress(f"tracing {args.model} on fake tensors") as update:
-        report = estimate(args.model, _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
+        report = estimate(_args.model_of(args), _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
                           recipe=recipe, steps=args.steps, batch_size=args.batch_size,
                           seq_len=args.seq_len, fast=False if args.full else None,
                           device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,

@@ -42,7 +42,7 @@ def run(args) -> int:
         _args.check_out(out)
     with _args.progress(f"fitting {args.model}") as update:
         try:
-            found = fit(args.model, _args.import_spec(args.batch), gpu=args.gpu, budget=args.budget, recipe=recipe,
+            found = fit(_args.model_of(args), _args.import_spec(args.batch), gpu=args.gpu, budget=args.budget, recipe=recipe,
                         seq_len=args.seq_len, loss_fn=_args.import_spec(args.loss), device=args.device,
                         progress=update, gpus=getattr(args, "gpus", None), nodes=getattr(args, "nodes", None))
         except NoBatchFits as err:
@@ -59,5 +59,6 @@ def run(args) -> int:
     else:
         Console().print(fit_view(found, args.model))
         if out:
-            Console().print(f"recipe written to {out} (memfit estimate {args.model} --recipe {out})")
+            Console().print(f"recipe written to {out} (memfit estimate {args.model} --recipe {out})", markup=False,
+                            highlight=False)
     return 0

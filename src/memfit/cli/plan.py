@@ -22,10 +22,8 @@ def build(pl) -> None:
     _args.add_batch(pl, help="package.module:function returning the global batch (for "
                     "factory models; dim 0 is split into micro-batches)")
     _args.add_loss(pl)
-    from memfit.planner.space import allowable  # the techniques' declared names (builds only for `plan`)
-
     pl.add_argument("--allow", default="", help="techniques that change the math, allowed by name: "
-                    f"{', '.join(allowable())} (comma-separated)")
+                    f"{', '.join(_args.allowable())} (comma-separated)")
     pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
     _args.add_world(pl)
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
@@ -45,7 +43,7 @@ def run(args) -> int:
     gbs = args.global_batch_size if args.global_batch_size is not None or batch is not None else 8
     with _args.progress(f"planning {args.model}") as update:
         try:
-            plans = plan(args.model, batch, budget=args.budget, gpu=args.gpu, device=args.device,
+            plans = plan(_args.model_of(args), batch, budget=args.budget, gpu=args.gpu, device=args.device,
                          global_batch_size=gbs, seq_len=args.seq_len, allow=args.allow,
                          optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss), progress=update,
                          gpus=args.gpus, nodes=args.nodes)

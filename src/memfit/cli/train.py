@@ -111,14 +111,14 @@ def run(args) -> int:
         from memfit.planner.plan import plan
 
         rows = s["global_batch_size"] or max(1, (s["global_tokens"] or s["seq_len"]) // s["seq_len"])
-        plans = plan(args.model, budget=budget, global_batch_size=rows, seq_len=s["seq_len"],
+        plans = plan(_args.model_of(args), budget=budget, global_batch_size=rows, seq_len=s["seq_len"],
                      device="cpu" if device == "cpu" else "cuda")
         base = plans.best.recipe
     else:
         base = Recipe.load(recipe_arg) if recipe_arg else Recipe()
     changes = {name: getattr(args, name) for name in Recipe.fields() if getattr(args, name, None) is not None}
     recipe = base.replace(**changes) if changes else base
-    source = resolve(args.model)
+    source = resolve(_args.model_of(args))
     torch.manual_seed(s["seed"])
     model = source.build().to(device)
     from memfit.training.data import open_data

@@ -13,6 +13,7 @@ import dataclasses
 
 from memfit.hardware.cpu_kernels import check_routing
 from memfit.errors import MemfitError, shown
+from memfit.estimator.checkpoint import checkpoint_recipe, with_checkpoint
 from memfit.estimator.fake_trace import fake_trace
 from memfit.models.source import resolve
 from memfit.techniques.precision import check_gpu, check_precision
@@ -25,6 +26,10 @@ __all__ = ["estimate", "estimate_micro_batch", "resolve_target", "DEFAULT_GPU", 
 
 # Below this depth a full trace is cheap enough that the fast path buys nothing.
 FAST_MIN_DEPTH = 8
+# Accumulation steps past which the estimate reads the peak off the line through 2 and 3 micro-batches
+# (fast=False traces every one), and up to which a verdict near the limit is traced in full instead.
+LINE_FROM = 5
+FULL_ACCUMULATION = 16
 
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
@@ -98,6 +103,35 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     check_args(precision, steps, batch_size, seq_len)
     recipe, factory = recipe_from(recipe, precision, optimizer)
     _check_workload(workload, recipe, gpus, nodes)
+    model = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
+    recipe, checkpoint = checkpoint_recipe(model, recipe, workload)
+    return with_checkpoint(model, _estimate_resolved(model, batch, recipe=recipe, factory=factory, loss_fn=loss_fn,
+                                              steps=steps, batch_size=batch_size, seq_len=seq_len, device=device,
+                                              gpu=gpu, budget=budget, fast=fast, progress=progress, lengths=lengths,
+                                              packed=packed, gpus=gpus, nodes=nodes, device_map=device_map,
+                                              max_memory=max_memory, offload_folder=offload_folder,
+                                              workload=workload, moe_routing=moe_routing), checkpoint)
+
+
+def _estimate_resolved(source, batch, *, recipe, factory, loss_fn, steps, batch_size, seq_len, device, gpu, budget,
+                       fast, progress, lengths, packed, gpus, nodes, device_map, max_memory, offload_folder, workload,
+                       moe_routing, line: bool = True) -> Report:
+    """``estimate`` of a resolved source, once the recipe is final. ``line``: a long accumulation may be read
+    off the line through 2 and 3 micro-batches (``_accumulation_line``)."""
+    k = recipe.grad_accum_steps
+    if line and fast is not False and batch is None and workload == "train" and k > LINE_FROM \
+            and recipe.parallel == "none" and device_map is None and lengths is None and not packed:
+        args = dict(source=source, batch=batch, factory=factory, loss_fn=loss_fn, steps=steps, seq_len=seq_len,
+                    device=device, gpu=gpu, fast=fast, progress=progress, lengths=lengths, packed=packed, gpus=gpus,
+                    nodes=nodes, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
+                    workload=workload, moe_routing=moe_routing)
+        micro = step_batch(batch_size, recipe, 1) // k
+
+        def full(r: Recipe, budget=budget, line=False) -> Report:
+            return _estimate_resolved(recipe=r, batch_size=micro * r.grad_accum_steps, budget=budget, line=line,
+                                      **args)
+
+        return _accumulation_line(full, recipe, resolve_target(device, gpu), _budget(budget, resolve_target(device, gpu)))
     request = None
     if device_map is not None or max_memory is not None or offload_folder is not None:
         request = _placement(recipe, device_map, max_memory, gpus, nodes, fast)
@@ -111,10 +145,9 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     budget = _budget(budget, target)
     batch_size = step_batch(batch_size, recipe, world.size if world else 1)
     if world is not None:
-        return _estimate_ranks(model, batch, world, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
+        return _estimate_ranks(source, batch, world, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast,
                                progress=progress, moe_routing=moe_routing, lengths=lengths, packed=packed)
-    source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     placement = None
     if request is not None:
         from memfit.estimator.placed import placement_of
@@ -277,6 +310,44 @@ def _built_on_host(report, whole: int) -> dict:
             "notes": [f"construction=host: each rank builds the whole model in host RAM ({format_size(whole)}), then "
                       "shards it onto its GPU; a node's ranks together need that many times --gpus of host RAM "
                       "while they do"]}
+
+
+def _accumulation_line(full, r: Recipe, target, budget) -> Report:
+    """The estimate of ``r``'s k > LINE_FROM micro-batches per step from traces of 2 and 3.
+
+    Micro-batches 2..k hold the same tensors but a few scalars (loss weights) and their rows of the
+    batch, so the peak grows by the same bytes with each: traced at 2 and 3, read at k (never below
+    tracing all k, within 0.1 %: tests/test_plan.py). On a GPU the line's reserved figure is judged
+    without events (``fit_reserved``); near or past the limit the line cannot say what torch does there
+    (free and retry, expandable segments), so up to FULL_ACCUMULATION micro-batches are traced and
+    replayed; past that the line's verdict stands.
+    """
+    k = r.grad_accum_steps
+    two, three = full(r.replace(grad_accum_steps=2), None), full(r.replace(grad_accum_steps=3), None)
+
+    def line(a, b):
+        return None if a is None else b + (b - a) * (k - 3)
+
+    peak = line(two.peak_bytes, three.peak_bytes)
+    cuda = {}
+    if target is not None:
+        from memfit.estimator.verdict import FITS, fit_reserved
+
+        def demand(report):  # on out of memory: what it held at the limit and what was missing
+            return report.reserved_bytes + (report.missing_bytes or 0)
+
+        cuda = fit_reserved(peak, line(demand(two), demand(three)), target, budget,
+                            (three.managed_bytes or 0, three.managed_resident_bytes or 0)).report_fields()
+        if (cuda["verdict"] != FITS or cuda["tight"]) and k <= FULL_ACCUMULATION:
+            return full(r)
+    rows = three.settings.get("batch_shapes") or []
+    shapes = [[shape[0] * k // 3, *shape[1:]] if shape else shape for shape in rows]
+    return dataclasses.replace(
+        three, **{"peak_bytes": peak, **cuda}, settings={**three.settings, "recipe": r.to_dict(), "batch_shapes": shapes},
+        step_peaks=[line(a, b) for a, b in zip(two.step_peaks, three.step_peaks)],
+        phase_peaks={p: line(two.phase_peaks[p], v) for p, v in three.phase_peaks.items() if p in two.phase_peaks},
+        notes=three.notes + [f"accumulation traced over 2 and 3 micro-batches and read at {k} (fast=False or --full "
+                             "traces every one)"])
 
 
 def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_size: int, seq_len):

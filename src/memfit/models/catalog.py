@@ -4,16 +4,25 @@ No hub access is needed: each entry is the handful of numbers from the model's p
 ``config.json`` that decide its memory (widths, depth, heads, vocabulary, tying). Weights are
 random; memory does not depend on their values. Sources: the ``config.json`` files of the
 official Hugging Face repositories named in each comment.
+
+The older entries are written out below; newer ones (Qwen3, Gemma 3, Llama 4, DeepSeek-V3, gpt-oss,
+GLM-4.5, OLMo 3, SmolLM3, Granite 4, Phi-4, Mistral Small 3) are one JSON file each in
+``configs/``: the public config.json's memory-relevant fields and ``model_type``, plus a
+``_memfit`` block (task, source repository, family, the card's parameter counts and notes).
+Parameter counts (total, and active per token for MoE) are in ``configs/_counts.json``
+(``counts.py``).
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from memfit.errors import MemfitError
 
-__all__ = ["CatalogEntry", "CATALOG", "lookup"]
+__all__ = ["CatalogEntry", "CATALOG", "CONFIGS", "lookup"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +30,9 @@ class CatalogEntry:
     model_type: str  # transformers' model_type
     task: str  # causal-lm | masked-lm | seq2seq | image-classification | speech-seq2seq | image-text-to-text
     config: dict = field(default_factory=dict)
+    family: str = ""  # for ``memfit models --family``; the name up to its first "-" where not given
+    source: str = ""  # the Hugging Face repository whose config.json the numbers are from
+    published: dict = field(default_factory=dict)  # the card's counts and notes (``_memfit`` of a JSON entry)
 
 
 def _llama(h, inter, layers, heads, kv, vocab, *, tied=False, pos=131072, theta=500000.0, **kw):
@@ -179,6 +191,22 @@ CATALOG: dict[str, CatalogEntry] = {
 }
 
 
+CONFIGS = Path(__file__).with_name("configs")
+
+
+def _from_file(path: Path) -> CatalogEntry:
+    data = json.loads(path.read_text())
+    meta = data.pop("_memfit")
+    return CatalogEntry(data.pop("model_type"), meta.pop("task"), data, family=meta.pop("family"),
+                        source=meta.pop("source"), published=meta)
+
+
+CATALOG = {name: entry if entry.family else replace(entry, family=name.split("-")[0])
+           for name, entry in CATALOG.items()}
+CATALOG.update({path.stem: _from_file(path) for path in sorted(CONFIGS.glob("*.json"))
+                if not path.name.startswith("_")})
+
+
 def lookup(name: str) -> CatalogEntry:
     """The entry called ``name`` (case-insensitive), or an error naming the closest ones."""
     key = name.strip().lower()
@@ -187,3 +215,12 @@ def lookup(name: str) -> CatalogEntry:
     close = difflib.get_close_matches(key, CATALOG, n=3, cutoff=0.4)
     hint = f"did you mean {', '.join(close)}?" if close else "run `memfit models` for the list"
     raise MemfitError(f"unknown model {name!r}: {hint}")
+
+
+def by_source(repo_id: str) -> tuple[str, CatalogEntry] | None:
+    """The catalog's (name, entry) taken from Hugging Face repository ``repo_id`` (case-insensitive), if any."""
+    key = repo_id.strip().lower()
+    for name, entry in CATALOG.items():
+        if entry.source and entry.source.lower() == key:
+            return name, entry
+    return None

@@ -54,12 +54,14 @@ def check_config(config, name: str) -> None:
                               "fix the config")
 
 
-def read_config(folder: str, name: str):
-    """The transformers config in ``folder``/config.json, checked."""
+def read_config(folder: str, name: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The transformers config in ``folder``/config.json (or a Hub repository's, with ``revision``), checked."""
     from transformers import AutoConfig
 
+    local = revision is None and not trust_remote_code
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, local_files_only=local, revision=revision,
+                                            trust_remote_code=trust_remote_code)
     except _BUILD_ERRORS + (OSError, RecursionError) as err:
         raise MemfitError(f"cannot read {name}: {_message(err)}: fix its config.json") from None
     check_config(config, name)

@@ -32,7 +32,9 @@ import copy
 
 import torch
 
-__all__ = ["task_of", "AUTO_CLASSES", "LABELLED", "labelled_batch", "with_pad_token"]
+from memfit.errors import MemfitError
+
+__all__ = ["task_of", "AUTO_CLASSES", "LABELLED", "labelled_batch", "with_pad_token", "vocab_size"]
 
 # architecture name suffix -> task (first match wins)
 _SUFFIXES = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
@@ -54,14 +56,54 @@ AUTO_CLASSES = {
 }
 
 
+# task -> transformers' own list of the head classes its Auto class builds (modeling_auto), read
+# before the suffixes: ``FlaubertWithLMHeadModel`` is a masked LM, ``MarianMTModel`` and
+# ``EncoderDecoderModel`` are encoder-decoders, though their names do not say so. A class in
+# several lists (``BartForConditionalGeneration``: seq2seq and masked LM) takes the first.
+_MAPPINGS = (("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+             ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+             ("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+             ("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+             ("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+             ("question-answering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+             ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
+
+
 def task_of(architectures) -> str | None:
-    """The task of the first architecture name with a known head suffix, or None."""
+    """The task of the first architecture name transformers maps to a head, else of the first with
+    a known head suffix, or None."""
     names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, (list, tuple)) else []
+    for arch in names:
+        task = _mapped_task(arch)
+        if task is not None:
+            return task
     for arch in names:
         for suffix, task in _SUFFIXES:
             if arch.endswith(suffix):
                 return task
     return None
+
+
+def _mapped_task(arch: str) -> str | None:
+    from transformers.models.auto import modeling_auto
+
+    for task, attr in _MAPPINGS:
+        for value in getattr(modeling_auto, attr, {}).values():
+            if arch == value or (isinstance(value, (list, tuple)) and arch in value):
+                return task
+    return None
+
+
+def vocab_size(config, name: str) -> int:
+    """The token vocabulary a made batch draws ids from: the config's own, else its text model's
+    (a composite config such as ``EncoderDecoderConfig`` keeps it in the decoder's)."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) and hasattr(config, "get_text_config"):
+        vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise MemfitError(f"{name}: the config gives no vocab_size to draw token ids from: set vocab_size in "
+                          "the config or pass batch=")
+    return vocab
 
 
 def with_pad_token(config, task: str):
@@ -85,7 +127,7 @@ def _class_labels(config, rows: int, *shape) -> torch.Tensor:
 
 
 def _text(config, batch_size: int, seq_len: int) -> torch.Tensor:
-    return torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    return torch.randint(0, vocab_size(config, config.model_type), (batch_size, seq_len))
 
 
 def _sequence(config, batch_size: int, seq_len: int) -> dict:

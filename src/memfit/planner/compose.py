@@ -24,7 +24,6 @@ and composes every candidate from them:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -319,43 +318,9 @@ class Engine:
             device = "cpu" if self.target is None else "cuda"
 
             custom = {} if self.factory is None else {"optimizer": self.factory}
-
-            def full(recipe, budget=budget):
-                return estimate(self.source, batch, recipe=recipe, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                                device=device, gpu=self.target, budget=budget, **custom)
-
-            k = r.grad_accum_steps
-            if batch is None and k > 5:
-                # Micro-batches 2..k hold the same tensors but a few scalars (loss weights), so the
-                # peak grows by the same bytes with each: traced at 2 and 3, read at k
-                # (tests/test_plan.py checks it against k traced in full).
-                # on the whole card, where reserved is the step's own figure unless the card runs out
-                two, three = full(r.replace(grad_accum_steps=2), None), full(r.replace(grad_accum_steps=3), None)
-
-                def line(a, b):
-                    return None if a is None else b + (b - a) * (k - 3)
-
-                peak = line(two.peak_bytes, three.peak_bytes)
-                cuda = {}
-                if self.target is not None:  # the line's reserved figure, judged without events
-                    from memfit.estimator.verdict import FITS, fit_reserved
-
-                    def demand(report):  # on out of memory: what it held at the limit and what was missing
-                        return report.reserved_bytes + (report.missing_bytes or 0)
-
-                    cuda = fit_reserved(peak, line(demand(two), demand(three)), self.target, budget,
-                                        (three.managed_bytes or 0, three.managed_resident_bytes or 0)).report_fields()
-                if cuda and (cuda["verdict"] != FITS or cuda["tight"]) and k <= FULL_ACCUMULATION:
-                    # Near or past the limit the line cannot say what torch does there (free and
-                    # retry, expandable segments): up to FULL_ACCUMULATION micro-batches are traced
-                    # and replayed; past that the line's verdict stands (a plan then reads it as tight).
-                    self._verified[key] = full(r)
-                else:
-                    self._verified[key] = dataclasses.replace(
-                        three, **{"peak_bytes": peak, **cuda}, settings={**three.settings, "recipe": r.to_dict()},
-                        notes=three.notes + [f"accumulation traced over 2 and 3 micro-batches and read at {k}"])
-            else:
-                self._verified[key] = full(r)
+            # k > 5 micro-batches: estimate reads them off the line through 2 and 3 (_accumulation_line)
+            self._verified[key] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
+                                           device=device, gpu=self.target, budget=budget, **custom)
         return self._verified[key]
 
 
@@ -363,6 +328,3 @@ def _trace_fields(kind: str) -> tuple[str, ...]:
     """The Recipe fields whose techniques change the ``kind`` ("graph"/"optimizer") trace."""
     return tuple(f.name for t in techniques() if t.trace in (kind, "both") for f in t.fields)
 
-
-# Accumulation steps up to which a verdict near the limit is traced in full rather than read off a line.
-FULL_ACCUMULATION = 16

@@ -33,6 +33,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.units import format_size, parse_size
+from memfit.estimator.checkpoint import checkpoint_recipe
 from memfit.estimator.verdict import FITS, OOM
 
 __all__ = ["fit", "Fit", "NoBatchFits", "LIMIT"]
@@ -174,6 +175,7 @@ class _Search:
         # enforce it (``verdict.py``); without one, the whole card
         self.limit_budget = None if budget is None or self.target is None else self.budget
         self.source = resolve(model)
+        recipe, _ = checkpoint_recipe(self.source, recipe)  # a quantised checkpoint: trained as estimate says
         if callable(batch):
             batch = batch()
         if batch is None and self.source.config is None:
@@ -385,6 +387,7 @@ def _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len,
     target = resolve_target("cuda", gpu or DEFAULT_GPU)
     budget_bytes = target.memory_bytes if budget is None else parse_size(budget)
     source = resolve(model)
+    recipe, _ = checkpoint_recipe(source, recipe)
     if seq_len is None and source.config is not None:
         seq_len = source.default_seq_len()
     return fit_ranks(source, target=target, budget_bytes=budget_bytes, recipe=recipe, world=world, seq_len=seq_len,

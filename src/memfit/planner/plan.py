@@ -35,6 +35,7 @@ from memfit.planner.reasons import _caveats, _front, _nothing_fits, _reasons
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as _clean
 from memfit.planner.space import ALLOWABLE, allowed_names, custom_optimizer, search_space
 from memfit.errors import MemfitError, shown
+from memfit.estimator.checkpoint import dequantised
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size, parse_size
 
@@ -101,7 +102,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         budget_bytes = target.memory_bytes
     else:
         budget_bytes = parse_size(budget)
-    source = resolve(model)
+    source, stored = dequantised(resolve(model))
     if callable(batch):  # made once: its rows are the global batch
         batch = batch()
     if batch is not None:
@@ -141,7 +142,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     space = [r for r in space if engine.offered(r)]  # what a trace refused, the full estimate would too
     predicted = [engine.predict(r, budget_bytes if target is not None else None) for r in space]
     fitting = sorted((p for p in predicted if p.device_bytes <= budget_bytes), key=_rank)
-    notes = list(engine.notes) + _left_out(engine, allowed)
+    notes = list(engine.notes) + _left_out(engine, allowed) + ([stored] if stored else [])
     chosen, report, rejected = None, None, 0
     explicit = None if budget is None else budget_bytes
     refused: list = []  # (recipe, MemfitError): candidates whose full estimate refused them, passed over

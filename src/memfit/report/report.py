@@ -1,12 +1,14 @@
 """``Report``: where the memory of a training step goes, estimated or measured.
 
 One frozen type for both ``estimate`` and ``measure``, so they can be compared field by field.
-Bytes are ints; ``str(report)`` and ``to_dict()`` are the only places they become text.
+Bytes are ints; ``str(report)``, ``to_dict()`` and ``_repr_html_()`` (a notebook's table) are the only
+places they become text.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from html import escape
 
 from memfit.categories import PHASES, Category
 from memfit.units import format_size
@@ -96,6 +98,10 @@ class Report:
     device_map      the placement: strategy, gpus, entries (module -> device, as from_pretrained takes it),
                     max_memory, and reported (the device whose figures the top level shows).
     host_bytes      host RAM of the modules offloaded to "cpu"; disk_bytes what lies in the offload folder.
+
+    For a checkpoint stored quantised (``quantization_config``: ``estimator/checkpoint.py``):
+    checkpoint      format (e.g. "awq int4 g128"), method, bits, stored_weight_bytes (the weights as stored) and
+                    training (what the estimate trains: QLoRA over the 4-bit base, or the weights dequantised).
     """
 
     peak_bytes: int
@@ -133,6 +139,7 @@ class Report:
     devices: list | None = None
     device_map: dict | None = None
     disk_bytes: int | None = None
+    checkpoint: dict | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -170,23 +177,27 @@ class Report:
         data["headroom_bytes"] = self.headroom_bytes
         return data
 
-    def __str__(self) -> str:
-        lines = [
-            f"peak {format_size(self.peak_bytes)} ({self.method}, {self.device} semantics, "
-            f"{self.bytes_per_parameter:.1f} bytes/param over {self.parameters:,} params)",
-            "at the peak:",
-        ]
-        if self.managed_bytes:
-            lines.insert(1, f"managed memory (paged optimizer state, outside the peak): "
-                            f"{format_size(self.managed_bytes)}")
+    def _headline(self) -> list[str]:
+        """The peak, and on a GPU the device's share, the verdict and managed memory: what the text
+        and the HTML open with."""
+        lines = [f"peak {format_size(self.peak_bytes)} ({self.method}, {self.device} semantics, "
+                 f"{self.bytes_per_parameter:.1f} bytes/param over {self.parameters:,} params)"]
         if self.reserved_bytes is not None:
-            lines.insert(1, f"{self.gpu}: reserved {format_size(self.reserved_bytes)} + CUDA context "
-                            f"{format_size(self.context_bytes or 0)} = {format_size(self.device_bytes)} on the device")
+            lines.append(f"{self.gpu}: reserved {format_size(self.reserved_bytes)} + CUDA context "
+                         f"{format_size(self.context_bytes or 0)} = {format_size(self.device_bytes)} on the device")
         if self.verdict is not None:
-            lines.insert(2, verdict_line(self))
-        for name, nbytes in sorted(self.by_category.items(), key=lambda kv: -kv[1]):
-            if nbytes:
-                lines.append(f"  {name:<16} {format_size(nbytes):>12}")
+            lines.append(verdict_line(self))
+        if self.managed_bytes:
+            lines.append(f"managed memory (paged optimizer state, outside the peak): {format_size(self.managed_bytes)}")
+        return lines
+
+    def _categories(self) -> list[tuple[str, int]]:
+        """(category, bytes) live at the peak, largest first, zeros left out."""
+        return [(name, n) for name, n in sorted(self.by_category.items(), key=lambda kv: -kv[1]) if n]
+
+    def __str__(self) -> str:
+        lines = self._headline() + ["at the peak:"]
+        lines += [f"  {name:<16} {format_size(nbytes):>12}" for name, nbytes in self._categories()]
         lines.append("phase peaks: " + ", ".join(
             f"{p} {format_size(self.phase_peaks[p])}" for p in PHASES if p in self.phase_peaks))
         if self.modules:
@@ -195,6 +206,37 @@ class Report:
                 lines.append(f"  {format_size(nbytes):>12}  {name}")
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: ``str(self)`` as self-contained HTML (no script, no stylesheet)."""
+        return _html(self)
+
+
+def _cells(tag: str, row: tuple) -> str:
+    """One row of HTML cells: the first (a name) left, the figures right."""
+    return "".join(f'<{tag} style="text-align:{"right" if i else "left"}">{escape(str(cell))}</{tag}>'
+                   for i, cell in enumerate(row))
+
+
+def _table(caption: str, head: tuple, rows: list[tuple]) -> str:
+    body = "".join(f"<tr>{_cells('td', row)}</tr>" for row in rows)
+    return (f'<table><caption style="text-align:left">{escape(caption)}</caption>'
+            f"<thead><tr>{_cells('th', head)}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def _html(report: Report) -> str:
+    head = report._headline()
+    parts = [f"<p><b>{escape(head[0])}</b></p>"] + [f"<p>{escape(line)}</p>" for line in head[1:]]
+    peak = max(report.peak_bytes, 1)
+    parts.append(_table("at the peak", ("category", "bytes", "share"),
+                        [(name, format_size(n), f"{100 * n / peak:.1f}%") for name, n in report._categories()]))
+    phases = [p for p in PHASES if p in report.phase_peaks]
+    parts.append(_table("phase peaks", ("phase", "peak"), [(p, format_size(report.phase_peaks[p])) for p in phases]))
+    if report.modules:
+        parts.append(_table("largest holders of activations and temporaries at the peak", ("module", "bytes"),
+                            [(name, format_size(n)) for name, n in report.modules[:8]]))
+    parts += [f"<p><i>note: {escape(note)}</i></p>" for note in report.notes]
+    return '<div class="memfit-report">' + "".join(parts) + "</div>"
 
 
 def verdict_line(report: Report) -> str:

@@ -180,7 +180,7 @@ def plan_view(plans, name: str, out: str | None = None) -> Group:
     lines += [Text(f"note: {note}", style="dim") for note in plans.notes]
     if out:
         env = f"PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf} " if best.alloc_conf else ""
-        lines.append(Text(f"recipe written to {out} ({env}memfit estimate MODEL --recipe {out})"))
+        lines.append(Text(f"recipe written to {out} ({env}memfit estimate {name} --recipe {out})"))
     return Group(*lines)
 
 
@@ -215,6 +215,10 @@ def fit_view(found, name: str) -> Group:
                       f"{format_size(found.allocated_bytes)}{reserved}): {spare} to spare", style="green"))
     if found.next_bytes is None:
         lines.append(Text(f"micro-batch {found.micro_batch_size + 1} not tried: the search stops there"))
+    elif found.next_bytes <= found.budget_bytes:  # under the budget, but torch's allocator (replayed) runs out
+        lines.append(Text(f"micro-batch {found.micro_batch_size + 1} would need {format_size(found.next_bytes)}, "
+                          "within the budget, but the allocator's replay does not fit it (fragmentation, or only "
+                          "with expandable segments)"))
     else:
         lines.append(Text(f"micro-batch {found.micro_batch_size + 1} would need {format_size(found.next_bytes)}, "
                           f"{format_size(found.next_bytes - found.budget_bytes)} over"))

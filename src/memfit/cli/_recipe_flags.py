@@ -1,0 +1,98 @@
+"""The Recipe's flags and ``plan --allow``'s names, written out so that a verb's ``--help`` does not
+import torch (the techniques' modules do: about a second on its own).
+
+Generated from the techniques' declarations (``memfit.techniques.registry.fields()``) by
+``python -m memfit.cli._recipe_flags``; tests/test_cli_conventions.py keeps the two equal. A technique
+registered at run time (a plug-in) gets its flag from the live registry instead (``_args.recipe_flags``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["FLAGS", "ALLOWABLE", "row", "render"]
+
+# (field name, kind, the choices argparse offers, help), in the Recipe's order
+FLAGS = (
+    ('precision', 'str', ('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16'),
+     'default fp32; bf16-mixed halves most activations'),
+    ('checkpointing', 'str', (),
+     'off | blocks | blocks:N | selective | modules:a,b (recompute in backward)'),
+    ('offload_activations', 'bool', (),
+     'keep saved activations in host memory'),
+    ('attention', 'str', ('auto', 'sdpa', 'eager'),
+     'auto (as built) | sdpa | eager'),
+    ('chunked_loss', 'int', (),
+     'run the LM head + loss in N sequence chunks (0: off)'),
+    ('compile', 'bool', ('layers',),
+     "torch.compile (Inductor): true: loss_fn (forward and loss) as one graph; layers: each block and the loss on their own (torchtune); fused kernels, the partitioner's saved set; costs compile time"),
+    ('activation_memory_budget', 'float', (),
+     "compile only: fraction (0, 1] of the partitioner's saved bytes to keep (lower recomputes more in backward)"),
+    ('optimizer', 'str', (),
+     'one of adamw, adam, sgd, adafactor, hf_sgd, hf_adafactor, adamw8bit, paged_adamw8bit, ao_adamw8bit, adamw4bit, hf_adamw4bit, ao_adamw_fp8 (default adamw; 8/4-bit change the math), or a transformers optim name (adamw_torch_fused, ...)'),
+    ('optimizer_impl', 'str', ('auto', 'foreach', 'fused', 'forloop'),
+     "auto (torch's default on the device) | foreach | fused (no step temporaries) | forloop"),
+    ('safe_step', 'optional-count', (),
+     "step the optimizer in this many chunks, each rolled back on out-of-memory (memfit train uses 8); lowers the step's peak"),
+    ('optimizer_in_backward', 'bool', (),
+     'step each parameter as its gradient is ready'),
+    ('offload_optimizer', 'bool', (),
+     'optimizer state and step on the CPU (CUDA only)'),
+    ('micro_batch_size', 'optional-count', (),
+     'examples per forward/backward'),
+    ('grad_accum_steps', 'count', (),
+     'micro-batches per optimizer step'),
+    ('set_to_none', 'bool', (),
+     'free gradients after each step (default); false zeroes them in place and keeps them through the next forward'),
+    ('lora', 'str', (),
+     'off | lora[:rank] | qlora[:rank] (changes the math)'),
+    ('lora_targets', 'str', (),
+     'layers LoRA adapts: all-linear (all but the output head) or name suffixes such as q_proj,v_proj (add lm_head for the head)'),
+    ('lora_alpha', 'optional-count', (),
+     'LoRA alpha: adapters scale by alpha / rank (default 2 x rank; no memory effect)'),
+    ('lora_dropout', 'float', (),
+     "dropout on each adapter's input (peft): a saved mask and input copy per adapted layer"),
+    ('quantize_targets', 'str', (),
+     "layers QLoRA makes 4-bit: all-linear (all but the heads), adapted (only LoRA's layers, as torchtune) or name suffixes"),
+    ('lora_dtype', 'str', ('fp32', 'bf16'),
+     "adapter weights' dtype: fp32 (peft's default) or bf16 (torchtune's; with precision=bf16): halves the adapters, their gradients and optimizer state"),
+    ('parallel', 'str', ('none', 'ddp', 'fsdp'),
+     'none | ddp | fsdp: data parallelism over --gpus (FSDP2 shards parameters, gradients and optimizer state 1/N per rank)'),
+    ('reshard_after_forward', 'str', (),
+     'fsdp: true frees gathered parameters after forward (ZeRO-3), false keeps them to backward (ZeRO-2: more memory, one all-gather less), N: regather in groups of N'),
+    ('mixed_precision', 'str', (),
+     'fsdp: FSDP2 MixedPrecisionPolicy, compute[:reduce] dtype (bf16, bf16:fp32): gathered parameters and gradients in it, shards stay fp32'),
+    ('sync_grads', 'str', ('last', 'every'),
+     'with accumulation: reduce gradients on the last micro-batch only (no_sync; fsdp keeps unsharded gradients meanwhile) or every one'),
+    ('offload', 'str', ('none', 'cpu', 'cpu-unpinned'),
+     "fsdp: FSDP2 CPUOffloadPolicy: shards, their gradients and the optimizer step on the host (cpu: pinned, FSDP2's default; cpu-unpinned); host RAM and the host link pay"),
+    ('shard_over', 'str', ('node', 'world'),
+     'fsdp over several nodes: node shards within a node and replicates between (HSDP, the default); world shards over every rank (less memory, all-gathers cross the network)'),
+    ('construction', 'str', ('meta', 'host', 'device'),
+     "fsdp: how the model was built before sharding: meta (torchtitan: never whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then sharded: its peak counts)"),
+)
+
+# what `memfit plan --allow` takes
+ALLOWABLE = ('bf16', 'lora', 'qlora', 'adamw8bit', 'paged_adamw8bit')
+
+
+def row(field) -> tuple:
+    """A ``techniques.spec.Field`` as a line of ``FLAGS``."""
+    offered = field.choices if field.choices and (field.kind == "bool" or field.flag_choices) else ()
+    return (field.name, field.kind, tuple(offered), field.help)
+
+
+def render() -> str:
+    """This module's text, with FLAGS and ALLOWABLE taken from the registry (imports torch)."""
+    import re
+    from pathlib import Path
+
+    from memfit.planner.space import allowable
+    from memfit.techniques.registry import fields
+
+    text = Path(__file__).read_text(encoding="utf-8")
+    rows = "".join("    ({!r}, {!r}, {!r},\n     {!r}),\n".format(*row(f)) for f in fields())
+    text = re.sub(r"^FLAGS = \(\n.*?^\)\n", lambda _: f"FLAGS = (\n{rows})\n", text, count=1, flags=re.M | re.S)
+    return re.sub(r"^ALLOWABLE = .*\n", lambda _: f"ALLOWABLE = {allowable()!r}\n", text, count=1, flags=re.M)
+
+
+if __name__ == "__main__":
+    print(render(), end="")
