@@ -128,20 +128,26 @@ class ModuleStack:
         """Remember on each new autograd node the module whose forward made it.
 
         Inside the dispatcher an op's outputs have no ``grad_fn`` yet (autograd sets it when the
-        op returns), so they are tagged at the next op or when the module returns."""
+        op returns), so they are tagged at the next op or when the module returns. A view written in
+        place since (``key[..., :n].copy_(k)``, DeepSeek-V3's attention) is left untagged: the next
+        op may be one autograd runs while rebasing that view's history, holding the view's lock, and
+        reading its grad_fn there would wait on that lock for ever."""
         self.flush()
         if not self.stack:
             return
-        self._pending = [weakref.ref(t) for t in tensors(out if isinstance(out, (list, tuple)) else (out,))]
+        self._pending = [(weakref.ref(t), t._version) for t in
+                         tensors(out if isinstance(out, (list, tuple)) else (out,))]
         self._pending_module = self.stack[-1]
 
     def flush(self) -> None:
-        for ref in self._pending:
+        pending, self._pending = self._pending, []
+        for ref, version in pending:
             tensor = ref()
-            node = None if tensor is None else tensor.grad_fn
+            if tensor is None or (tensor._version != version and tensor._is_view()):
+                continue
+            node = tensor.grad_fn
             if node is not None and "memfit_module" not in node.metadata:
                 node.metadata["memfit_module"] = self._pending_module
-        self._pending = []
 
 
 def tensors(value):

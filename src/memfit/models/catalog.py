@@ -5,12 +5,13 @@ No hub access is needed: each entry is the handful of numbers from the model's p
 random; memory does not depend on their values. Sources: the ``config.json`` files of the
 official Hugging Face repositories named in each comment.
 
-The older entries are written out below; newer ones (Qwen3, Gemma 3, Llama 4, DeepSeek-V3, gpt-oss,
-GLM-4.5, OLMo 3, SmolLM3, Granite 4, Phi-4, Mistral Small 3) are one JSON file each in
-``configs/``: the public config.json's memory-relevant fields and ``model_type``, plus a
-``_memfit`` block (task, source repository, family, the card's parameter counts and notes).
-Parameter counts (total, and active per token for MoE) are in ``configs/_counts.json``
-(``counts.py``).
+The older entries are written out below; newer ones (Qwen3, Qwen3-Next, Qwen3.5, Gemma 3, Llama 4,
+DeepSeek-V3, gpt-oss, GLM-4.5, OLMo 3, SmolLM3, Granite 4, Phi-4, Mistral Small 3) are one JSON file
+each in ``configs/``: the public config.json's memory-relevant fields and ``model_type``, plus a
+``_memfit`` block (task, source repository, family, the card's parameter counts and notes). Where
+the hub model is multimodal (Gemma 3 4B+, Llama 4, Qwen3.5) the entry is its text model. Parameter
+counts (total, and active per token for MoE) are in ``configs/_counts.json`` (``counts.py``),
+checked against fresh builds by ``tests/test_catalog.py``.
 """
 
 from __future__ import annotations

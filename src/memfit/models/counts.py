@@ -23,10 +23,12 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
+
+if TYPE_CHECKING:  # torch is imported where a model is built: ``memfit models`` reads the table only
+    import torch
 
 __all__ = ["Counts", "build_meta", "count", "count_module", "table", "write_table", "TABLE", "parse_count",
            "format_count"]
@@ -42,6 +44,7 @@ class Counts:
 
 def build_meta(model_type: str, config: dict, task: str = "causal-lm") -> torch.nn.Module:
     """The model of a catalog entry on the meta device (no storage, no initialisation cost)."""
+    import torch
     import transformers
     from transformers import AutoConfig
 
