@@ -31,7 +31,7 @@ train-demo: setup
 
 # one pytest worker per core (pytest-xdist): most tests are single-threaded Python tracing
 test: setup
-	$(BIN)/python -m pytest tests -n auto
+	$(BIN)/python -m pytest tests -n auto --durations=10
 
 bench: setup
 	$(BIN)/python bench/accuracy.py

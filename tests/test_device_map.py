@@ -4,8 +4,6 @@ module, and what each GPU and the host hold when the step runs as Accelerate dis
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -131,24 +129,24 @@ def test_bad_input_is_one_line(config, kwargs, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cli_device_map(config, tmp_path):
-    run = [sys.executable, "-m", "memfit.cli", "estimate", config, "--batch-size", "2", "--seq-len", "64",
-           "--gpu", "a100-80gb", "--precision", "bf16"]
+def test_cli_device_map(config, tmp_path, capsys):
+    """In-process (test_cli runs ``python -m memfit.cli`` itself): the flags, the JSON and the exit codes."""
+    from memfit.cli import main
+
+    run = ["estimate", config, "--batch-size", "2", "--seq-len", "64", "--gpu", "a100-80gb", "--precision", "bf16"]
     mapping = tmp_path / "map.json"
     mapping.write_text(json.dumps(SPLIT))
-    out = subprocess.run(run + ["--device-map", str(mapping), "--json"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+    assert main(run + ["--device-map", str(mapping), "--json"]) in (0, None)
+    data = json.loads(capsys.readouterr().out)
     assert [r["device"] for r in data["devices"]] == ["cuda:0", "cuda:1"]
     top = next(r for r in data["devices"] if r["device"] == data["device_map"]["reported"])
     assert data["peak_bytes"] == top["peak_bytes"] and data["device_bytes"] == top["device_bytes"]
-    forward = subprocess.run(run + ["--device-map", str(mapping), "--forward-only", "--json"], capture_output=True,
-                             text=True)
-    assert forward.returncode == 0, forward.stderr
-    data = json.loads(forward.stdout)
+    assert main(run + ["--device-map", str(mapping), "--forward-only", "--json"]) in (0, None)
+    data = json.loads(capsys.readouterr().out)
     assert data["settings"]["workload"] == "forward" and data["phase_peaks"]["backward"] == 0
-    bad = subprocess.run(run + ["--device-map", "auto", "--max-memory", "0=lots"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "not a size" in bad.stderr and "Traceback" not in bad.stderr
+    assert main(run + ["--device-map", "auto", "--max-memory", "0=lots"]) == 2
+    err = capsys.readouterr().err
+    assert "not a size" in err and "Traceback" not in err
 
 
 def _tiny_llama():
