@@ -133,6 +133,11 @@ class ScalarReads(TorchDispatchMode):
         # torch._check_tensor_all (transformers' torch_compilable_check) reads ``_is_all_true``.
         if func.overloadpacket in (torch.ops.aten.all, torch.ops.aten._is_all_true) and isinstance(out, torch.Tensor):
             self._all[out] = True
+        # a count compared with zero reads True, as the count itself reads 0 (I-BERT asserts
+        # ``x.isnan().sum() == 0`` on every activation)
+        if (func is torch.ops.aten.eq.Scalar and isinstance(out, torch.Tensor) and len(args) == 2
+                and not isinstance(args[1], bool) and args[1] == 0 and not args[0].is_floating_point()):
+            self._all[out] = True
         return out
 
 

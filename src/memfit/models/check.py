@@ -26,6 +26,7 @@ _DEPTHS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
 _SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
           "max_position_embeddings", "head_dim", "n_embd", "n_head", "n_inner", "n_positions", "d_model", "d_ff",
           "num_heads", "d_kv", "image_size", "patch_size", "num_channels", "num_labels")
+_UNBOUNDED = ("max_position_embeddings", "n_positions")  # -1: no position table (XLNet's default)
 MAX_DEPTH = 4096  # blocks: the deepest published models have ~160; building more takes minutes
 MAX_SIZE = 1 << 27  # widths, vocabularies, positions: 134M, beyond any published model
 
@@ -44,14 +45,25 @@ except ImportError:  # pragma: no cover — older huggingface_hub
 def check_config(config, name: str) -> None:
     """Raise for a size field that is not a whole number within bounds."""
     for key in _DEPTHS + _SIZES:
-        value = getattr(config, key, None)
-        if value is None:
+        value = _field(config, key)
+        if value is None or (key in _UNBOUNDED and value == -1):
             continue
         limit = MAX_DEPTH if key in _DEPTHS else MAX_SIZE
         low = 0 if key in _DEPTHS else 1
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limit:
+        # a size may be given per layer (Gemma-3n's intermediate_size); a depth is one number
+        values = value if isinstance(value, list) and value and key in _SIZES else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and low <= v <= limit for v in values):
             raise MemfitError(f"{name}: {key}={shown(value)} must be a whole number from {low} to {limit}: "
                               "fix the config")
+
+
+def _field(config, key: str):
+    """``config.key``, or None where it has none, or where it varies by layer and the config refuses
+    to name one value (Gemma-4's per-layer ``head_dim`` raises a non-AttributeError)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 — transformers' per-layer attribute errors share no base class
+        return None
 
 
 def read_config(folder: str, name: str, *, revision: str | None = None, trust_remote_code: bool = False):

@@ -47,7 +47,7 @@ def position_limit(config, task: str | None = None) -> tuple[int, str] | None:
         return None
     for key in ("n_positions", "max_position_embeddings"):
         value = getattr(text, key, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and value > 0:  # XLNet's -1: no table
             if text.model_type in _OFFSET_BY_PADDING and isinstance(getattr(text, "pad_token_id", None), int):
                 value -= text.pad_token_id + 1
             return value, key
@@ -74,7 +74,7 @@ def default_seq_len(config, task: str | None) -> int:
     if task == "speech-seq2seq":
         return config.max_target_positions
     trained = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
-                    if isinstance(getattr(config, k, None), int)), 2048)
+                    if isinstance(getattr(config, k, None), int) and getattr(config, k) > 0), 2048)
     limit = position_limit(config, task)
     return min(trained, limit[0] if limit else trained, 512 if task in ("masked-lm", "seq2seq") else 2048)
 
