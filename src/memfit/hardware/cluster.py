@@ -51,6 +51,7 @@ class Placement:
     fake: bool  # under the fake process group (an estimate), or a real one
     notes: dict = field(default_factory=dict)  # what the step's techniques found ("uneven": a parameter's name)
     init_sync: bool = True  # DDP broadcasts rank 0's parameters at construction (real runs)
+    broadcast_buffers: bool = True  # DDP broadcasts rank 0's buffers at each forward (torch's default)
 
 
 _CURRENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("memfit_placement", default=None)
@@ -85,20 +86,28 @@ def placement() -> Placement:
                       "step under torchrun")
 
 
-def _mesh(world: World):
+def _device_type(fake: bool) -> str:
+    """The mesh's device: the fake group and gloo move CPU tensors, NCCL CUDA ones."""
+    import torch.distributed as dist
+
+    return "cuda" if not fake and dist.get_backend() == "nccl" else "cpu"
+
+
+def _mesh(world: World, device: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
     if world.nodes == 1:
-        return init_device_mesh("cpu", (world.size,), mesh_dim_names=("shard",))
-    return init_device_mesh("cpu", (world.nodes, world.gpus), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device, (world.size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device, (world.nodes, world.gpus), mesh_dim_names=("replicate", "shard"))
 
 
-def _placement(world: World, rank: int, fake: bool, init_sync: bool = True) -> Placement:
+def _placement(world: World, rank: int, fake: bool, init_sync: bool = True, broadcast_buffers: bool = True) -> Placement:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = _mesh(world)
-    flat = mesh if world.nodes == 1 else init_device_mesh("cpu", (world.size,), mesh_dim_names=("world",))
-    return Placement(world, rank, mesh, flat, fake, init_sync=init_sync)
+    device = _device_type(fake)
+    mesh = _mesh(world, device)
+    flat = mesh if world.nodes == 1 else init_device_mesh(device, (world.size,), mesh_dim_names=("world",))
+    return Placement(world, rank, mesh, flat, fake, init_sync=init_sync, broadcast_buffers=broadcast_buffers)
 
 
 @contextlib.contextmanager
@@ -124,10 +133,11 @@ def fake_world(world: World, rank: int = 0):
 
 
 @contextlib.contextmanager
-def real_world(gpus_per_node: int | None = None, init_sync: bool = True):
+def real_world(gpus_per_node: int | None = None, init_sync: bool = True, broadcast_buffers: bool = True):
     """The initialised (real) process group as a ``Placement``, for the ``with`` block: a run under
     ``torchrun``. ``gpus_per_node`` (default: the whole world on one node) makes the mesh 2-D.
-    ``init_sync=False``: DDP skips its start-up broadcast (every rank built the same weights)."""
+    ``init_sync=False``: DDP skips its start-up broadcast (every rank built the same weights);
+    ``broadcast_buffers=False``: and its per-forward buffer broadcast (no collective in forward)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -136,7 +146,8 @@ def real_world(gpus_per_node: int | None = None, init_sync: bool = True):
     gpus = gpus_per_node or size
     if size % gpus:
         raise MemfitError(f"gpus_per_node={gpus} does not divide the world size {size}")
-    token = _CURRENT.set(_placement(World(gpus, size // gpus), dist.get_rank(), fake=False, init_sync=init_sync))
+    token = _CURRENT.set(_placement(World(gpus, size // gpus), dist.get_rank(), fake=False, init_sync=init_sync,
+                                    broadcast_buffers=broadcast_buffers))
     try:
         yield _CURRENT.get()
     finally:

@@ -151,24 +151,32 @@ class _Step:
         self.count += 1
         return out
 
-    def backward(self, micro: list):
+    def backward(self, micro: list, *, weights: list | None = None, around=None):
         """Forward and backward of each micro-batch of ``micro`` (one global batch), losses weighted
         so the accumulated gradients are the whole batch's; returns the batch's loss. The optimizer
-        has not stepped: ``update`` does that (a trainer may redo this after an out-of-memory error)."""
+        has not stepped: ``update`` does that (a trainer may redo this after an out-of-memory error).
+
+        weights  each micro-batch's loss weight (default: its share of the batch's label tokens)
+        around   ``around(number, last)``: a context manager around each micro-batch (a data-parallel
+                 trainer's gradient sync and agreement, ``training/lockstep.py``)"""
         index = self.count
-        weights = token_weights(self.model, micro) if len(micro) > 1 else [None]
+        if weights is None:
+            weights = token_weights(self.model, micro) if len(micro) > 1 else [None] * len(micro)
         total = None
         for number, (part, weight) in enumerate(zip(micro, weights)):
-            for hook in self.before_micro:  # gradient sync only on the last micro-batch (parallel.py)
-                hook(self.model, number == len(micro) - 1)
-            self.watch.begin("forward", index)
-            loss = self._forward(part)
-            check_loss(loss)
-            if weight is not None:
-                loss = loss * weight
-            self.watch.begin("backward", index)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+            last = number == len(micro) - 1
+            with around(number, last) if around is not None else contextlib.nullcontext():
+                for hook in self.before_micro:  # gradient sync only on the last micro-batch (parallel.py)
+                    hook(self.model, last)
+                self.watch.begin("forward", index)
+                loss = self._forward(part)
+                check_loss(loss)
+                if weight is not None:
+                    loss = loss * weight
+                self.watch.begin("backward", index)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+                del loss
         for param in self.model.parameters():
             if param.grad is not None:
                 self.watch.mark(param.grad, Category.GRADIENTS)

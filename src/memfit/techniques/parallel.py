@@ -328,7 +328,8 @@ def _replicate(build, place) -> None:
     # DDP replicates over the whole world (the default group), across nodes too.
     if not place.fake:
         # torch's defaults, as a plain script has them (the start-up broadcast is construction)
-        build.model = DistributedDataParallel(build.model, init_sync=place.init_sync)
+        build.model = DistributedDataParallel(build.model, init_sync=place.init_sync,
+                                              broadcast_buffers=place.broadcast_buffers)
         return
     # On fake tensors DDP's start-up broadcast and per-forward buffer broadcast read data pointers:
     # both are off here (a coalesced copy of the buffers per forward, small beside a step, goes unseen).

@@ -12,7 +12,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["default_loss", "batch_tensors", "check_loss", "split_batch", "token_weights", "IGNORE_INDEX"]
+__all__ = ["default_loss", "batch_tensors", "check_loss", "split_batch", "token_weights", "label_counts", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
@@ -84,7 +84,19 @@ def split_batch(batch, parts: int, micro_batch_size: int | None = None) -> list:
 
 
 def _causal(model) -> bool:
-    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+    return type(inner).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def label_counts(model, micro: list) -> list | None:
+    """Each micro-batch's tokens that carry a label (shifted by one for causal LMs), as tensors; None
+    when a micro-batch has no ``labels`` (its loss is then a mean over examples)."""
+    labels = [m.get("labels") if isinstance(m, Mapping) else None for m in micro]
+    if any(y is None or y.dim() < 2 for y in labels):
+        return None
+    if _causal(model):
+        labels = [y[:, 1:] for y in labels]
+    return [(y != IGNORE_INDEX).sum() for y in labels]
 
 
 def token_weights(model, micro: list) -> list:
@@ -95,11 +107,8 @@ def token_weights(model, micro: list) -> list:
     mean over examples and gets ``1 / parts``. Weights are tensors: no value is read, so the same
     code runs on fake tensors.
     """
-    labels = [m.get("labels") if isinstance(m, Mapping) else None for m in micro]
-    if any(y is None or y.dim() < 2 for y in labels):
+    counts = label_counts(model, micro)
+    if counts is None:
         return [1.0 / len(micro)] * len(micro)
-    if _causal(model):
-        labels = [y[:, 1:] for y in labels]
-    counts = [(y != IGNORE_INDEX).sum() for y in labels]
     total = sum(counts[1:], counts[0])
     return [count / total for count in counts]

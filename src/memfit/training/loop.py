@@ -40,10 +40,15 @@ from pathlib import Path
 
 import torch
 
+from memfit.training.sharded import export_safetensors, is_sharded, load_sharded, save_sharded
+from memfit.training.lockstep import HOPELESS, Lockstep, PeerOutOfMemory, even_micro_batches, split_by_tokens
+from memfit.training.ranks import join
 from memfit.errors import MemfitError
+from memfit.hardware.cluster import real_world
 from memfit.techniques.apply import apply
 from memfit.techniques.recipe import Recipe
 from memfit.techniques.safe_step import TRAIN_CHUNKS
+from memfit.techniques.step import label_counts
 from memfit.training.batching import micro_batches
 from memfit.training.budget import VirtualBudget
 from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -70,6 +75,8 @@ class TrainResult:
     tokens_per_second: float = 0.0
     out_dir: Path | None = None
     resumed_from: int = 0  # the step the run resumed at (0: fresh)
+    rank: int = 0  # this process's rank in a data-parallel run
+    world_size: int = 1  # the run's processes
 
 
 def _schedule(name: str, lr: float, warmup: int, total: int):
@@ -110,7 +117,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
           out_dir="memfit-run", resume: bool = True, seed: int = 0, checkpoint_every: int = 50, keep: int = 2,
           micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20,
           chunks: int | None = TRAIN_CHUNKS, tokenizer=None, pad_id: int = 0, device=None, gpu=None, workers: int = 0,
-          tensorboard: bool | None = None, packed: bool = False, inject=(), progress: bool = True) -> TrainResult:
+          tensorboard: bool | None = None, packed: bool = False, inject=(), progress: bool = True,
+          export: bool = True) -> TrainResult:
     """Train ``model`` on ``data`` with ``recipe`` inside ``budget``; see the module docstring.
 
     model          an ``nn.Module`` (trained in place)
@@ -135,6 +143,13 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     global_batch_size / global_tokens   examples, or tokens, per optimizer step (one of them)
     steps / epochs how long (one of them)
     inject         faults for tests: ``(step, micro_batch, phase[, nth])`` (``budget.VirtualBudget``)
+    export         a data-parallel run also writes the final weights as one ``model.safetensors`` in its
+                   last checkpoint (a one-process checkpoint is one already)
+
+    Under torchrun (or inside an initialised process group) with ``parallel=fsdp`` or ``ddp``, every
+    rank runs this with the same arguments: each takes its share of every global batch, an
+    out-of-memory error on any rank is redone by all (``lockstep.py``), checkpoints are
+    sharded (``sharded.py``) and rank 0 writes the metrics and the progress bar.
     """
     recipe = recipe or Recipe()
     if not isinstance(recipe, Recipe):
@@ -170,6 +185,15 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         rows = recipe.micro_batch_size or (global_batch_size if global_batch_size else max(1, global_tokens // longest))
         micro_tokens = rows * longest
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    ranks = join(device)  # a data-parallel run: torchrun's (or the caller's) process group
+    if ranks is not None and ranks.world > 1 and recipe.parallel == "none":
+        raise MemfitError(f"{ranks.world} processes train one model only with parallel=fsdp or ddp: pass "
+                          "--parallel fsdp (shards) or --parallel ddp (replicates)")
+    if ranks is not None and recipe.parallel == "none":
+        ranks = None  # one process under torchrun: trains as one process
+    if ranks is not None and by_estimate and budget is not None:
+        # a per-rank estimate runs under a fake process group, which cannot sit beside the real one
+        by_estimate = False
     order = Order(len(data), seed=seed)
     per_epoch = (len(data) / global_batch_size) if global_batch_size else (int(sum(lengths)) / global_tokens)
     total_steps = steps if steps is not None else max(1, math.ceil(epochs * per_epoch))
@@ -188,7 +212,12 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                              packed=packed)
 
     torch.manual_seed(seed)
-    model, opt, step_fn = apply(model, recipe)
+    if ranks is None:
+        model, opt, step_fn = apply(model, recipe)
+    else:
+        with real_world(broadcast_buffers=False):  # no collective in DDP's forward (lockstep.py)
+            model, opt, step_fn = apply(model, recipe)
+        ranks.lockstep = Lockstep(model, recipe, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(schedule, lr, warmup, total_steps)) \
         if hasattr(opt, "param_groups") else None
     if sched is not None:
@@ -200,21 +229,36 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     out_dir = Path(out_dir)
     scale, clean, done, resumed = 1.0, 0, 0, 0
     newest = latest_checkpoint(out_dir) if resume else None
+    if ranks is not None:
+        newest = ranks.same(newest)  # every rank resumes the checkpoint rank 0 sees
     if newest is not None:
-        state = load_checkpoint(newest, model)
-        opt.load_state_dict(state["optimizer"])
+        if is_sharded(newest):
+            state, rng = load_sharded(newest, model, opt)
+            rng = rng or (state.get("rng") if ranks is None else None)
+        elif ranks is not None:
+            raise MemfitError(f"{newest} was written by one process: resume it with one process (or start "
+                              "afresh with --no-resume / another --out-dir)")
+        else:
+            state = load_checkpoint(newest, model)
+            opt.load_state_dict(state["optimizer"])
+            rng = state["rng"]
         if sched is not None:
             sched.load_state_dict(state["scheduler"])
         order.load_state_dict(state["order"])
-        set_rng_state(state["rng"])
+        if rng is not None:
+            set_rng_state(rng)
+        else:  # more ranks than wrote it: this rank's generators from the seed
+            torch.manual_seed(seed + 1000 * (ranks.rank if ranks is not None else 0) + state["step"])
         scale, clean, done = state["scale"], state["clean"], state["step"]
         resumed = done
-    out_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
 
     vb = None
     if device.type == "cpu" and (cap is not None or inject):
         resident = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
-                       list(model.parameters()) + list(model.buffers())}.values())
+                       map(_local, list(model.parameters()) + list(model.buffers()))}.values())
         vb = VirtualBudget(cap, resident=resident, inject=inject)
     elif cap is not None:
         total = torch.cuda.get_device_properties(device).total_memory
@@ -222,18 +266,23 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    result = TrainResult(steps=done, losses=[], out_dir=out_dir, resumed_from=resumed)
-    bar = Progress(total_steps, done) if progress else None
+    result = TrainResult(steps=done, losses=[], out_dir=out_dir, resumed_from=resumed, rank=rank, world_size=world)
+    bar = Progress(total_steps, done) if progress and rank == 0 else None
     tokens_run, seconds = 0, 0.0
     reader = Reader(data, pad_id, workers, device, seq_len if packed else None)
-    board = tensorboard_writer(out_dir, tensorboard)
-    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as log, (vb if vb is not None else contextlib.nullcontext()):
+    if ranks is not None:  # every kind of micro-batch once, so a first one that runs out can be recovered
+        ranks.lockstep.warm_up(reader.read([[(0, 0)]], None)[0], step_fn)
+        if vb is not None:
+            ranks.lockstep.place = lambda what: vb.at(done, -1, what)
+    board = tensorboard_writer(out_dir, tensorboard) if rank == 0 else None
+    with (open(out_dir / "metrics.jsonl", "a", encoding="utf-8") if rank == 0 else contextlib.nullcontext()) as log, \
+            (vb if vb is not None else contextlib.nullcontext()):
         while done < total_steps:
             ids = _global_batch(order, lengths, global_batch_size, global_tokens)
             start = time.perf_counter()
             loss, events, predicted, estimating, parts = _one_step(
                 step_fn, reader, ids, lengths, micro_tokens, scale, vb, done, device,
-                recipe.micro_batch_size if batching == "rows" else None, shapes, seq_len if packed else None)
+                recipe.micro_batch_size if batching == "rows" else None, shapes, seq_len if packed else None, ranks)
             if events:
                 scale = events[-1]["scale"]
                 clean = 0
@@ -249,15 +298,23 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             tokens_run, seconds = tokens_run + tokens, seconds + elapsed
             done += 1
             value = float(loss)
-            result.losses.append(value)
             now, memory = _memory(vb, device)
-            log.write(json.dumps({"step": done, "loss": value, "tokens": tokens, "seconds": round(elapsed, 6),
-                                  "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
-                                  "memory_now": now, "memory_peak": memory, "predicted": predicted,
-                                  "estimate_seconds": round(estimating, 3), "micro_batches": parts,
-                                  "micro_token_cap": None if shapes is not None else int(micro_tokens * scale),
-                                  "ooms": events}) + "\n")
-            log.flush()
+            line = {"step": done, "loss": value, "tokens": tokens, "seconds": round(elapsed, 6),
+                    "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
+                    "memory_now": now, "memory_peak": memory, "predicted": predicted,
+                    "estimate_seconds": round(estimating, 3), "micro_batches": parts,
+                    "micro_token_cap": None if shapes is not None else int(micro_tokens * scale),
+                    "ooms": events}
+            if ranks is not None:  # one all-gather: the world's loss, each rank's memory and time
+                if vb is not None:
+                    vb.at(done, -1, "metrics")
+                value, elapsed = _world_line(ranks, line, value, now, memory, predicted, elapsed, parts)
+                line["seconds"], line["tokens_per_second"] = round(elapsed, 6), round(tokens / elapsed, 2)
+                seconds += elapsed - line["ranks"][rank]["seconds"]  # the slowest rank's time
+            result.losses.append(value)
+            if log is not None:
+                log.write(json.dumps(line) + "\n")
+                log.flush()
             if bar is not None:
                 bar.update(done, value, tokens / elapsed, now, memory, predicted)
             if board is not None:
@@ -267,11 +324,19 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                     if number is not None:
                         board.add_scalar(f"train/{name}", number, done)
             if done % checkpoint_every == 0 or done == total_steps:
-                save_checkpoint(out_dir, done, model, {
-                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else {},
-                    "order": order.state_dict(), "rng": rng_state(), "scale": scale, "clean": clean, "step": done},
-                    keep=keep)
+                with _uncounted():  # host memory, not the budget's
+                    state = {"scheduler": sched.state_dict() if sched is not None else {}, "order": order.state_dict(),
+                             "scale": scale, "clean": clean, "step": done}
+                    if ranks is None:
+                        save_checkpoint(out_dir, done, model, {"optimizer": opt.state_dict(), "rng": rng_state(),
+                                                               **state}, keep=keep)
+                    else:
+                        final = save_sharded(out_dir, done, model, opt, state, rng_state(), keep=keep)
+                        if done == total_steps and export:
+                            export_safetensors(model, final / "model.safetensors")
     reader.close()
+    if ranks is not None:
+        ranks.close()
     if board is not None:
         board.close()
     if bar is not None:
@@ -282,67 +347,149 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     return result
 
 
-def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, device, rows, shapes, pack_to=None):
+def _local(tensor):
+    """A DTensor's shard on this rank (FSDP2's parameters); any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _uncounted():
+    """Outside the virtual budget (``VirtualBudget`` is a dispatch mode): checkpoints are host memory."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _world_line(ranks, line, value, now, peak, predicted, seconds, parts):
+    """Fills ``line`` with every rank's figures; returns the world's loss and the slowest rank's time."""
+    rows = ranks.gather([value, -1 if now is None else now, -1 if peak is None else peak,
+                         -1 if predicted is None else predicted, seconds, parts])
+
+    def size(x):
+        return None if x < 0 else int(x)
+
+    line["ranks"] = [{"rank": r, "memory_now": size(row[1]), "memory_peak": size(row[2]), "predicted": size(row[3]),
+                      "seconds": round(row[4], 6), "micro_batches": int(row[5])} for r, row in enumerate(rows)]
+    world_loss = sum(row[0] for row in rows) / ranks.world
+    line["loss"] = world_loss
+    line["rank_loss"] = value
+    for key, index in (("memory_now", 1), ("memory_peak", 2), ("predicted", 3)):
+        sizes = [size(row[index]) for row in rows]
+        line[key] = None if None in sizes else max(sizes)
+    line["micro_batches"] = int(rows[0][5])
+    return world_loss, max(row[4] for row in rows)
+
+
+def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, device, rows, shapes, pack_to=None,
+              ranks=None):
     """One global batch to an applied update, whatever out-of-memory errors come; returns its loss,
     the OOM events survived (the last one's ``scale`` is the new scale), the predicted peak of its
     largest micro-batch (``ShapeBudget.bound``; None without a budget), the seconds spent estimating
-    and the number of micro-batches."""
+    and the number of micro-batches. With ``ranks`` (a data-parallel run), this rank's share of the
+    batch, in as many micro-batches as every other rank's, an out-of-memory error anywhere redone by
+    all (``lockstep.py``)."""
     events, estimating = [], 0.0
+    lock = ranks.lockstep if ranks is not None else None
     while True:
         began = time.perf_counter()
-        cap = None
-        if rows is not None:  # fixed rows in data order
-            size = max(1, int(rows * scale))
-            groups = [[[k] for k in range(j, min(j + size, len(ids)))] for j in range(0, len(ids), size)]
-        elif shapes is not None:  # rows by the estimate of each shape
-            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: shapes.fits(n, length, scale),
-                                   seq_len=pack_to)
-        else:  # rows by padded tokens
-            cap = max(1, int(micro_tokens * scale))
-            groups = micro_batches([int(lengths[i]) for i in ids], lambda n, length: n == 1 or n * length <= cap,
-                                   seq_len=pack_to)
+        cap = None if rows is not None or shapes is not None else max(1, int(micro_tokens * scale))
+        if ranks is None:
+            groups = [[[ids[i] for i in row] for row in g] for g in _cut(ids, lengths, rows, scale, shapes, cap, pack_to)]
+            dummies = [False] * len(groups)
+        else:  # every rank's cut (no collective: the same arithmetic everywhere), then as many as the most
+            shares = split_by_tokens(ids, lengths, ranks.world)
+            cuts = [[[[share[i] for i in row] for row in g] for g in _cut(share, lengths, rows, scale, shapes, cap,
+                                                                      pack_to)] if share else [] for share in shares]
+            groups = even_micro_batches(cuts[ranks.rank], max(len(c) for c in cuts))
+            dummies = [g is None for g in groups]
+            groups = [[[ids[0]]] if g is None else g for g in groups]  # a borrowed row, weighted zero
         # each micro-batch as (example, row) pairs: a padded row holds one example, a packed row several
-        members = [[(int(ids[i]), r) for r, row in enumerate(g) for i in row] for g in groups]
+        members = [[(int(i), r) for r, row in enumerate(g) for i in row] for g in groups]
         predicted = None if shapes is None else max(
             shapes.bound(len(g), pack_to or max(int(lengths[i]) for i, _ in m)) for g, m in zip(groups, members))
         estimating += time.perf_counter() - began
+        if vb is not None:
+            vb.at(index, -1, "read")
         micro = reader.read(members, shapes)
+        mine = None
         try:
-            loss = _backward(step_fn, micro, vb, index)
+            weights = None
+            if ranks is not None:
+                counts = label_counts(step_fn.model, micro) or [m["input_ids"].shape[0] for m in micro]
+                weights = ranks.weights(counts, dummies)
+            loss = _backward(step_fn, micro, vb, index, weights, lock.micro if lock is not None else None)
             break
         except torch.OutOfMemoryError as err:
+            peer = isinstance(err, PeerOutOfMemory)
             where = vb.where if vb is not None and vb.where else (index, None, "forward or backward")
             step_fn.opt.zero_grad(set_to_none=True)  # the partial gradients go; the batch is redone whole
             del micro
-            if all(len(g) == 1 for g in groups):
+            mine = not peer
+            hopeless = all(len(g) == 1 for g in groups)
+            if hopeless and ranks is None:
                 raise MemfitError("out of memory with one row per micro-batch: raise the budget, shorten the "
                                   "sequences or use a recipe that saves more memory") from None
             scale /= 2
-            events.append({"step": index + 1, "phase": where[2], "micro_batch": where[1], "micro_batches": len(groups),
-                           "rows": max(len(g) for g in groups), "cap": cap, "predicted": predicted, "scale": scale,
-                           "error": str(err).splitlines()[0]})
+            event = {"step": index + 1, "phase": "another rank's" if peer else where[2],
+                     "micro_batch": None if peer else where[1], "micro_batches": len(groups),
+                     "rows": max(len(g) for g in groups), "cap": cap, "predicted": predicted, "scale": scale,
+                     "error": str(err).splitlines()[0]}
+            if ranks is not None:
+                event["rank"] = ranks.rank
+            events.append(event)
         _free(device)  # out of the except block: the error's frames (and the graph they hold) are gone
+        if lock is not None:
+            if mine:
+                lock.recover(hopeless)  # the rest of the micro-batch's collectives, then the agreement
+            else:
+                lock.reset()
+            if lock.verdict == HOPELESS:
+                raise MemfitError("out of memory with one row per micro-batch on some rank: raise the budget, "
+                                  "shorten the sequences or use a recipe that saves more memory")
+    gave_up = True
     for attempt in range(MAX_STEP_RETRIES + 1):
         if vb is not None:
             vb.at(index, 0, "optimizer")
         try:
             step_fn.update()
-            return loss, events, predicted, estimating, len(groups)
+            gave_up = False
+            break
         except torch.OutOfMemoryError as err:
             if step_fn.stepper is None:
+                if lock is not None:
+                    lock.agree(True, "optimizer")
                 raise MemfitError("out of memory inside an optimizer step that cannot be rolled back (fp16 with a "
                                   "GradScaler, an 8-bit optimizer, or chunks=None): raise the budget, or use bf16 "
                                   "and a torch optimizer") from None
-            events.append({"step": index + 1, "phase": "optimizer", "micro_batch": None, "scale": scale,
-                           "rolled_back": True, "error": str(err).splitlines()[0]})
+            event = {"step": index + 1, "phase": "optimizer", "micro_batch": None, "scale": scale,
+                     "rolled_back": True, "error": str(err).splitlines()[0]}
+            if ranks is not None:
+                event["rank"] = ranks.rank
+            events.append(event)
         _free(device)
-    raise MemfitError(f"out of memory in the optimizer step {MAX_STEP_RETRIES + 1} times, one parameter at a time: "
-                      "raise the budget or use an optimizer with less state")
+    if lock is not None and lock.agree(gave_up, "optimizer") and not gave_up:
+        raise MemfitError(f"another rank ran out of memory in the optimizer step {MAX_STEP_RETRIES + 1} times: "
+                          "raise the budget or use an optimizer with less state")
+    if gave_up:
+        raise MemfitError(f"out of memory in the optimizer step {MAX_STEP_RETRIES + 1} times, one parameter at a "
+                          "time: raise the budget or use an optimizer with less state")
+    return loss, events, predicted, estimating, len(groups)
 
 
-def _backward(step_fn, micro, vb, index):
+def _cut(ids, lengths, rows, scale, shapes, cap, pack_to):
+    """``ids`` cut into micro-batches, each a list of rows, each row the positions (into ``ids``) it holds."""
+    if rows is not None:  # fixed rows in data order
+        size = max(1, int(rows * scale))
+        return [[[k] for k in range(j, min(j + size, len(ids)))] for j in range(0, len(ids), size)]
+    if shapes is not None:  # rows by the estimate of each shape
+        return micro_batches([int(lengths[i]) for i in ids], lambda n, length: shapes.fits(n, length, scale),
+                             seq_len=pack_to)
+    return micro_batches([int(lengths[i]) for i in ids], lambda n, length: n == 1 or n * length <= cap,
+                         seq_len=pack_to)
+
+
+def _backward(step_fn, micro, vb, index, weights=None, around=None):
     if vb is None:
-        return step_fn.backward(micro)
+        return step_fn.backward(micro, weights=weights, around=around)
     # the step's phases, told to the virtual budget as they begin
     original = step_fn.watch.begin
     counter = {"part": -1}
@@ -355,7 +502,7 @@ def _backward(step_fn, micro, vb, index):
 
     step_fn.watch.begin = begin
     try:
-        return step_fn.backward(micro)
+        return step_fn.backward(micro, weights=weights, around=around)
     finally:
         step_fn.watch.begin = original
 
