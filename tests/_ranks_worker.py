@@ -45,7 +45,7 @@ def run(case: dict):
     inject = [tuple(x) for x in case.get("inject", {}).get(str(rank), [])]
     m = model()
     result = train(m, Tokens(), recipe=Recipe.from_dict(case.get("recipe", {})), seq_len=64,
-                   global_batch_size=case.get("global_batch_size", 8), steps=case.get("steps", 4), lr=1e-3,
+                   global_batch_size=case.get("global_batch_size", 8), steps=case.get("steps", 4), lr=1e-3, schedule=case.get("schedule", "cosine"),
                    out_dir=case["out_dir"], progress=case.get("progress", False), seed=1,
                    checkpoint_every=case.get("checkpoint_every", 50), resume=case.get("resume", True),
                    budget=case.get("budget"), inject=inject, micro_tokens=case.get("micro_tokens"))

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.cli import _noise
 
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --nproc-per-node` relaunches it
     try:
         with _noise.quiet():
             return _verb(args.command, _VERBS[args.command][2])(args)

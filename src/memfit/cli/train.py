@@ -59,8 +59,59 @@ def build(train) -> None:
     train.add_argument("--keep", type=_args.positive, default=None, help="checkpoints kept (default 2)")
     train.add_argument("--recipe", default=None, help="a recipe .yaml/.json, or auto (plan for --budget first); "
                        "flags below override its fields")
+    launch = train.add_argument_group("many processes (torchrun; the recipe's --parallel fsdp or ddp)")
+    launch.add_argument("--nproc-per-node", type=_args.positive, default=None, help="processes on this machine, "
+                        "one per GPU (on the CPU: gloo)")
+    launch.add_argument("--nnodes", type=_args.positive, default=None, help="machines (default 1)")
+    launch.add_argument("--node-rank", type=int, default=None, help="this machine's index (0 .. nnodes-1)")
+    launch.add_argument("--rdzv-endpoint", default=None, help="host:port every machine reaches (several machines)")
+    launch.add_argument("--max-restarts", type=int, default=None, help="restarts of every process after one dies "
+                        "(default 0); each resumes from the newest checkpoint")
     _args.recipe_flags(train)
     _args.add_json(train, help="print the result as JSON (the progress bar goes to stderr)")
+
+
+_LAUNCH = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")
+
+
+def _launch(args) -> int:
+    """``memfit train ... --nproc-per-node N``: the same command under torchrun (PyTorch's elastic
+    launcher, in this process), one process per rank, less the flags that launched it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    rest, skip = [], False
+    for item in args.argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in _LAUNCH:
+            skip = "=" not in item
+            continue
+        rest.append(item)
+    nodes = args.nnodes or 1
+    if nodes > 1 and not args.rdzv_endpoint:
+        raise MemfitError(f"--nnodes {nodes} needs --rdzv-endpoint host:port (a machine every node reaches)")
+    if args.node_rank is not None and not 0 <= args.node_rank < nodes:
+        raise MemfitError(f"--node-rank {args.node_rank} is not one of 0 .. {nodes - 1}")
+    where = (["--standalone"] if nodes == 1 else
+             ["--nnodes", str(nodes), "--node-rank", str(args.node_rank or 0), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", args.rdzv_endpoint])
+    command = ["--nproc-per-node", str(args.nproc_per_node), *where, "--max-restarts", str(args.max_restarts or 0),
+               "-m", "memfit.cli", *rest]
+    import os
+
+    # torchrun's default is one thread per process (with a warning): the cores shared out instead
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))
+    try:
+        torchrun(command)
+    except ChildFailedError as err:
+        failures = "; ".join(f"rank {rank}: exit code {failure.exitcode}" for rank, failure in err.failures.items())
+        print(f"memfit: error: a training process failed ({failures}); its own message is above. Rerun the same "
+              "command to resume from the newest checkpoint", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _settings(args) -> dict:
@@ -97,12 +148,26 @@ def run(args) -> int:
     from memfit.training.loop import train
     from memfit.units import format_size, parse_size
 
+    from memfit.training.ranks import under_torchrun
+
+    if args.nproc_per_node and not under_torchrun():
+        return _launch(args)
+    if any(getattr(args, name.lstrip("-").replace("-", "_")) is not None for name in _LAUNCH[1:]) \
+            and not args.nproc_per_node:
+        raise MemfitError("--nnodes, --node-rank, --rdzv-endpoint and --max-restarts go with --nproc-per-node N")
     s = _settings(args)
     if s["data"] is None:
         raise MemfitError("no data: pass --data (a .bin token file, a .jsonl file or a saved dataset directory)")
     if s["seq_len"] is None:
         raise MemfitError("pass --seq-len: the longest example the run takes, in tokens")
     device = s["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = 0
+    if under_torchrun():  # one process per GPU
+        import os
+
+        rank = int(os.environ["RANK"])
+        if device == "cuda":
+            device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     budget = None if s["budget"] is None else parse_size(s["budget"])
     recipe_arg = s["recipe"]
     if recipe_arg == "auto":
@@ -130,15 +195,18 @@ def run(args) -> int:
                    resume=bool(s["resume"]), seed=int(s["seed"]), checkpoint_every=int(s["checkpoint_every"]),
                    keep=int(s["keep"]), workers=int(s["workers"]), gpu=s["gpu"], tensorboard=s["tensorboard"],
                    packed=bool(s["packed"]), progress=True)
+    if rank != 0:  # rank 0 speaks for the run
+        return 0
     summary = {"steps": result.steps, "resumed_from": result.resumed_from,
                "final_loss": result.losses[-1] if result.losses else None, "ooms": result.ooms,
                "peak_bytes": result.peak_bytes, "tokens_per_second": round(result.tokens_per_second, 1),
-               "out_dir": str(result.out_dir), "recipe": recipe.to_dict()}
+               "out_dir": str(result.out_dir), "recipe": recipe.to_dict(), "processes": result.world_size}
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
-        print(f"trained {result.steps} steps (resumed at {result.resumed_from}); loss {loss}; "
+        on = f" on {result.world_size} processes" if result.world_size > 1 else ""
+        print(f"trained {result.steps} steps{on} (resumed at {result.resumed_from}); loss {loss}; "
               f"{result.tokens_per_second:,.0f} tokens/s; peak {format_size(result.peak_bytes)}; "
               f"{len(result.ooms)} out-of-memory errors survived; checkpoints in {result.out_dir}", file=sys.stdout)
     return 0

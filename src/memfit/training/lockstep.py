@@ -197,8 +197,10 @@ class Lockstep:
 
     def warm_up(self, micro_batch: dict, step_fn) -> None:
         """One tiny micro-batch of each kind (sync off, then on), weighted zero, so that every kind
-        has a template before the first real one; gradients dropped after."""
-        for last in (False, True):
+        has a template before the first real one; gradients dropped after. DDP takes a second synced
+        one: its forward after the first synced backward rebuilds the buckets (a broadcast), which must
+        not be the forward that runs out."""
+        for last in (False, True) + ((True,) if self.kind == "ddp" else ()):
             with self.micro(0, last):
                 loss = step_fn.loss_fn(step_fn.model, micro_batch) * 0.0
                 loss.backward()

@@ -244,6 +244,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             rng = state["rng"]
         if sched is not None:
             sched.load_state_dict(state["scheduler"])
+            for group in opt.param_groups:  # this run's schedule (a resumed run may be given more steps)
+                group["lr"] = lr * sched.lr_lambdas[0](sched.last_epoch)
         order.load_state_dict(state["order"])
         if rng is not None:
             set_rng_state(rng)
