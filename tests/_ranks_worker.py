@@ -42,6 +42,18 @@ def run(case: dict):
 
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", 0))
+    if case.get("slow_checkpoint"):  # bench/: a wider window for a kill during a checkpoint write
+        import time
+
+        import memfit.training.sharded as sharded
+
+        fsync = sharded._fsync
+
+        def slow(path):
+            time.sleep(case["slow_checkpoint"])
+            fsync(path)
+
+        sharded._fsync = slow
     inject = [tuple(x) for x in case.get("inject", {}).get(str(rank), [])]
     m = model()
     result = train(m, Tokens(), recipe=Recipe.from_dict(case.get("recipe", {})), seq_len=64,
