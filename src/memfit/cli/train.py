@@ -90,6 +90,16 @@ def _launch(args) -> int:
             skip = "=" not in item
             continue
         rest.append(item)
+    from memfit.techniques.recipe import Recipe
+
+    given = _settings(args)["recipe"]
+    if given == "auto":
+        raise MemfitError("--recipe auto plans for one process: plan with `memfit plan --gpus N`, then pass the "
+                          "recipe file with --nproc-per-node N")
+    parallel = args.parallel or (Recipe.load(given) if given else Recipe()).parallel
+    if parallel == "none":
+        raise MemfitError(f"--nproc-per-node {args.nproc_per_node} trains one model on several processes: pass "
+                          "--parallel fsdp (shards it) or --parallel ddp (replicates it)")
     nodes = args.nnodes or 1
     if nodes > 1 and not args.rdzv_endpoint:
         raise MemfitError(f"--nnodes {nodes} needs --rdzv-endpoint host:port (a machine every node reaches)")
