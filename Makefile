@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo train-demo test bench setup clean
+.PHONY: demo train-demo train-demo-2 test bench setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,13 @@ train-demo: setup
 	mkdir -p memfit-run
 	$(BIN)/python examples/make_tokens.py memfit-run/tokens.bin
 	$(BIN)/memfit train examples/tiny-llama/config.json --config examples/train-tiny.yaml --no-resume
+
+# the same run on 2 CPU processes under torchrun (gloo): FSDP2 shards the model, rank 0 shows the progress bar
+train-demo-2: setup
+	mkdir -p memfit-run
+	$(BIN)/python examples/make_tokens.py memfit-run/tokens.bin
+	$(BIN)/memfit train examples/tiny-llama/config.json --config examples/train-tiny.yaml --no-resume \
+		--nproc-per-node 2 --parallel fsdp --out-dir memfit-run/tiny-2
 
 # one pytest worker per core (pytest-xdist): most tests are single-threaded Python tracing
 test: setup
