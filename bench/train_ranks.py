@@ -101,9 +101,10 @@ def faults(runs: int) -> dict:
             case = dict(base, out_dir=f"{tmp}/run-{i}", recipe={"parallel": kind, "micro_batch_size": 2},
                         inject={str(rank): [[step, micro, phase, nth]]})
             began = time.monotonic()
+            stderr = ""
             try:
                 done = torchrun(2, case, 120)
-                code, hang = done.returncode, False
+                code, hang, stderr = done.returncode, False, done.stderr
             except subprocess.TimeoutExpired:
                 code, hang = None, True
             seconds = time.monotonic() - began
@@ -116,6 +117,8 @@ def faults(runs: int) -> dict:
                 row.update(fired=bool(own), events=sum(len(r["ooms"]) for r in results),
                            examples_equal=steps_examples(case["out_dir"]) == ref_examples,
                            max_weight_difference=worst(weights(case["out_dir"]), ref_weights))
+            else:
+                row["stderr"] = "\n".join(line for line in stderr.splitlines() if "Error" in line or "error" in line)[-1500:]
             rows.append(row)
             shutil.rmtree(case["out_dir"], ignore_errors=True)
             print(json.dumps(row), flush=True)

@@ -154,7 +154,10 @@ class Lockstep:
         smaller, so every rank stops."""
         from memfit.errors import MemfitError
 
-        sync, issued = self.failed_at or (self.sync, len(self.calls))
+        if self.failed_at is None:
+            raise MemfitError("out of memory outside a micro-batch's forward and backward, where the other ranks "
+                              "cannot be told: raise the budget (rerun the command to resume)")
+        sync, issued = self.failed_at
         template = self.templates.get(sync)
         if template is None:
             raise MemfitError("out of memory before any micro-batch ran clean on this rank, so its peers' "

@@ -40,9 +40,6 @@ from pathlib import Path
 
 import torch
 
-from memfit.training.sharded import export_safetensors, is_sharded, load_sharded, save_sharded
-from memfit.training.lockstep import HOPELESS, Lockstep, PeerOutOfMemory, even_micro_batches, split_by_tokens
-from memfit.training.ranks import join
 from memfit.errors import MemfitError
 from memfit.hardware.cluster import real_world
 from memfit.techniques.apply import apply
@@ -53,9 +50,12 @@ from memfit.training.batching import micro_batches
 from memfit.training.budget import VirtualBudget
 from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from memfit.training.data import Order, open_data
+from memfit.training.lockstep import HOPELESS, Lockstep, PeerOutOfMemory, even_micro_batches, split_by_tokens
 from memfit.training.predict import ShapeBudget, meta_copy
 from memfit.training.progress import Progress, tensorboard_writer
+from memfit.training.ranks import join
 from memfit.training.reader import Reader
+from memfit.training.sharded import export_safetensors, is_sharded, load_sharded, save_sharded
 from memfit.units import parse_size
 
 __all__ = ["train", "TrainResult"]
@@ -318,7 +318,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                 log.write(json.dumps(line) + "\n")
                 log.flush()
             if bar is not None:
-                bar.update(done, value, tokens / elapsed, now, memory, predicted)
+                bar.update(done, value, tokens / elapsed, line["memory_now"], line["memory_peak"], line["predicted"])
             if board is not None:
                 for name, number in (("loss", value), ("tokens_per_second", tokens / elapsed), ("memory_peak", memory),
                                      ("predicted", predicted), ("ooms", len(events)),
@@ -412,12 +412,11 @@ def _one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, dev
         if vb is not None:
             vb.at(index, -1, "read")
         micro = reader.read(members, shapes)
-        mine = None
+        mine, weights = None, None
+        if ranks is not None:  # outside the try: an OOM here cannot be matched by the peers, and is fatal
+            counts = label_counts(step_fn.model, micro) or [m["input_ids"].shape[0] for m in micro]
+            weights = ranks.weights(counts, dummies)
         try:
-            weights = None
-            if ranks is not None:
-                counts = label_counts(step_fn.model, micro) or [m["input_ids"].shape[0] for m in micro]
-                weights = ranks.weights(counts, dummies)
             loss = _backward(step_fn, micro, vb, index, weights, lock.micro if lock is not None else None)
             break
         except torch.OutOfMemoryError as err:
