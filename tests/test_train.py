@@ -4,36 +4,25 @@ stopped and resumed equals an uninterrupted one bit for bit; a virtual budget to
 planned micro-batch is survived by smaller micro-batches."""
 
 import json
-import random
+import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import transformers as tf
 
 from memfit import MemfitError, Recipe
 from memfit.training.loop import train
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _ranks_worker as worker  # noqa: E402
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=48, seed=0):
-        rng = random.Random(seed)
-        self.ids = [torch.randint(1, 128, (min(64, int(rng.paretovariate(1.3) * 8)),),
-                                  generator=torch.Generator().manual_seed(i)) for i in range(n)]
-        self.lengths = np.array([len(x) for x in self.ids])
 
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i]}
+def _tokens():
+    return worker.Tokens(48)  # 48 long-tailed examples of 1..64 tokens
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=128, max_position_embeddings=128)
-    return tf.LlamaForCausalLM(cfg)
+    return worker.model()  # a 2-block Llama of width 32
 
 
 def _run(tmp, **kw):
@@ -41,7 +30,7 @@ def _run(tmp, **kw):
     args = dict(global_batch_size=8, steps=6, lr=1e-3, out_dir=tmp, progress=False, seed=1,
                 recipe=Recipe(micro_batch_size=4, grad_accum_steps=2), seq_len=64)
     args.update(kw)
-    result = train(model, _Tokens(), **args)
+    result = train(model, _tokens(), **args)
     lines = [json.loads(x) for x in open(tmp / "metrics.jsonl")]
     return model, result, lines
 
@@ -103,9 +92,9 @@ def test_dataloader_workers_give_the_same_run(tmp_path):
 
 def test_bad_arguments_are_one_line(tmp_path):
     with pytest.raises(MemfitError, match="one of global_batch_size"):
-        train(_model(), _Tokens(), steps=1, out_dir=tmp_path)
+        train(_model(), _tokens(), steps=1, out_dir=tmp_path)
     with pytest.raises(MemfitError, match="one of steps or epochs"):
-        train(_model(), _Tokens(), global_batch_size=2, out_dir=tmp_path)
+        train(_model(), _tokens(), global_batch_size=2, out_dir=tmp_path)
 
 
 def test_tensorboard_gets_the_metrics(tmp_path):

@@ -71,12 +71,18 @@ def save_checkpoint(out_dir, step: int, model: torch.nn.Module, state: dict, *, 
     torch.save(state, partial / STATE)
     for name in (WEIGHTS, STATE):
         _fsync(partial / name)
+    return commit(partial, final, keep)
+
+
+def commit(partial: Path, final: Path, keep: int) -> Path:
+    """``partial`` (every file in it fsynced) renamed to ``final`` atomically; checkpoints beyond the
+    newest ``keep`` removed after."""
     _fsync(partial)
     if final.exists():  # the same step saved again (a resumed run): replace it whole
         shutil.rmtree(final)
     os.rename(partial, final)
-    _fsync(out_dir)
-    for _, old in checkpoints(out_dir)[:-keep]:
+    _fsync(final.parent)
+    for _, old in checkpoints(final.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -43,7 +43,12 @@ def join(device: torch.device) -> Ranks | None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend)
+        # torchrun's store outlives a restart, and gloo would read the dead processes' addresses from
+        # it (seen: every restart after a kill -9 refused): each attempt's keys under its own prefix
+        store, rank, world = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"memfit/attempt-{attempt}", store), rank=rank,
+                                world_size=world)
         created = True
     backend = dist.get_backend()
     if device.type == "cuda" and backend != "nccl" or device.type == "cpu" and backend not in ("gloo", "cpu:gloo,cuda:nccl"):
@@ -82,6 +87,25 @@ class Ranks:
         out = torch.empty(self.world * len(values), dtype=torch.float64, device=self.device)
         dist.all_gather_single(out, mine)
         return out.view(self.world, len(values)).tolist()
+
+    def line(self, line: dict, value, now, peak, predicted, seconds, parts):
+        """Fills ``line`` with every rank's figures; returns the world's loss and the slowest rank's time."""
+        rows = self.gather([value, -1 if now is None else now, -1 if peak is None else peak,
+                            -1 if predicted is None else predicted, seconds, parts])
+
+        def size(x):
+            return None if x < 0 else int(x)
+
+        line["ranks"] = [{"rank": r, "memory_now": size(row[1]), "memory_peak": size(row[2]), "predicted": size(row[3]),
+                          "seconds": round(row[4], 6), "micro_batches": int(row[5])} for r, row in enumerate(rows)]
+        world_loss = sum(row[0] for row in rows) / self.world
+        line["loss"] = world_loss
+        line["rank_loss"] = value
+        for key, index in (("memory_now", 1), ("memory_peak", 2), ("predicted", 3)):
+            sizes = [size(row[index]) for row in rows]
+            line[key] = None if None in sizes else max(sizes)
+        line["micro_batches"] = int(rows[0][5])
+        return world_loss, max(row[4] for row in rows)
 
     def same(self, value):
         """Rank 0's ``value`` on every rank (a checkpoint path, say)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
-from memfit.training.checkpoint import STATE, _fsync, checkpoints
+from memfit.training.checkpoint import STATE, _fsync, commit
 
 __all__ = ["save_sharded", "load_sharded", "is_sharded", "export_safetensors", "METADATA"]
 
@@ -76,13 +76,7 @@ def save_sharded(out_dir, step: int, model, opt, state: dict, rng: dict, *, keep
     if rank == 0:
         torch.save(state, partial / STATE)
         _fsync(partial / STATE)
-        _fsync(partial)
-        if final.exists():  # the same step saved again (a resumed run): replace it whole
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync(out_dir)
-        for _, old in checkpoints(out_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        commit(partial, final, keep)
     _barrier(dist)
     return final
 
