@@ -118,7 +118,8 @@ def faults(runs: int) -> dict:
                            examples_equal=steps_examples(case["out_dir"]) == ref_examples,
                            max_weight_difference=worst(weights(case["out_dir"]), ref_weights))
             else:
-                row["stderr"] = "\n".join(line for line in stderr.splitlines() if "Error" in line or "error" in line)[-1500:]
+                noise = ("Warning", "warn(", "Enum", "torchao", "return func")
+                row["stderr"] = "\n".join(line for line in stderr.splitlines() if not any(n in line for n in noise))[-3000:]
             rows.append(row)
             shutil.rmtree(case["out_dir"], ignore_errors=True)
             print(json.dumps(row), flush=True)
@@ -251,6 +252,7 @@ def _speed_worker(mode: str, out: str) -> None:
         times.append(float(elapsed))
     if rank == 0:
         Path(out, "times.json").write_text(json.dumps(times))
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -119,4 +119,7 @@ class Ranks:
         import torch.distributed as dist
 
         if self.created and dist.is_initialized():
+            # every rank done with every collective before any destroys its group (a rare abort at
+            # exit, "terminate called without an active exception", is seen with and without this)
+            dist.barrier()
             dist.destroy_process_group()
