@@ -117,7 +117,9 @@ def faults(runs: int) -> dict:
                 row.update(fired=bool(own), events=sum(len(r["ooms"]) for r in results),
                            examples_equal=steps_examples(case["out_dir"]) == ref_examples,
                            max_weight_difference=worst(weights(case["out_dir"]), ref_weights))
-            else:
+            else:  # how far it got: each rank's result file is written after train() returned
+                row["results_written"] = [Path(case["out_dir"], f"result-{r}.json").is_file() for r in range(2)]
+                row["final_checkpoint"] = Path(case["out_dir"], "step-000000004", "model.safetensors").is_file()
                 noise = ("Warning", "warn(", "Enum", "torchao", "return func")
                 row["stderr"] = "\n".join(line for line in stderr.splitlines() if not any(n in line for n in noise))[-3000:]
             rows.append(row)
