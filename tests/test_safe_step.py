@@ -7,7 +7,7 @@ import torch
 
 from memfit import MemfitError
 from memfit.techniques.safe_step import SafeStep
-from memfit.training.budget import VirtualBudget
+from memfit.accounting.budget import VirtualBudget
 
 OPTIMIZERS = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),

@@ -7,7 +7,7 @@ import torch
 
 from memfit import MemfitError
 from memfit.estimator.truth import allocator_peak
-from memfit.training.budget import VirtualBudget
+from memfit.accounting.budget import VirtualBudget
 
 
 def _model():

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
-    "estimate", "estimate_micro_batch", "fit", "measure",
+    "estimate", "estimate_micro_batch", "fit", "measure", "profile", "Profile",
     "parse_size", "plan", "format_size", "train",
 ]
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ _WHERE = {
     "measure": "memfit.estimator.measure",
     "NothingFits": "memfit.planner.plan", "Plan": "memfit.planner.plan", "Plans": "memfit.planner.plan",
     "plan": "memfit.planner.plan",
+    "profile": "memfit.profiling.profile", "Profile": "memfit.profiling.profile",
     "Recipe": "memfit.techniques.recipe",
     "Report": "memfit.report.report",
     "format_size": "memfit.units", "parse_size": "memfit.units",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
     from memfit.estimator.measure import measure
     from memfit.planner.fit import Fit, NoBatchFits, fit
     from memfit.planner.plan import NothingFits, Plan, Plans, plan
+    from memfit.profiling.profile import Profile, profile
     from memfit.report.report import Report
     from memfit.techniques.apply import apply
     from memfit.techniques.recipe import Recipe

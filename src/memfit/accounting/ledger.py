@@ -232,7 +232,16 @@ class Ledger(TorchDispatchMode):
             scope.enter_context(patched(torch.UntypedStorage, "resize_", tracked_resize))
             self._rng_state = torch.get_rng_state
             if self.cublas_workspace is None:
-                scope.enter_context(patched(torch, "get_rng_state", self._tracked_rng_state))
+                # by a weak reference: torch caches lists of its functions (an lru_cache of torch.overrides)
+                # that, built while the patch is in, would hold the ledger, and with a profile the model
+                me = weakref.ref(self)
+                rng_state = self._rng_state
+
+                def tracked_rng_state():
+                    ledger = me()
+                    return rng_state() if ledger is None else ledger._tracked_rng_state()
+
+                scope.enter_context(patched(torch, "get_rng_state", tracked_rng_state))
             out = super().__enter__()
             self._scope = scope.pop_all()
         return out

@@ -29,6 +29,8 @@ class Replay:
     modules: list[tuple[str, int]]
     timeline: list[tuple[int, int, str, int]]
     scratch_at_peak: int
+    # the timeline's points by category: {"event", "phase", "step", "by_category": {category: [bytes]}}
+    stacked: dict | None = None
     series: "Series | None" = None  # trace(detail=True)
     ops: list | None = None  # trace(detail=True): (mark, flops, bytes, dtype code) per kernel
     allocator: object = None  # CUDA semantics: the allocator model's AllocatorStats
@@ -49,6 +51,8 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
     phase_cats: dict[tuple[int, str], dict[str, int]] = {}
     where = ("setup", -1)
     series = []
+    stride = max(1, -(-len(ledger.events) // TIMELINE_POINTS))
+    stacked, best = [], (-1, None)
     for number, (kind, index) in enumerate(storage_events(ledger)):
         spike = 0
         if kind == ALLOC:
@@ -69,12 +73,19 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
             where = marks[index]
         now = live + spike
         series.append((now, where))
+        if number % stride == 0 and best[1] is not None:
+            stacked.append(best)
+            best = (-1, None)
+        if now > best[0]:
+            best = (now, (number, where, _with_spike(by_cat, spike)))
         key = (where[1], where[0])
         if now > phase_peaks.get(key, -1):
             phase_peaks[key] = now
             phase_cats[key] = _with_spike(by_cat, spike)
         if now > peak:
             peak, peak_event, peak_cats, peak_scratch = now, number, phase_cats[key], spike
+    if best[1] is not None:
+        stacked.append(best)
     modules = _modules_at(ledger, peak_event, scratch)
     managed, resident = managed_peak(ledger)
     return Replay(
@@ -86,6 +97,7 @@ def replay(ledger: Ledger, scratch: list[int]) -> Replay:
         modules=modules,
         timeline=_downsample(series),
         scratch_at_peak=peak_scratch,
+        stacked=_stacked(stacked),
         managed_bytes=managed,
         managed_resident=resident,
     )
@@ -95,6 +107,14 @@ def _with_spike(by_cat: Counter, spike: int) -> dict[str, int]:
     cats = {c.value: by_cat.get(c.value, 0) for c in Category}
     cats[Category.TEMPORARIES.value] += spike
     return cats
+
+
+def _stacked(points) -> dict:
+    """The downsampled points (each the highest of its stretch) as columns, one per category."""
+    cats = [c.value for c in Category]
+    return {"event": [p[1][0] for p in points], "phase": [p[1][1][0] for p in points],
+            "step": [p[1][1][1] for p in points],
+            "by_category": {c: [p[1][2].get(c, 0) for p in points] for c in cats}}
 
 
 def _modules_at(ledger: Ledger, stop: int, scratch) -> list[tuple[str, int]]:

@@ -31,6 +31,8 @@ _VERBS = {
     "fit": ("fit", "build", "run", "the largest micro-batch of a recipe that fits a card or a budget"),
     "plan": ("plan", "build", "run", "the fastest recipe that fits a budget, and why"),
     "train": ("train", "build", "run", "train inside a budget: OOMs survived, no sample lost, resumable"),
+    "profile": ("profile", "build", "run", "watch a real training script's memory: steps, categories, leaks, pictures"),
+    "doctor": ("doctor", "build", "run", "explain an out-of-memory error and rank the fixes by the bytes they save"),
     "models": ("catalog", "build_models", "models", "list the built-in model catalog"),
     "gpus": ("catalog", "build_gpus", "gpus", "list the GPU catalog"),
 }

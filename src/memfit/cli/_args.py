@@ -179,6 +179,17 @@ def check_gpu_device(args) -> None:
         raise MemfitError("--gpu and --device cpu conflict: drop one")
 
 
+def check_file(flag: str, path: str | None) -> None:
+    """Refuse an output file that could not be written (a directory, a missing folder), before the work."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise MemfitError(f"{flag} {path} is a directory: name a file in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise MemfitError(f"{flag} {path}: the directory {folder} does not exist; create it first")
+
+
 def check_out(path: str) -> None:
     """Refuse an --out the recipe could not be written to, before the plan runs (minutes)."""
     folder = os.path.dirname(os.path.abspath(path)) if path else ""

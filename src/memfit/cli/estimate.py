@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from memfit.cli import _args
 from memfit.errors import MemfitError
@@ -50,6 +51,11 @@ def build(est) -> None:
     est.add_argument("--max-batch-size", action="store_true",
                      help="instead: the largest micro-batch of this recipe that fits the budget (as `memfit fit`)")
     _args.add_json(est, help="print the report as JSON")
+    est.add_argument("--html", default=None, metavar="FILE",
+                     help="also draw the report as one interactive page (memory over time by category, phases, "
+                          "modules); needs pip install 'memfit[pictures]'")
+    est.add_argument("--png", default=None, metavar="FILE",
+                     help="also draw the timeline and the module bars as a 1600x900 PNG")
 
 
 def run(args) -> int:
@@ -57,12 +63,16 @@ def run(args) -> int:
         if args.lengths is not None or args.packed:
             raise MemfitError("--max-batch-size does not take --lengths or --packed yet: estimate the batch sizes "
                               "you consider with --batch-size")
+        if args.html is not None or args.png is not None:
+            raise MemfitError("--max-batch-size does not draw pictures: find the batch size, then run "
+                              "`memfit estimate --batch-size N --html FILE`")
         if args.batch_size is not None:
             raise MemfitError("--batch-size and --max-batch-size conflict: --max-batch-size finds it; drop --batch-size")
         from memfit.cli import fit
 
         args.device = "cuda" if args.gpu is not None else args.device
         return fit.run(args)
+    _check_pictures(args)
 
     from rich.console import Console
 
@@ -92,4 +102,27 @@ def run(args) -> int:
         print(json.dumps(data, indent=2))
     else:
         Console().print(report_view(report, args.model, args.budget, recipe=recipe))
+    _write_pictures(args, report)
     return 0
+
+
+def _check_pictures(args) -> None:
+    """Refuse --html/--png files that could not be written, before the estimate runs."""
+    if args.html is not None or args.png is not None:
+        from memfit.report.pictures import require
+
+        require()
+    for flag, path in (("--html", args.html), ("--png", args.png)):
+        _args.check_file(flag, path)
+
+
+def _write_pictures(args, report) -> None:
+    """The pictures, after the estimate; "wrote FILE" on stderr so that --json's stdout stays JSON."""
+    if args.html is None and args.png is None:
+        return
+    from memfit.report.pictures import write_html, write_png
+
+    title = f"memfit estimate {args.model}"
+    for path, write in ((args.html, write_html), (args.png, write_png)):
+        if path is not None:
+            print(f"wrote {write(report, path, title=title)}", file=sys.stderr)

@@ -193,6 +193,7 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         **fold_peaks(full.phase_peaks, steps),
         modules=full.modules,
         timeline=full.timeline,
+        stacked=full.stacked,
         device=small.device,
         method="depth",
         modelled_bytes=full.scratch_at_peak,

@@ -103,6 +103,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         **fold_peaks(result.phase_peaks, steps),
         modules=result.modules,
         timeline=result.timeline,
+        stacked=result.stacked,
         device=device.type if gpu is None else "cuda",
         method=method,
         modelled_bytes=result.scratch_at_peak,

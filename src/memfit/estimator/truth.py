@@ -19,7 +19,7 @@ from memfit.techniques.recipe import recipe_from
 from memfit.techniques.step import batch_tensors
 from memfit.scoped import quiet_profiler
 
-__all__ = ["allocator_peak", "true_peak", "resident_bytes"]
+__all__ = ["allocator_peak", "allocator_steps", "true_peak", "resident_bytes"]
 
 
 def allocator_peak(fn) -> int:
@@ -32,6 +32,30 @@ def allocator_peak(fn) -> int:
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return span(allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree()))[0]
+
+
+def allocator_steps(steps) -> tuple[int, list[int]]:
+    """(highest bytes allocated above the level at entry, the net bytes each step left) while the
+    iterator ``steps`` runs, one profiler session per item: a user's loop written as a generator that
+    yields after each optimizer step. A clean loop leaves 0 after its first steps; a leak its bytes."""
+    gc.collect()
+    running = peak = 0
+    nets = []
+    iterator = iter(steps)
+    while True:
+        with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            try:
+                next(iterator)
+                done = False
+            except StopIteration:
+                done = True
+        sizes = allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree())
+        for size in sizes:
+            running += size
+            peak = max(peak, running)
+        if done:
+            return peak, nets
+        nets.append(sum(sizes))
 
 
 def resident_bytes(model, batch, extra=()) -> int:

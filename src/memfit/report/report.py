@@ -99,6 +99,15 @@ class Report:
                     max_memory, and reported (the device whose figures the top level shows).
     host_bytes      host RAM of the modules offloaded to "cpu"; disk_bytes what lies in the offload folder.
 
+    For pictures (``report/pictures.py``) and profiles (``profiling/``):
+    stacked         the timeline's points by category: {"event": [...], "phase": [...], "step": [...],
+                    "by_category": {category: [bytes at each point]}} (each point the highest of its stretch).
+    top_allocations the largest storages live at the peak (a profile): bytes, category, module, site
+                    ("file.py:LINE", the innermost frame of the user's code) and stack (innermost first).
+    leaks           (a profile) memory that grows between the same points of consecutive steps:
+                    site, bytes_per_step, steps (how many steps added to it), category, stack.
+    reserved        (a CUDA profile) the allocator's reserved bytes over time: {"event": [...], "bytes": [...]}.
+
     For a checkpoint stored quantised (``quantization_config``: ``estimator/checkpoint.py``):
     checkpoint      format (e.g. "awq int4 g128"), method, bits, stored_weight_bytes (the weights as stored) and
                     training (what the estimate trains: QLoRA over the 4-bit base, or the weights dequantised).
@@ -140,6 +149,10 @@ class Report:
     device_map: dict | None = None
     disk_bytes: int | None = None
     checkpoint: dict | None = None
+    stacked: dict | None = None
+    top_allocations: list | None = None
+    leaks: list | None = None
+    reserved: dict | None = None
 
     @property
     def device_bytes(self) -> int:

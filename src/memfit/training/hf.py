@@ -24,7 +24,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.techniques.optimizer import HF_OPTIM
 from memfit.techniques.recipe import Recipe
-from memfit.training.budget import VirtualBudget
+from memfit.accounting.budget import VirtualBudget
 
 __all__ = ["training_arguments", "MemfitCallback", "trainer_fields"]
 

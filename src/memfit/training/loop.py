@@ -44,7 +44,7 @@ from memfit.hardware.cluster import real_world
 from memfit.techniques.apply import apply
 from memfit.techniques.recipe import Recipe
 from memfit.techniques.safe_step import TRAIN_CHUNKS
-from memfit.training.budget import VirtualBudget
+from memfit.accounting.budget import VirtualBudget
 from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from memfit.training.data import Order, open_data
 from memfit.training.global_step import one_step

@@ -1,0 +1,169 @@
+"""``memfit profile script.py [args]`` / ``memfit profile -m module [args]``: a real run's memory.
+
+The script runs as ``python script.py args`` would (its ``__main__``, its ``sys.argv``, its directory
+first on ``sys.path``) inside ``memfit.profile()``; steps are found by its optimizer's ``step``, so
+the script needs no change. By default the first 10 steps are watched and the script is then stopped
+(``--steps 0``: to its end). Exit status: 0, the script's own non-zero status, 1 when it raised (its
+traceback printed as Python prints it; an out-of-memory error is one line and the profile up to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import runpy
+import sys
+import traceback
+
+from memfit.cli import _args
+from memfit.errors import MemfitError
+
+
+def build(parser) -> None:
+    parser.add_argument("-m", dest="as_module", action="store_true",
+                        help="run a module (as python -m does) instead of a script file")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="optimizer steps to watch, then stop the script (default 10; 0: run it to its end)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="whose tensors to count (default: cuda when available, else cpu)")
+    _args.add_budget(parser, help="CPU only: a virtual cap, e.g. 300MiB: allocations past it raise "
+                                  "torch.OutOfMemoryError as a card would")
+    parser.add_argument("--html", default=None, help="write the interactive picture (self-contained HTML) here")
+    parser.add_argument("--png", default=None, help="write the picture as a PNG here")
+    parser.add_argument("--snapshot", default=None,
+                        help="CUDA: write the allocator's raw snapshot here (PyTorch's memory_viz page opens it)")
+    _args.add_out(parser, help="write the profile as JSON to this file")
+    _args.add_json(parser, help="print the profile as JSON (the script's own output goes to stderr)")
+    parser.add_argument("target", nargs=argparse.REMAINDER,
+                        help="the script and its arguments (or with -m, the module and its arguments)")
+
+
+def _findable(name: str) -> bool:
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def _run_target(target: list[str], as_module: bool) -> int:
+    """Run the script or module as Python would; its exit status."""
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    sys.argv = list(target)
+    try:
+        if as_module:
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
+        return 0
+    except SystemExit as stop:
+        code = stop.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def run(args) -> int:
+    from memfit.profiling.profile import Enough, profile
+
+    target = args.target
+    if target and target[0] == "--":
+        target = target[1:]
+    if not target:
+        raise MemfitError("memfit profile needs a script: memfit profile train.py [its arguments] "
+                          "(or -m package.module)")
+    if not args.as_module and not os.path.isfile(target[0]):
+        raise MemfitError(f"no script {target[0]!r}: give the path of a Python file (or -m package.module)")
+    if args.as_module and not _findable(target[0]):
+        raise MemfitError(f"no module {target[0]!r}: is it installed, or run from its project's folder?")
+    if args.steps < 0:
+        raise MemfitError(f"--steps must be 0 (run to the end) or more, got {args.steps}")
+    for flag, path in (("--html", args.html), ("--png", args.png), ("--out", args.out), ("--snapshot", args.snapshot)):
+        _args.check_file(flag, path)
+    if args.html or args.png:
+        from memfit.report.pictures import require
+
+        require()
+    if args.snapshot and (args.device or "cuda") != "cuda":
+        raise MemfitError("--snapshot is the CUDA allocator's history: profile with --device cuda on a GPU")
+    status, failed = 0, None
+    sink = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    prof = profile(device=args.device, max_steps=args.steps or None, budget=args.budget)
+    with sink:
+        try:
+            with prof:
+                status = _run_target(target, args.as_module)
+        except Enough:  # pragma: no cover (the block swallows it)
+            pass
+        except BaseException as err:  # the script's own error: shown as Python shows it, after the profile
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            failed = err
+    data = prof.to_dict()
+    data["script"] = {"argv": target, "module": args.as_module, "exit_status": status,
+                      "error": None if failed is None else f"{type(failed).__name__}: {failed}".splitlines()[0]}
+    _write(prof, data, args)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(_text(prof, data))
+    if failed is not None:
+        import torch
+
+        if isinstance(failed, torch.OutOfMemoryError):
+            print(f"memfit: the script ran out of memory at step {prof.oom['step'] + 1} ({prof.oom['phase']}): "
+                  f"{prof.oom['message']}; `memfit doctor --profile` on this profile's --out explains it",
+                  file=sys.stderr)
+        else:
+            traceback.print_exception(failed, file=sys.stderr)
+        return 1
+    return status
+
+
+def _write(prof, data, args) -> None:
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump(data, out, indent=2, default=str)
+    if args.html or args.png:
+        from memfit.report import pictures
+
+        if args.html:
+            pictures.write_html(prof.report, args.html, title="memfit profile")
+        if args.png:
+            pictures.write_png(prof.report, args.png, title="memfit profile")
+    if args.snapshot and prof.snapshot is not None:
+        from memfit.profiling.cuda_snapshot import save
+
+        save(prof.snapshot, args.snapshot)
+    for path in (args.out, args.html, args.png, args.snapshot):
+        if path:
+            print(f"wrote {path}", file=sys.stderr)
+
+
+def _text(prof, data) -> str:
+    from memfit.units import format_size
+
+    lines = [str(prof.report)]
+    if data["steps"]:
+        lines.append("steps: " + ", ".join(f"{s['step']}: {format_size(s['peak_bytes'])}" for s in data["steps"]))
+    if data["leaks"]:
+        lines.append("leaks (memory that grows step after step):")
+        lines += [f"  {format_size(leak['bytes_per_step']):>12}/step  {leak['site']}  ({leak['category']}, "
+                  f"{leak['steps']} steps)" for leak in data["leaks"]]
+    elif prof.steps >= 4:
+        lines.append("leaks: none")
+    for fwd in data["forwards_without_backward"][:3]:
+        lines.append(f"a forward at {fwd['site']} (step {fwd['step'] + 1}) saved {format_size(fwd['bytes'])} for a "
+                     "backward that never came: wrap evaluation in torch.no_grad()")
+    return "\n".join(lines)

@@ -1,0 +1,548 @@
+"""``memfit.profile()``: the memory of the user's own training loop, by category, step and module.
+
+    with memfit.profile() as prof:
+        for batch in loader:               # the user's loop, unchanged
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step(); optimizer.zero_grad()
+    print(prof.report)                     # a Report, as an estimate's: compare them field by field
+    prof.report.leaks                      # memory that grows step after step, by file:line
+
+What watches: the same ``Ledger`` (``accounting/ledger.py``) that traces an estimate, on the real
+tensors of the loop, so a profile and an estimate speak one vocabulary and can be compared
+category by category. What memfit's own step tells the ledger (which phase, which step, which
+tensor is what), the user's loop does not, so it is read from torch's own hooks:
+
+- steps: the optimizer's ``step`` (torch's global optimizer step hooks fire for every
+  ``torch.optim.Optimizer``), or ``prof.step()`` where a loop has no torch optimizer;
+- phases: ``forward`` from the first module call after a step or a backward (global module
+  pre-hooks), ``backward`` from the first op the autograd engine runs, ``optimizer`` inside ``step``;
+- categories: the first top-level module with parameters is the model (its parameters and buffers),
+  its tensor inputs are the batch, what autograd saves is activations (a ``saved_tensors_hooks``
+  pair around the whole loop), ``.grad`` and ``optimizer.state`` are gradients and optimizer state
+  when the optimizer steps; tensors alive before the profile began that are none of these count as
+  the batch (input data); everything else is temporaries;
+- where: every allocation keeps the Python stack that made it; its *site* is the innermost frame of
+  the user's own code (not torch, memfit, an installed package or the standard library).
+
+Leaks (``_leaks``): a storage allocated in step k that is still alive when the last step ends (so
+at least one full step later) is a survivor of step k; survivors of steps 1 .. n-2 (step 0 makes what lives for
+good: optimizer state, caches; the last step has no step after it) grouped by site, where at least two
+steps left some, are leaks, with the bytes they add per step. A clean loop has none.
+
+On CUDA the allocator's history (``torch.cuda.memory._record_memory_history``) is recorded beside
+the ledger: the raw snapshot (which PyTorch's memory_viz page opens) and the reserved bytes over time
+(``cuda_snapshot.py``); ``max_memory_allocated`` and ``max_memory_reserved`` are in ``settings``.
+
+Why by hand: torch.profiler's memory timeline and the CUDA snapshot record allocations with stacks,
+but neither knows a parameter from an activation, a phase or an optimizer step, nor runs on CPU
+tensors with categories; ``torch.distributed._tools.MemTracker`` needs the model and optimizer
+handed to it and keeps no ordered log, which the timeline and the leak finder need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import sysconfig
+import warnings
+from collections import Counter, defaultdict
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from memfit.accounting.budget import VirtualBudget
+from memfit.accounting.ledger import ALLOC, FREE, Ledger, storage_events
+from memfit.accounting.replay import replay
+from memfit.accounting.scratch import measure_scratch
+from memfit.categories import Category
+from memfit.errors import MemfitError
+from memfit.estimator.trace import fold_peaks, numel
+from memfit.report.report import Report
+from memfit.units import parse_size
+
+__all__ = ["profile", "Profile", "Enough"]
+
+_TOP = 20  # largest allocations at the peak kept with their stacks
+_FRAMES = 12  # frames kept per allocation stack
+_MIN_LEAK_STEPS = 2
+
+
+class Enough(Exception):
+    """Raised from the optimizer's step once ``max_steps`` steps are profiled: ends the script."""
+
+
+def _library_roots() -> tuple[str, ...]:
+    roots = {os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(path)
+    roots.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
+
+
+class _Watch(Ledger):
+    """A ledger that finds the phases, steps and roles of a loop nobody annotated."""
+
+    def __init__(self, *, device: torch.device, owner: "Profile"):
+        super().__init__(device=device, model=None)
+        self.owner = owner
+        self.stacks: list[tuple] = []  # per record: ((file, line, function), ...), innermost first
+        self.site_of: list[int] = []  # per record: index into stacks[i] of the innermost user frame (-1: none)
+        self.phase, self.step = "forward", 0
+        self.begin("forward", 0)
+        self._library = _library_roots()
+        self._user_cache: dict[str, bool] = {}
+
+    # -- where an allocation comes from ------------------------------------------------------
+    def _is_user(self, filename: str) -> bool:
+        known = self._user_cache.get(filename)
+        if known is None:
+            path = os.path.realpath(filename)
+            known = not (filename.startswith("<") or path.startswith(self._library))
+            self._user_cache[filename] = known
+        return known
+
+    def _stack(self) -> tuple[tuple, int]:
+        frame = sys._getframe(2)
+        frames, site = [], -1
+        while frame is not None and len(frames) < 64:
+            code = frame.f_code
+            if site < 0 and self._is_user(code.co_filename):
+                site = len(frames)
+            frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            if site >= 0 and len(frames) >= site + _FRAMES:
+                break
+            frame = frame.f_back
+        return tuple(frames), site
+
+    def _track(self, storage, category: Category) -> int | None:
+        if storage.device.type != self.device.type:  # a CUDA profile does not count host tensors, and back
+            return None
+        index = super()._track(storage, category)
+        if index is not None:
+            stack, site = self._stack()
+            self.stacks.extend([()] * (index - len(self.stacks)))
+            self.site_of.extend([-1] * (index - len(self.site_of)))
+            self.stacks.append(stack)
+            self.site_of.append(site)
+        return index
+
+    # -- which phase the loop is in -----------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.phase != "backward" and self.owner._in_step == 0 and torch._C._current_autograd_node() is not None:
+            self.owner._backward_began()
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class Profile:
+    """What ``memfit.profile()`` saw. ``report`` (a :class:`~memfit.Report`) once the block has ended.
+
+    report        peak, categories at the peak, phase and step peaks, modules, the stacked timeline, the
+                  largest allocations at the peak with their stacks (``top_allocations``) and ``leaks``.
+    steps         optimizer steps seen (or marked with :meth:`step`).
+    oom           None, or what was live when an out-of-memory error ended the block: message, phase, step,
+                  live_bytes, by_category.
+    forwards_without_backward  forward passes that saved activations for a backward that never came
+                  (an evaluation without ``torch.no_grad()``): step, bytes, site.
+    inputs        the model's tensor inputs of each step: step, shapes, tokens (elements of the largest).
+    snapshot      on CUDA, the allocator's raw snapshot (``torch.cuda.memory._snapshot()``).
+    """
+
+    def __init__(self, *, model=None, device=None, max_steps: int | None = None, budget=None,
+                 record_history: bool | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type not in ("cpu", "cuda"):
+            raise MemfitError(f"memfit profile watches cpu or cuda memory, not {self.device.type!r}")
+        self.max_steps = max_steps
+        self.budget = None if budget is None else parse_size(budget)
+        if self.budget is not None and self.device.type != "cpu":
+            raise MemfitError("budget= is the CPU's virtual budget; on a GPU cap the process with "
+                              "torch.cuda.set_per_process_memory_fraction")
+        self.record_history = self.device.type == "cuda" if record_history is None else record_history
+        self._model = model
+        self.report: Report | None = None
+        self.steps = 0
+        self.oom: dict | None = None
+        self.forwards_without_backward: list[dict] = []
+        self.inputs: list[dict] = []
+        self.snapshot = None
+        self.entry_bytes = 0  # bytes of the tensors alive when the block began (in the report's figures)
+        self._in_step = 0
+        self._boundaries: list[int] = []  # event count at the end of each step
+        self._forward: dict | None = None  # the forward pass being watched: step, packed bytes, used
+        self._scope = None
+        self.watch: _Watch | None = None
+
+    # -- the block ----------------------------------------------------------------------------
+    def __enter__(self) -> "Profile":
+        watch = self.watch = _Watch(device=self.device, owner=self)
+        with contextlib.ExitStack() as scope:
+            gc.collect()
+            self._existing(watch)
+            if self.budget is not None:
+                resident = sum(r.nbytes for r in watch.records)
+                scope.enter_context(VirtualBudget(self.budget, resident=resident))
+            if self.record_history:
+                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+                scope.callback(torch.cuda.memory._record_memory_history, enabled=None)
+            handles = [register_optimizer_step_pre_hook(self._optimizer_begins),
+                       register_optimizer_step_post_hook(self._optimizer_ends),
+                       torch.nn.modules.module.register_module_forward_pre_hook(self._module_called),
+                       torch.nn.modules.module.register_module_forward_hook(self._module_returned, with_kwargs=True)]
+            scope.callback(lambda: [h.remove() for h in handles])
+            scope.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            scope.enter_context(watch)
+            self._scope = scope.pop_all()
+        if self._model is not None:
+            self._adopt(self._model)
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if self.record_history and self.device.type == "cuda":
+            self.snapshot = torch.cuda.memory._snapshot()
+        if isinstance(error, torch.OutOfMemoryError):
+            self.oom = self._at_oom(str(error))
+        self._close_forward()
+        self._scope.close()
+        self.watch.close()
+        self.report = self._report()
+        return isinstance(error, Enough)
+
+    def step(self) -> None:
+        """Mark the end of a step by hand (a loop whose optimizer is not a ``torch.optim.Optimizer``)."""
+        self._step_ends()
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _existing(self, watch: _Watch) -> None:
+        """Tensors alive before the block: parameters as parameters, the rest as input data until a
+        stronger role is seen (a module's buffer, a gradient, optimizer state)."""
+        tensors, roles = [], []
+        with warnings.catch_warnings():  # isinstance on lazy module attributes (torch.distributed.reduce_op) warns
+            warnings.simplefilter("ignore")
+            objects = gc.get_objects()
+            found = [obj for obj in objects if isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))]
+        del objects
+        for obj in found:
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):
+                tensors.append(obj)
+                if isinstance(obj, torch.nn.Parameter) and obj.grad is not None:
+                    roles.append((obj.grad, Category.GRADIENTS))
+            elif isinstance(obj, torch.nn.Module):
+                roles.extend((buf, Category.BUFFERS) for buf in obj._buffers.values() if buf is not None)
+            elif isinstance(obj, torch.optim.Optimizer):
+                roles.extend((value, Category.OPTIMIZER_STATE) for state in obj.state.values()
+                             for value in state.values() if isinstance(value, torch.Tensor))
+        known = [(t, Category.PARAMETERS) for t in tensors if isinstance(t, torch.nn.Parameter)] + roles
+        for tensor, category in known + [(t, Category.BATCH) for t in tensors]:
+            try:
+                if tensor.device.type == self.device.type and not tensor.is_meta:
+                    watch.register(tensor, category)
+            except (RuntimeError, NotImplementedError):  # sparse, nested or otherwise storage-less
+                continue
+        del tensors, roles, known, found
+        for index, record in enumerate(watch.records):
+            record.phase, record.step = "setup", -1
+            watch.stacks[index], watch.site_of[index] = (), -1
+        self.entry_bytes = sum(r.nbytes for r in watch.records)
+
+    def _adopt(self, module: torch.nn.Module) -> None:
+        watch = self.watch
+        watch.model = module
+        watch._modules.model = module
+        watch._modules.root = type(module).__name__
+        watch._modules._owners = None
+        watch._modules._name_modules()
+        for param in module.parameters():
+            watch.mark(param, Category.PARAMETERS)
+        for buf in module.buffers():
+            watch.mark(buf, Category.BUFFERS)
+
+    def _module_called(self, module, args):
+        if torch._C._current_autograd_node() is not None or self._in_step:
+            return None  # a checkpointed region recomputing inside backward; a module inside the optimizer
+        watch = self.watch
+        if watch._modules.stack:
+            return None
+        if watch.model is None and next(module.parameters(), None) is not None:
+            self._adopt(module)
+        if watch.phase != "forward":
+            self._close_forward()
+            watch.begin("forward", self.steps)
+        if module is watch.model:
+            self._close_forward()
+            self._forward = {"step": self.steps, "bytes": 0, "used": False,
+                             "site": self._site_here(), "grad": torch.is_grad_enabled()}
+        return None
+
+    def _module_returned(self, module, args, kwargs, output):
+        """The model's tensor inputs are the batch (a global forward hook: the only one that sees kwargs)."""
+        if module is not self.watch.model or torch._C._current_autograd_node() is not None or self._in_step:
+            return None
+        tensors = [t for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for tensor in tensors:
+            self.watch.mark(tensor, Category.BATCH)
+        if tensors and (not self.inputs or self.inputs[-1]["step"] != self.steps):
+            self.inputs.append({"step": self.steps, "shapes": [list(t.shape) for t in tensors],
+                                "tokens": max(t.numel() for t in tensors)})
+        return None
+
+    def _site_here(self) -> str | None:
+        stack, site = self.watch._stack()
+        return None if site < 0 else f"{_short(stack[site][0])}:{stack[site][1]}"
+
+    def _backward_began(self) -> None:
+        if self._forward is not None:
+            self._forward["used"] = True
+        self.watch.begin("backward", self.steps)
+
+    def _pack(self, tensor):
+        self.watch.mark(tensor, Category.ACTIVATIONS)
+        if self._forward is not None and self.watch.phase == "forward":
+            record = self.watch.record_of(tensor)
+            if record is not None and record.category is Category.ACTIVATIONS and not getattr(record, "_packed", False):
+                record._packed = True
+                self._forward["bytes"] += record.nbytes
+        # kept as itself, a saved output would hold its own grad_fn: a reference cycle (apply.py)
+        return tensor.detach() if tensor.grad_fn is not None else tensor
+
+    def _unpack(self, tensor):
+        if self._forward is not None:
+            self._forward["used"] = True
+        return tensor
+
+    def _close_forward(self) -> None:
+        forward, self._forward = self._forward, None
+        if forward and forward["grad"] and forward["bytes"] and not forward["used"]:
+            self.forwards_without_backward.append(
+                {"step": forward["step"], "bytes": forward["bytes"], "site": forward["site"]})
+
+    def _roles(self, optimizer) -> None:
+        watch = self.watch
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                watch.mark(param, Category.PARAMETERS)
+                if param.grad is not None:
+                    watch.mark(param.grad, Category.GRADIENTS)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    watch.mark(value, Category.OPTIMIZER_STATE)
+
+    def _optimizer_begins(self, optimizer, args, kwargs):
+        self._in_step += 1
+        if self._in_step == 1:
+            self._close_forward()
+            self._roles(optimizer)
+            self.watch.begin("optimizer", self.steps)
+
+    def _optimizer_ends(self, optimizer, args, kwargs):
+        self._in_step -= 1
+        if self._in_step == 0:
+            self._roles(optimizer)
+            self._step_ends()
+
+    def _step_ends(self) -> None:
+        self._close_forward()
+        self._boundaries.append(len(self.watch.events))
+        self.steps += 1
+        self.watch.begin("forward", self.steps)
+        if self.max_steps and self.steps >= self.max_steps:
+            raise Enough(f"profiled {self.steps} steps")
+
+    def _at_oom(self, message: str) -> dict:
+        live = Counter()
+        for kind, index in storage_events(self.watch):
+            if kind in (ALLOC, FREE):
+                record = self.watch.records[index]
+                live[record.category.value] += record.nbytes if kind == ALLOC else -record.nbytes
+        return {"message": message.strip().splitlines()[0] if message.strip() else "out of memory",
+                "phase": self.watch.phase, "step": self.steps, "live_bytes": sum(live.values()),
+                "by_category": {k: v for k, v in live.items() if v}}
+
+    # -- the report ----------------------------------------------------------------------------
+    def _report(self) -> Report:
+        watch = self.watch
+        scratch, unprobed = measure_scratch(watch) if self.device.type == "cpu" else ([0] * len(watch.sites), 0)
+        result = replay(watch, scratch)
+        steps = max(self.steps, 1)
+        model = watch.model
+        params = list(model.parameters()) if model is not None else []
+        notes = [f"{self.steps} optimizer step(s) seen" if self.steps else
+                 "no optimizer step seen: all of it counts as step 1 (mark steps with prof.step())"]
+        if unprobed:
+            notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")
+        leaks = _leaks(watch, self._boundaries)
+        if self.steps and self.steps < 4:
+            notes.append("leaks are looked for over 4 steps or more; fewer were profiled")
+        extra = {}
+        if self.device.type == "cuda":
+            extra = _cuda_fields(self.snapshot, self.watch)
+        settings = {"steps": self.steps, "workload": "train" if self.steps else "forward",
+                    "inputs": self.inputs, "budget": self.budget}
+        settings.update(extra.pop("settings", {}))
+        return Report(
+            peak_bytes=result.peak_bytes,
+            by_category=result.by_category,
+            **fold_peaks(result.phase_peaks, steps),
+            modules=result.modules,
+            timeline=result.timeline,
+            stacked=result.stacked,
+            device=self.device.type,
+            method="profiled",
+            modelled_bytes=result.scratch_at_peak,
+            unprobed_ops=unprobed,
+            parameters=sum(numel(p) for p in params),
+            trainable=sum(numel(p) for p in params if p.requires_grad),
+            settings=settings,
+            notes=notes,
+            top_allocations=_largest_at(watch, result.peak_event),
+            leaks=leaks,
+            **extra,
+        )
+
+    def to_dict(self) -> dict:
+        """The report's fields, and ``steps`` (one entry per optimizer step with its peak), ``leaks``,
+        ``oom``, ``forwards_without_backward`` and ``inputs``: what ``memfit profile --json`` prints."""
+        data = self.report.to_dict()
+        data["steps"] = [{"step": k + 1, "peak_bytes": peak, "tokens": _tokens(self.inputs, k)}
+                         for k, peak in enumerate(self.report.step_peaks[: max(self.steps, 0)])]
+        data["leaks"] = self.report.leaks or []
+        data["oom"] = self.oom
+        data["forwards_without_backward"] = self.forwards_without_backward
+        data["inputs"] = self.inputs
+        return data
+
+
+def profile(*, model=None, device=None, max_steps: int | None = None, budget=None,
+            record_history: bool | None = None) -> Profile:
+    """Watch the memory of the code inside ``with memfit.profile() as prof:``; ``prof.report`` after.
+
+    model      the model, if the first top-level module with parameters that runs is not it.
+    device     "cpu" or "cuda" (default: cuda when available): whose tensors are counted.
+    max_steps  end the block (quietly) after this many optimizer steps: ``Enough`` is raised from the
+               step, so the rest of the loop does not run.
+    budget     CPU only: a virtual cap (``"300MiB"``) past which allocations raise
+               ``torch.OutOfMemoryError``, as a card would (``memfit doctor`` runs scripts so).
+    record_history  on CUDA (default): record the allocator's history for ``prof.snapshot``.
+    """
+    return Profile(model=model, device=device, max_steps=max_steps, budget=budget, record_history=record_history)
+
+
+def _tokens(inputs, step):
+    return max((entry["tokens"] for entry in inputs if entry["step"] == step), default=None)
+
+
+def _short(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+def _frames(stack, site: int) -> list[str]:
+    start = max(site, 0)
+    return [f"{_short(f)}:{line} in {name}" for f, line, name in stack[start:start + _FRAMES]]
+
+
+def _site(watch: _Watch, index: int) -> str:
+    stack = watch.stacks[index] if index < len(watch.stacks) else ()
+    if not stack:
+        return "(before the profile)"
+    site = watch.site_of[index]
+    if site < 0:
+        return f"{_short(stack[0][0])}:{stack[0][1]}" if stack else "(unknown)"
+    return f"{_short(stack[site][0])}:{stack[site][1]}"
+
+
+def _live_at(watch: _Watch, stop: int | None) -> dict[int, None]:
+    live: dict[int, None] = {}
+    for number, (kind, index) in enumerate(storage_events(watch)):
+        if stop is not None and number > stop:
+            break
+        if kind == ALLOC:
+            live[index] = None
+        elif kind == FREE:
+            live.pop(index, None)
+    return live
+
+
+def _largest_at(watch: _Watch, event: int) -> list[dict]:
+    live = _live_at(watch, event)
+    top = sorted(live, key=lambda i: -watch.records[i].nbytes)[:_TOP]
+    out = []
+    for index in top:
+        record = watch.records[index]
+        stack = watch.stacks[index] if index < len(watch.stacks) else ()
+        out.append({"bytes": record.nbytes, "category": record.category.value, "module": record.module,
+                    "site": _site(watch, index),
+                    "stack": _frames(stack, watch.site_of[index] if index < len(watch.site_of) else -1)})
+    return out
+
+
+def _leaks(watch: _Watch, boundaries: list[int]) -> list[dict]:
+    """Sites whose storages, made in step k, outlive step k + 1 and the profile (see the module docstring)."""
+    steps = len(boundaries)
+    if steps < 4:
+        return []
+    last = boundaries[-1]
+    born_at: dict[int, int] = {}
+    freed_at: dict[int, int] = {}
+    for number, (kind, index) in enumerate(watch.events):
+        if kind == ALLOC:
+            born_at[index] = number
+        elif kind == FREE:
+            freed_at[index] = number
+
+    def step_of(event: int) -> int:
+        lo, hi = 0, len(boundaries)
+        while lo < hi:  # the first boundary past the event
+            mid = (lo + hi) // 2
+            if boundaries[mid] <= event:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    by_site: dict[str, Counter] = defaultdict(Counter)
+    category: dict[str, Counter] = defaultdict(Counter)
+    example: dict[str, int] = {}
+    for index, born in born_at.items():
+        if freed_at.get(index, last) < last:
+            continue  # freed before the last step ended
+        record = watch.records[index]
+        if record.donated or record.managed:
+            continue
+        k = step_of(born)
+        if not 1 <= k <= steps - 2:
+            continue
+        site = _site(watch, index)
+        by_site[site][k] += record.nbytes
+        category[site][record.category.value] += record.nbytes
+        example.setdefault(site, index)
+    span = steps - 2
+    leaks = []
+    for site, per_step in by_site.items():
+        if len(per_step) < _MIN_LEAK_STEPS:
+            continue
+        index = example[site]
+        leaks.append({"site": site, "bytes_per_step": round(sum(per_step.values()) / span),
+                      "steps": len(per_step), "category": category[site].most_common(1)[0][0],
+                      "stack": _frames(watch.stacks[index], watch.site_of[index])})
+    return sorted(leaks, key=lambda leak: -leak["bytes_per_step"])
+
+
+def _cuda_fields(snapshot, watch) -> dict:
+    from memfit.profiling.cuda_snapshot import reserved_series
+
+    fields = {"settings": {"max_memory_allocated": torch.cuda.max_memory_allocated(),
+                           "max_memory_reserved": torch.cuda.max_memory_reserved()},
+              "reserved_bytes": torch.cuda.max_memory_reserved()}
+    if snapshot is not None:
+        fields["reserved"] = reserved_series(snapshot)
+    return fields
