@@ -191,10 +191,17 @@ def _fix_runs(model, found, budget, **shape):
     return fix
 
 
-def test_activations_on_a_virtual_budget_then_the_first_fix_runs(tmp_path, fixed_speed):
+def test_activations_on_a_virtual_budget_then_the_first_fix_runs(tmp_path, fixed_speed, monkeypatch):
     model, shape = _config(tmp_path, "mini", MINI), dict(batch_size=8, seq_len=128)
+    chosen = Recipe(checkpointing="blocks", micro_batch_size=4, grad_accum_steps=2)
+
+    class Plans:  # memfit.plan's answer, stubbed: the search itself takes tens of seconds (test_plan.py has it)
+        best = type("Best", (), {"recipe": chosen})
+        report = memfit.estimate(model, recipe=chosen, **shape)
+
+    monkeypatch.setattr("memfit.planner.plan.plan", lambda *a, **k: Plans)
     budget = int(memfit.estimate(model, **shape).peak_bytes * 0.6)
-    found = diagnose(_ran_out(model, budget, **shape), model=model, plan=False, **shape)
+    found = diagnose(_ran_out(model, budget, **shape), model=model, **shape)
     assert found.cause == "activations" and found.figures["kind"] == "virtual"
     assert found.evidence["needed_bytes"] > budget >= found.evidence["model_state_bytes"]
     fits = [f.fits for f in found.fixes]
@@ -202,6 +209,9 @@ def test_activations_on_a_virtual_budget_then_the_first_fix_runs(tmp_path, fixed
     timed = [f.speed_cost for f in found.fixes if f.fits]
     assert None not in timed and timed == sorted(timed)  # ... the faster first
     assert all(f.saves_bytes > 0 and not f.changes_math for f in found.fixes)
+    plan = [f for f in found.fixes if f.name == "plan"][0]
+    assert plan.fits and plan.recipe == chosen.to_dict() and "--checkpointing blocks" in plan.command
+    assert plan.saves_bytes == found.evidence["needed_bytes"] - Plans.report.peak_bytes
     assert found.exit_code == 0
     _fix_runs(model, found, budget, **shape)
 
@@ -222,24 +232,6 @@ def test_optimizer_temporaries_and_model_states_on_a_virtual_budget(tmp_path, fi
     found = diagnose(message, model=model, plan=False, allow="lora", **shape)
     fix = _fix_runs(model, found, budget, **shape)
     assert fix.name == "lora" and fix.changes_math and "--lora lora" in fix.command
-
-
-def test_the_plan_is_a_fix_when_searched(tmp_path, monkeypatch):
-    model, shape = _config(tmp_path, "mini", MINI), dict(batch_size=8, seq_len=128)
-    chosen = Recipe(checkpointing="blocks", micro_batch_size=4, grad_accum_steps=2)
-
-    class Plans:  # memfit.plan's answer, stubbed: the search itself takes tens of seconds (test_plan.py has it)
-        best = type("Best", (), {"recipe": chosen})
-        report = memfit.estimate(model, recipe=chosen, **shape)
-
-    monkeypatch.setattr("memfit.planner.plan.plan", lambda *a, **k: Plans)
-    monkeypatch.setattr(doctor._Work, "speeds", lambda self, recipes: {})
-    budget = int(memfit.estimate(model, **shape).peak_bytes * 0.6)
-    message = f"memfit virtual budget: tried to allocate 1.00 MiB with 1.00 MiB of {c10_size(budget)} in use"
-    found = diagnose(message, model=model, **shape)
-    plan = [f for f in found.fixes if f.name == "plan"][0]
-    assert plan.fits and plan.recipe == chosen.to_dict() and "--checkpointing blocks" in plan.command
-    assert plan.saves_bytes == found.evidence["needed_bytes"] - Plans.report.peak_bytes
 
 
 # -- CUDA: a message made from the estimate of a step on a catalog card --------------------------------------

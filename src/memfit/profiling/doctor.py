@@ -155,8 +155,7 @@ def diagnose(error=None, *, profile: dict | None = None, model=None, batch=None,
         raise NoOomFound("no out-of-memory error found in the input: paste torch's message (it starts "
                          "'CUDA out of memory' or 'DefaultCPUAllocator') or pass the log that holds it")
     work = _Work.of(message, model=model, batch=batch, loss_fn=loss_fn, recipe=recipe, batch_size=batch_size,
-                       seq_len=seq_len, gpu=gpu, budget=budget, allow=allow, label=label, profile=profile)
-    work.search = plan
+                    seq_len=seq_len, gpu=gpu, budget=budget, allow=allow, label=label, profile=profile, search=plan)
     found = diagnose_profile(profile, work.capacity) if profile is not None else None
     if found is not None and found.cause in ("leak", "eval_without_no_grad", "long_batch"):
         return _with_recipe_fixes(found, work)
@@ -347,16 +346,18 @@ class _Work:
     """The failing step as ``estimate`` takes it, where it ran and what the process could use there."""
 
     def __init__(self, *, source, batch, loss_fn, recipe, batch_size, seq_len, target, capacity, card, allow, label,
-                 notes):
+                 notes, search):
         self.model, self.batch, self.loss_fn, self.recipe = source, batch, loss_fn, recipe
-        self.batch_size, self.seq_len, self.target, self.capacity, self.card = batch_size, seq_len, target, capacity, card
+        self.batch_size, self.seq_len, self.target = batch_size, seq_len, target
+        self.capacity = capacity  # what the process could use (bytes; on a GPU the CUDA context included)
+        self.card = card  # the whole device: other processes' memory included
         self.allow, self.label, self.notes = allow, label, tuple(notes)
+        self.search = search  # offer memfit plan's answer
         self.cache = None  # the planner's traces, shared by ``plan_fix`` and ``speeds``
-        self.search = True  # offer memfit plan's answer
 
     @classmethod
     def of(cls, message, *, model, batch, loss_fn, recipe, batch_size, seq_len, gpu, budget, allow, label,
-           profile) -> "_Work":
+           profile, search) -> "_Work":
         from memfit.techniques.recipe import Recipe
         from memfit.units import parse_size
 
@@ -388,7 +389,7 @@ class _Work:
                 batch_size = (recipe.micro_batch_size or 1) * recipe.grad_accum_steps
         return cls(source=source, batch=batch, loss_fn=loss_fn, recipe=recipe, batch_size=batch_size, seq_len=seq_len,
                    target=target, capacity=capacity, card=card, allow=allow,
-                   label=label or (model if isinstance(model, str) else "MODEL"), notes=notes)
+                   label=label or (model if isinstance(model, str) else "MODEL"), notes=notes, search=search)
 
     # -- the step and its fit ------------------------------------------------------------------------------
     def run(self, recipe, budget: int | None = -1):

@@ -53,6 +53,8 @@ from collections import Counter, defaultdict
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from torch.utils._traceback import CapturedTraceback
+
 from memfit.accounting.budget import VirtualBudget
 from memfit.accounting.ledger import ALLOC, FREE, Ledger, storage_events
 from memfit.accounting.replay import replay
@@ -90,8 +92,9 @@ class _Watch(Ledger):
     def __init__(self, *, device: torch.device, owner: "Profile"):
         super().__init__(device=device, model=None)
         self.owner = owner
-        self.stacks: list[tuple] = []  # per record: ((file, line, function), ...), innermost first
-        self.site_of: list[int] = []  # per record: index into stacks[i] of the innermost user frame (-1: none)
+        self.captured: list = []  # per record: torch's CapturedTraceback of its allocation (None: before the profile)
+        self._frames: dict[int, tuple] = {}
+        self._own = os.path.dirname(os.path.dirname(__file__)) + os.sep  # memfit's frames are left out
         self.phase, self.step = "forward", 0
         self.begin("forward", 0)
         self._library = _library_roots()
@@ -107,29 +110,37 @@ class _Watch(Ledger):
         return known
 
     def _stack(self) -> tuple[tuple, int]:
-        frame = sys._getframe(2)
-        frames, site = [], -1
-        while frame is not None and len(frames) < 64:
-            code = frame.f_code
-            if site < 0 and self._is_user(code.co_filename):
-                site = len(frames)
-            frames.append((code.co_filename, frame.f_lineno, code.co_name))
-            if site >= 0 and len(frames) >= site + _FRAMES:
-                break
-            frame = frame.f_back
-        return tuple(frames), site
+        """((file, line, function), ...) innermost first, and the index of the innermost frame of the
+        user's code (-1: none), of where the caller is now."""
+        return self.frames_of(CapturedTraceback.extract(cpp=False))
+
+    def frames_of(self, captured) -> tuple[tuple, int]:
+        if captured is None:
+            return (), -1
+        frames = tuple((f.filename, f.lineno, f.name) for f in reversed(captured.summary())
+                       if not f.filename.startswith(self._own))
+        site = next((i for i, f in enumerate(frames) if self._is_user(f[0])), -1)
+        if site < 0:
+            return frames[:_FRAMES], -1
+        return frames[site:site + _FRAMES], 0  # from the user's innermost frame outwards
 
     def _track(self, storage, category: Category) -> int | None:
         if storage.device.type != self.device.type:  # a CUDA profile does not count host tensors, and back
             return None
         index = super()._track(storage, category)
         if index is not None:
-            stack, site = self._stack()
-            self.stacks.extend([()] * (index - len(self.stacks)))
-            self.site_of.extend([-1] * (index - len(self.site_of)))
-            self.stacks.append(stack)
-            self.site_of.append(site)
+            # torch's own captured traceback (what the CUDA memory snapshot records): a few microseconds;
+            # read into frames only for the storages a report names (``stack``)
+            self.captured.extend([None] * (index - len(self.captured)))
+            self.captured.append(CapturedTraceback.extract(cpp=False))
         return index
+
+    def stack(self, index: int) -> tuple[tuple, int]:
+        """The frames of record ``index``'s allocation and its user site (see ``_stack``), cached."""
+        found = self._frames.get(index)
+        if found is None:
+            found = self._frames[index] = self.frames_of(self.captured[index] if index < len(self.captured) else None)
+        return found
 
     # -- which phase the loop is in -----------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -172,6 +183,7 @@ class Profile:
         self.snapshot = None
         self.entry_bytes = 0  # bytes of the tensors alive when the block began (in the report's figures)
         self._in_step = 0
+        self._called = False  # a module ran since the last step ended
         self._boundaries: list[int] = []  # event count at the end of each step
         self._forward: dict | None = None  # the forward pass being watched: step, packed bytes, used
         self._scope = None
@@ -210,6 +222,9 @@ class Profile:
         self._close_forward()
         self._scope.close()
         self.watch.close()
+        marks = self.watch.marks
+        if self.steps and not self._called and marks and marks[-1] == ("forward", self.steps):
+            marks[-1] = ("after", self.steps)  # what ran after the last step: no forward of a next one
         self.report = self._report()
         return isinstance(error, Enough)
 
@@ -247,7 +262,7 @@ class Profile:
         del tensors, roles, known, found
         for index, record in enumerate(watch.records):
             record.phase, record.step = "setup", -1
-            watch.stacks[index], watch.site_of[index] = (), -1
+            watch.captured[index] = None
         self.entry_bytes = sum(r.nbytes for r in watch.records)
 
     def _adopt(self, module: torch.nn.Module) -> None:
@@ -270,6 +285,7 @@ class Profile:
             return None
         if watch.model is None and next(module.parameters(), None) is not None:
             self._adopt(module)
+        self._called = True
         if watch.phase != "forward":
             self._close_forward()
             watch.begin("forward", self.steps)
@@ -293,7 +309,7 @@ class Profile:
 
     def _site_here(self) -> str | None:
         stack, site = self.watch._stack()
-        return None if site < 0 else f"{_short(stack[site][0])}:{stack[site][1]}"
+        return None if site < 0 else f"{_short(stack[0][0])}:{stack[0][1]}"
 
     def _backward_began(self) -> None:
         if self._forward is not None:
@@ -351,6 +367,7 @@ class Profile:
         self._boundaries.append(len(self.watch.events))
         self.steps += 1
         self.watch.begin("forward", self.steps)
+        self._called = False
         if self.max_steps and self.steps >= self.max_steps:
             raise Enough(f"profiled {self.steps} steps")
 
@@ -445,19 +462,16 @@ def _short(path: str) -> str:
     return rel if not rel.startswith("..") else path
 
 
-def _frames(stack, site: int) -> list[str]:
-    start = max(site, 0)
-    return [f"{_short(f)}:{line} in {name}" for f, line, name in stack[start:start + _FRAMES]]
+def _frames(watch: _Watch, index: int) -> list[str]:
+    return [f"{_short(f)}:{line} in {name}" for f, line, name in watch.stack(index)[0]]
 
 
 def _site(watch: _Watch, index: int) -> str:
-    stack = watch.stacks[index] if index < len(watch.stacks) else ()
+    """The innermost frame of the user's code that allocated record ``index`` ("file.py:LINE")."""
+    stack, _ = watch.stack(index)
     if not stack:
         return "(before the profile)"
-    site = watch.site_of[index]
-    if site < 0:
-        return f"{_short(stack[0][0])}:{stack[0][1]}" if stack else "(unknown)"
-    return f"{_short(stack[site][0])}:{stack[site][1]}"
+    return f"{_short(stack[0][0])}:{stack[0][1]}"
 
 
 def _live_at(watch: _Watch, stop: int | None) -> dict[int, None]:
@@ -478,10 +492,8 @@ def _largest_at(watch: _Watch, event: int) -> list[dict]:
     out = []
     for index in top:
         record = watch.records[index]
-        stack = watch.stacks[index] if index < len(watch.stacks) else ()
         out.append({"bytes": record.nbytes, "category": record.category.value, "module": record.module,
-                    "site": _site(watch, index),
-                    "stack": _frames(stack, watch.site_of[index] if index < len(watch.site_of) else -1)})
+                    "site": _site(watch, index), "stack": _frames(watch, index)})
     return out
 
 
@@ -533,7 +545,7 @@ def _leaks(watch: _Watch, boundaries: list[int]) -> list[dict]:
         index = example[site]
         leaks.append({"site": site, "bytes_per_step": round(sum(per_step.values()) / span),
                       "steps": len(per_step), "category": category[site].most_common(1)[0][0],
-                      "stack": _frames(watch.stacks[index], watch.site_of[index])})
+                      "stack": _frames(watch, index)})
     return sorted(leaks, key=lambda leak: -leak["bytes_per_step"])
 
 

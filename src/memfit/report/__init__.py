@@ -1,4 +1,5 @@
-"""What an estimate says: the ``Report`` (``report.py``) and its tables (``tables.py``); later, pictures."""
+"""What an estimate or a profile says: the ``Report`` (``report.py``), its tables (``tables.py``) and its
+pictures (``pictures.py``: interactive HTML and PNG; plotly and matplotlib are imported only there)."""
 
 from memfit.report.report import Report
 

@@ -66,7 +66,8 @@ def timeline(report: Report, estimate: Report | None = None) -> Timeline:
     return Timeline(
         x=x, series=series, where=[f"{_step_name(s)} {p}, event {e}" for e, p, s in zip(events, phases, steps)],
         bands=[(x0, x0 + w, key[1]) for key, (x0, w) in layout.items()],
-        steps=[(-SETUP_WIDTH, 0.0, "setup") if s < 0 else (float(s), s + 1.0, _step_name(s))
+        steps=[(-SETUP_WIDTH, 0.0, "setup") if s < 0 else
+               (float(s), s + 1.0, "after" if {k[1] for k in layout if k[0] == s} == {"after"} else _step_name(s))
                for s in sorted({key[0] for key in layout})],
         peak=(x[at] if x else 0.0, totals[at]), estimate=est, reserved=reserved, top=top, unit=unit(top))
 

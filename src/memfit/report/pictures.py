@@ -53,8 +53,10 @@ COLOURS = {
     Category.COMMUNICATION.value: "#937860",
 }
 OTHER_COLOUR = "#7f7f7f"
-PHASE_COLOURS = {"setup": "#eeeeee", "forward": "#dbe8f7", "backward": "#fbe6d4", "optimizer": "#e9dff5"}
-PHASE_SHORT = {"setup": "setup", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+PHASE_COLOURS = {"setup": "#eeeeee", "forward": "#dbe8f7", "backward": "#fbe6d4", "optimizer": "#e9dff5",
+                 "after": "#f4f4f4"}
+PHASE_SHORT = {"setup": "setup", "forward": "fwd", "backward": "bwd", "optimizer": "opt",
+               "after": "(after the last step)"}
 ESTIMATE_COLOUR, RESERVED_COLOUR = "#111111", "#8b0000"
 TOP_MODULES = 15
 X_TITLE = ("step (each step's phases stretched to [step, step+1): runs with different event counts align by step "
