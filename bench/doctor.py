@@ -51,7 +51,8 @@ from memfit.report.report import OOM  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "doctor-cpu.json")
-TINY = os.path.join(HERE, "..", "examples", "tiny-llama", "config.json")
+ROOT = os.path.dirname(HERE)
+TINY = os.path.join(ROOT, "examples", "tiny-llama", "config.json")
 MiB, GiB = 2**20, 2**30
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_attention_heads": 4,
          "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
@@ -165,8 +166,8 @@ def scenarios(folder: str) -> list[Scenario]:
                  budget=24 * MiB, script=SCRIPTS["eval"],
                  fixed_script=SCRIPTS["eval"].replace("preds = [", "with torch.no_grad():\n    preds = [")),
         Scenario("p3", "long_batch", "one batch 16x longer than the rest", "profile", budget=48 * MiB,
-                 script=SCRIPTS["long"], fixed_script=SCRIPTS["long"].replace("x = torch.randn(8, length, 128)",
-                                                                              "x = torch.randn(8, min(length, 96), 128)")),
+                 script=SCRIPTS["long"],
+                 fixed_script=SCRIPTS["long"].replace("randn(8, length, 128)", "randn(8, min(length, 96), 128)")),
         Scenario("u1", "unknown", "control: a message with nothing but the request (no fragmentation, no other "
                  "process) and no model", "cuda", with_model=False),
     ]
@@ -291,7 +292,7 @@ def applied(s: Scenario, fix, given: dict, folder: str) -> bool | None:
     if fix is None:
         return None
     if s.kind == "profile":
-        data, message = profiled(s.fixed_script, s.budget, folder)
+        _, message = profiled(s.fixed_script, s.budget, folder)
         return message is None
     if s.kind == "virtual":
         return run_step(s.model, Recipe.from_dict(fix.recipe), budget=s.budget, **_shape(s)) is None
@@ -327,7 +328,8 @@ def one(s: Scenario, folder: str, plan: bool) -> dict:
             kw.update(model=s.model)
         else:
             kw = {}
-        found = diagnose(given["error"], budget=given.get("budget"), allow=s.allow, plan=plan, **kw)
+        label = os.path.relpath(s.model, ROOT) if s.model == TINY else None  # the fixes' commands name it so
+        found = diagnose(given["error"], budget=given.get("budget"), allow=s.allow, plan=plan, label=label, **kw)
         if s.card is not None and s.id in ("c3", "c6"):
             from memfit.profiling.oom_text import parse_oom
 
@@ -339,7 +341,8 @@ def one(s: Scenario, folder: str, plan: bool) -> dict:
     return {"id": s.id, "what": s.what, "kind": s.kind, "expected": s.expected, "cause": found.cause,
             "right": found.cause == s.expected, "summary": found.summary,
             "first_fix": None if first is None else first.to_dict(), "first_fix_fits": fits,
-            "fixes": [f"{f.name}: saves {c10_size(max(f.saves_bytes or 0, 0))}, fits {f.fits}, speed {f.speed_cost}"
+            "fixes": [{"name": f.name, "saves_bytes": f.saves_bytes, "fits": f.fits,
+                       "speed_cost": None if f.speed_cost is None else round(f.speed_cost, 3), "why": f.why}
                       for f in found.fixes], "exit_code": found.exit_code, "notes": list(found.notes),
             "message": given.get("error", "")[-900:] if s.kind != "profile" else None,
             "seconds": round(time.perf_counter() - start, 1)}

@@ -15,7 +15,7 @@ from memfit import Recipe
 from memfit.cli import main
 from memfit.hardware.gpus import gpu
 from memfit.planner.cost import Speed
-from memfit.profiling import doctor
+from memfit.profiling import findings
 from memfit.profiling.doctor import CAUSES, NoOomFound, diagnose, diagnose_profile, run_step
 from memfit.profiling.oom_text import c10_size, parse_oom
 
@@ -119,7 +119,7 @@ def test_other_process_fragmentation_and_unknown_from_the_message():
     assert "12345, 777" in found.fixes[0].command
     alone = NEW.replace("Process 12345 has 30.00 GiB memory in use. Process 777 has 512.00 MiB memory in use. ", "")
     found = diagnose(alone)
-    assert found.cause == "fragmentation" and found.fixes[0].command.startswith(doctor.ALLOC_CONF)
+    assert found.cause == "fragmentation" and found.fixes[0].command.startswith(findings.ALLOC_CONF)
     assert found.fixes[0].saves_bytes == round(6.9 * GiB) and found.fixes[0].fits
     tidy = alone.replace("and 6.90 GiB is reserved", "and 20.00 MiB is reserved")
     found = diagnose(tidy)
@@ -287,3 +287,25 @@ def test_cli_runs_a_script_under_the_profiler(tmp_path):
     assert (code, data["cause"]) == (0, "eval_without_no_grad") and "evaluate.py:9" in data["fixes"][0]["command"]
     code, out = _cli("--budget", "1GiB", "--json", "--", "python", str(script))
     assert code == 4  # it fits: nothing to diagnose
+
+
+def test_a_scripts_own_model_gets_recipe_fixes_and_the_first_one_fits(tmp_path, fixed_speed):
+    """`memfit doctor --budget B -- python train.py`: the script's model estimated on a batch of its shapes;
+    the first fix, applied in the script with memfit.apply, runs under the same budget."""
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    body = ("import sys, torch, memfit\nsys.path.insert(0, {tests!r})\nimport _loops\nmodel = _loops._llama()\n{setup}\n"
+            "for _ in range(3):\n    ids = _loops._tokens(4, 64)\n    {step}\n")
+    plain = tmp_path / "train.py"
+    plain.write_text(body.format(tests=tests, setup="opt = torch.optim.AdamW(model.parameters())",
+                                 step="model(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()"))
+    code, out = _cli("--budget", "9MiB", "--no-plan", "--json", "--", "python", str(plain))
+    data = json.loads(out)
+    assert (code, data["cause"]) == (0, "activations")
+    first = data["fixes"][0]
+    assert first["fits"] and first["saves_bytes"] > 0 and "memfit.apply(model, memfit.Recipe(" in first["command"]
+    changed = {k: v for k, v in first["recipe"].items() if v != memfit.Recipe().to_dict()[k]}
+    fixed = tmp_path / "train_fixed.py"
+    fixed.write_text(body.format(tests=tests, setup=f"model, opt, step = memfit.apply(model, memfit.Recipe(**{changed!r}))",
+                                 step="step({'input_ids': ids, 'labels': ids})"))
+    code, out = _cli("--budget", "9MiB", "--no-plan", "--json", "--", "python", str(fixed))
+    assert code == 4  # the fixed script runs to its end under the budget: no out-of-memory to diagnose

@@ -93,15 +93,19 @@ def run(args) -> int:
     if command:
         if profile is not None:
             raise MemfitError("--profile and -- python script.py conflict: the script's own profile is diagnosed")
-        profile, message = _profiled(command, args)
+        profile, message, ran = _profiled(command, args)
         error = message if error is None else error
     recipe = _args.recipe_from_args(args)
     model = _args.model_of(args) if args.model is not None else None
+    batch, label = None, args.model
+    if model is None and command and ran is not None:  # the script's own model, on a batch of its shapes
+        model, batch, label = ran, _batch_of(profile), ""  # "": the fixes say what to apply in the script
+        model = model if batch is not None else None
     try:
         with _args.progress("diagnosing"):
-            found = diagnose(error, profile=profile, model=model, recipe=recipe, batch_size=args.batch_size,
-                             seq_len=args.seq_len, gpu=args.gpu, budget=args.budget, allow=args.allow,
-                             plan=args.plan, label=args.model)
+            found = diagnose(error, profile=profile, model=model, batch=batch, recipe=recipe,
+                             batch_size=args.batch_size if batch is None else None, seq_len=args.seq_len,
+                             gpu=args.gpu, budget=args.budget, allow=args.allow, plan=args.plan, label=label)
     except NoOomFound as err:
         if args.json:
             print(json.dumps({"cause": None, "summary": str(err), "figures": {}, "fixes": [],
@@ -180,7 +184,20 @@ def _profiled(command: list[str], args) -> tuple[dict, str | None]:
     if failed is not None and prof.oom is None:
         print(f"memfit: the script failed, not out of memory: {type(failed).__name__}: {failed}".splitlines()[0],
               file=sys.stderr)
-    return data, None if prof.oom is None else prof.oom.get("message")
+    return data, None if prof.oom is None else prof.oom.get("message"), prof.watch.model
+
+
+def _batch_of(profile: dict):
+    """A batch shaped as the script's model was called in the step that ran out: zeros of each keyword
+    tensor's shape and dtype (token ids 0 are valid ids and labels). None when the model took positional
+    tensors (then memfit cannot tell the loss) or no call was seen."""
+    import torch
+
+    inputs = profile.get("inputs") or []
+    if not inputs or not inputs[-1].get("kwargs") or any(a is not None for a in inputs[-1].get("args", [])):
+        return None
+    return {name: torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+            for name, spec in inputs[-1]["kwargs"].items()}
 
 
 def _quiet_stdout(to_stderr: bool):
@@ -200,8 +217,8 @@ def _view(found):
     lines = [Text(f"cause: {found.cause}", style="bold red" if found.cause != "unknown" else "bold"),
              Text(found.summary)]
     if found.fixes:
-        table = Table(title="fixes: those that fit first, then faster, then larger",
-                      title_justify="left")
+        lines.append(Text("fixes, ranked: those that fit first, then the faster, then the more bytes saved"))
+        table = Table()
         for column, justify in (("#", "right"), ("fix", "left"), ("saves", "right"), ("fits", "left"),
                                 ("speed", "right")):
             table.add_column(column, justify=justify)

@@ -16,7 +16,7 @@ killed the run):
   allocated; 47.06 MiB free; [2.00 GiB allowed; ]188.00 MiB reserved in total by PyTorch)``;
 * the CPU allocator: ``DefaultCPUAllocator: not enough memory: you tried to allocate 123456 bytes.``
   (or ``can't allocate memory``);
-* memfit's virtual budget (``training/budget.py``): ``memfit virtual budget: tried to allocate 1.00 MiB
+* memfit's virtual budget (``accounting/budget.py``): ``memfit virtual budget: tried to allocate 1.00 MiB
   with 250.00 MiB of 256.00 MiB in use``, and its injected faults (no figures).
 
 Sizes are c10's ``format_size`` (two decimals of B/KiB/MiB/GiB), so a figure read back is within half

@@ -159,7 +159,8 @@ class Profile:
                   live_bytes, by_category.
     forwards_without_backward  forward passes that saved activations for a backward that never came
                   (an evaluation without ``torch.no_grad()``): step, bytes, site.
-    inputs        the model's tensor inputs of each step: step, shapes, tokens (elements of the largest).
+    inputs        the model's tensor inputs of each step: step, shapes, tokens (elements of the largest), and
+                  the first call's keyword and positional tensors (shape, dtype) to rebuild such a batch.
     snapshot      on CUDA, the allocator's raw snapshot (``torch.cuda.memory._snapshot()``).
     """
 
@@ -184,6 +185,7 @@ class Profile:
         self.entry_bytes = 0  # bytes of the tensors alive when the block began (in the report's figures)
         self._in_step = 0
         self._called = False  # a module ran since the last step ended
+        self._seen_inputs = False  # the model's own input hook has run
         self._boundaries: list[int] = []  # event count at the end of each step
         self._forward: dict | None = None  # the forward pass being watched: step, packed bytes, used
         self._scope = None
@@ -272,6 +274,8 @@ class Profile:
         watch._modules.root = type(module).__name__
         watch._modules._owners = None
         watch._modules._name_modules()
+        handle = module.register_forward_pre_hook(self._inputs, with_kwargs=True, prepend=True)
+        self._scope.callback(handle.remove)
         for param in module.parameters():
             watch.mark(param, Category.PARAMETERS)
         for buf in module.buffers():
@@ -295,16 +299,28 @@ class Profile:
                              "site": self._site_here(), "grad": torch.is_grad_enabled()}
         return None
 
-    def _module_returned(self, module, args, kwargs, output):
-        """The model's tensor inputs are the batch (a global forward hook: the only one that sees kwargs)."""
-        if module is not self.watch.model or torch._C._current_autograd_node() is not None or self._in_step:
+    def _inputs(self, module, args, kwargs):
+        """The model's tensor inputs are the batch: read before its forward runs (a long batch that runs out
+        in its own forward is still on record), by a hook of the model's own (global pre-hooks see no kwargs)."""
+        if torch._C._current_autograd_node() is not None or self._in_step:
             return None
+        self._seen_inputs = True
         tensors = [t for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         for tensor in tensors:
             self.watch.mark(tensor, Category.BATCH)
         if tensors and (not self.inputs or self.inputs[-1]["step"] != self.steps):
             self.inputs.append({"step": self.steps, "shapes": [list(t.shape) for t in tensors],
-                                "tokens": max(t.numel() for t in tensors)})
+                                "tokens": max(t.numel() for t in tensors),
+                                "kwargs": {name: {"shape": list(value.shape), "dtype": str(value.dtype)[6:]}
+                                           for name, value in kwargs.items() if isinstance(value, torch.Tensor)},
+                                "args": [{"shape": list(a.shape), "dtype": str(a.dtype)[6:]} if isinstance(
+                                    a, torch.Tensor) else None for a in args]})
+        return None
+
+    def _module_returned(self, module, args, kwargs, output):
+        """The model's first call, which ran before its own input hook existed."""
+        if module is self.watch.model and not self._seen_inputs:
+            self._inputs(module, args, kwargs)
         return None
 
     def _site_here(self) -> str | None:
