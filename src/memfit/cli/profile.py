@@ -33,7 +33,8 @@ def build(parser) -> None:
     parser.add_argument("--html", default=None, help="write the interactive picture (self-contained HTML) here")
     parser.add_argument("--png", default=None, help="write the picture as a PNG here")
     parser.add_argument("--snapshot", default=None,
-                        help="CUDA: write the allocator's raw snapshot here (PyTorch's memory_viz page opens it)")
+                        help="CUDA: write the allocator's raw snapshot here (PyTorch's memory_viz page opens it; "
+                             "with --html it is written beside the page anyway)")
     _args.add_out(parser, help="write the profile as JSON to this file")
     _args.add_json(parser, help="print the profile as JSON (the script's own output goes to stderr)")
     parser.add_argument("target", nargs=argparse.REMAINDER,
@@ -125,8 +126,13 @@ def run(args) -> int:
             print(f"memfit: the script ran out of memory at step {prof.oom['step'] + 1} ({prof.oom['phase']}): "
                   f"{prof.oom['message']}; `memfit doctor --profile` on this profile's --out explains it",
                   file=sys.stderr)
-        else:
-            traceback.print_exception(failed, file=sys.stderr)
+        else:  # as Python prints it: from the script's own frames (memfit's and runpy's left out)
+            tb = failed.__traceback__
+            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+                                      or "runpy" in tb.tb_frame.f_code.co_filename):
+                tb = tb.tb_next
+            traceback.print_exception(type(failed), failed, tb or failed.__traceback__, file=sys.stderr)
         return 1
     return status
 
@@ -142,9 +148,10 @@ def _write(prof, data, args) -> None:
             pictures.write_html(prof.report, args.html, title="memfit profile")
         if args.png:
             pictures.write_png(prof.report, args.png, title="memfit profile")
-    if args.snapshot and prof.snapshot is not None:
+    if prof.snapshot is not None and (args.snapshot or args.html):  # beside the picture, for memory_viz
         from memfit.profiling.cuda_snapshot import save
 
+        args.snapshot = args.snapshot or os.path.splitext(args.html)[0] + ".snapshot.pickle"
         save(prof.snapshot, args.snapshot)
     for path in (args.out, args.html, args.png, args.snapshot):
         if path:
