@@ -37,7 +37,9 @@ def test_public_names_resolve_on_first_use():
     for name in memfit.__all__:
         assert getattr(memfit, name) is not None
         assert name in dir(memfit)
-    assert memfit.estimate.__module__ == "memfit.estimator.estimate"
+    # every workload's entry: training and forward (memfit.estimator), generate (memfit.generation)
+    assert memfit.estimate.__module__ == "memfit.generation.workloads"
+    assert memfit.estimate_generate.__module__ == "memfit.generation.generate"
     assert memfit.plan.__module__ == "memfit.planner.plan" and memfit.fit.__module__ == "memfit.planner.fit"
     assert callable(memfit.measure) and callable(memfit.apply)
     assert memfit.parse_size("1KiB") == 1024

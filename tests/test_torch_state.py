@@ -32,7 +32,8 @@ _NAMESPACES = ("torch", "torch.nn.functional", "torch.Tensor", "torch.nn.Module"
                "transformers.integrations.sdpa_attention", "transformers.modeling_utils")
 # Attributes memfit patches while a trace runs (grep ``patched(`` in src): checked by name too.
 PATCHED = [("torch", "get_rng_state"), ("torch.nn.functional", "scaled_dot_product_attention"),
-           ("torch.nn.Module", "to"), ("transformers.models.mamba.modeling_mamba", "mamba_selective_scan")]
+           ("torch.nn.Module", "to"), ("transformers.models.mamba.modeling_mamba", "mamba_selective_scan"),
+           ("transformers.utils.import_utils", "is_fake_tensor")]
 _KEYS = ("AutocastCPU", "AutocastCUDA", "CompositeImplicitAutograd", "CPU", "Meta")
 
 
@@ -162,6 +163,9 @@ def _estimates(tmp_path):
                                                                              offload_activations=True))
     pytest.importorskip("bitsandbytes")
     memfit.estimate(_llama, _tokens(), recipe=memfit.Recipe(lora="qlora:8", precision="bf16-mixed"))
+    # a generation: transformers' is_fake_tensor, the prompt's known values, int8 weights' outlier rule
+    memfit.estimate(_llama, workload="generate", prompt_len=8, new_tokens=3, batch_size=2, padding=True,
+                    weights="int8")
     moe = _config(tmp_path, "mixtral", model_type="mixtral", architectures=["MixtralForCausalLM"],
                   num_local_experts=4, num_experts_per_tok=2, **_LM)
     memfit.estimate(moe.build, moe.make_batch(2, 16), precision="bf16-mixed", gpu="rtx-4090")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
-    "estimate", "estimate_micro_batch", "fit", "measure", "profile", "Profile",
+    "estimate", "estimate_generate", "estimate_micro_batch", "fit", "measure", "profile", "Profile",
     "parse_size", "plan", "format_size", "train",
 ]
 __version__ = "0.1.0"
@@ -27,7 +27,9 @@ _WHERE = {
     "apply": "memfit.techniques.apply",
     "Category": "memfit.categories",
     "MemfitError": "memfit.errors",
-    "estimate": "memfit.estimator.estimate", "estimate_micro_batch": "memfit.estimator.estimate",
+    # estimate: every workload, training and forward (memfit.estimator) and generate (memfit.generation)
+    "estimate": "memfit.generation.workloads", "estimate_micro_batch": "memfit.estimator.estimate",
+    "estimate_generate": "memfit.generation.generate",
     "Fit": "memfit.planner.fit", "NoBatchFits": "memfit.planner.fit", "fit": "memfit.planner.fit",
     "measure": "memfit.estimator.measure",
     "NothingFits": "memfit.planner.plan", "Plan": "memfit.planner.plan", "Plans": "memfit.planner.plan",
@@ -43,7 +45,9 @@ assert set(_WHERE) == set(__all__)
 if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ below imports on first use
     from memfit.categories import Category
     from memfit.errors import MemfitError
-    from memfit.estimator.estimate import estimate, estimate_micro_batch
+    from memfit.estimator.estimate import estimate_micro_batch
+    from memfit.generation.generate import estimate_generate
+    from memfit.generation.workloads import estimate
     from memfit.estimator.measure import measure
     from memfit.planner.fit import Fit, NoBatchFits, fit
     from memfit.planner.plan import NothingFits, Plan, Plans, plan

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Category", "PHASES"]
+__all__ = ["Category", "PHASES", "GENERATE_PHASES", "ALL_PHASES"]
 
 #: The phases of one optimizer step, in order.
 PHASES = ("forward", "backward", "optimizer")
+#: The phases of a generation (``memfit.generation``): the prompt's forward, then one forward per new token.
+GENERATE_PHASES = ("prefill", "decode")
+#: Every phase a report can name, in the order tables show them.
+ALL_PHASES = PHASES + GENERATE_PHASES
 
 
 class Category(str, enum.Enum):
@@ -34,6 +38,11 @@ class Category(str, enum.Enum):
                            ``gradients`` are then the rank's sharded gradients.
     COMMUNICATION          collective buffers: FSDP2's all-gather and reduce-scatter buffers, DDP's
                            gradient buckets.
+
+    A generation (``memfit.generation``: Hugging Face ``generate``, prefill then decode) adds one:
+    KV_CACHE               the key/value cache: every tensor the cache object of ``generate`` holds (keys and
+                           values, quantised states and their scales, static buffers, an encoder-decoder
+                           model's cross-attention states).
     """
 
     PARAMETERS = "parameters"
@@ -46,6 +55,7 @@ class Category(str, enum.Enum):
     UNSHARDED_PARAMETERS = "unsharded_parameters"
     UNSHARDED_GRADIENTS = "unsharded_gradients"
     COMMUNICATION = "communication"
+    KV_CACHE = "kv_cache"
 
     def __str__(self) -> str:  # "optimizer_state" reads better than "Category.OPTIMIZER_STATE"
         return self.value
@@ -62,6 +72,7 @@ PRIORITY = {
     Category.UNSHARDED_GRADIENTS: 3.8,
     Category.COMMUNICATION: 3.6,
     Category.OPTIMIZER_STATE: 3,
+    Category.KV_CACHE: 2.5,
     Category.ACTIVATIONS: 2,
     Category.TEMPORARIES: 0,
 }

@@ -110,6 +110,9 @@ class Ledger(TorchDispatchMode):
         self.prime: int | None = None  # the batch has this prime number of rows (the planner)
         self.counter = None  # an ``ops.OpCounter`` while one is attached (the planner)
         self.on_phase = None  # called with no arguments as each phase begins (a progress bar)
+        # Names of more aten ops whose kernel scratch is replayed (``scratch.py``) beside ``_probe_worthy``'s:
+        # a generation's ``_scaled_dot_product_flash_attention_for_cpu`` (per-thread buffers of the prefill).
+        self.probe_ops: frozenset[str] = frozenset()
         # Several devices (``device_map``): ``placer.place(ledger, args, kwargs, made, many)`` gives each
         # new storage its device, ``placer.own(ledger)`` the model's own tensors theirs by owner.
         self.placer = None
@@ -380,7 +383,7 @@ class Ledger(TorchDispatchMode):
             self.records[donor].donated = True
         if self.device.type == "cpu" and self.cublas_workspace is None:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            if tensors and _probe_worthy(func, tensors):
+            if tensors and (_probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
                 self._add_site(func, args, kwargs, out_records, out_metas)
         return out
 

@@ -190,6 +190,9 @@ def estimate_micro_batch(model, rows: int, length: int, *, packed: bool = False,
 def _check_workload(workload, recipe: Recipe, gpus, nodes) -> None:
     from memfit.techniques.apply import WORKLOADS
 
+    if workload == "generate":  # memfit.estimate (generation/workloads.py) sends it to estimate_generate
+        raise MemfitError("workload='generate' is estimated by memfit.estimate(model, workload='generate', "
+                          "prompt_len=..., new_tokens=...) or memfit.generation.estimate_generate(...)")
     if workload not in WORKLOADS:
         raise MemfitError(f"workload must be one of {', '.join(WORKLOADS)}, got {shown(workload)}")
     if workload == "forward":

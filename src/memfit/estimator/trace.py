@@ -163,11 +163,12 @@ def _register(ledger, model, batch) -> None:
         ledger.register(tensor, Category.BATCH)
 
 
-def fold_peaks(peaks: dict, steps: int) -> dict:
-    """A replay's peaks by (step, phase) folded into the Report's ``phase_peaks`` (each phase over all
-    steps) and ``step_peaks`` (each step over its phases)."""
-    return {"phase_peaks": {p: max((v for (s, ph), v in peaks.items() if ph == p), default=0) for p in PHASES},
-            "step_peaks": [max((v for (s, ph), v in peaks.items() if s == step and ph in PHASES), default=0)
+def fold_peaks(peaks: dict, steps: int, names: tuple[str, ...] = PHASES) -> dict:
+    """A replay's peaks by (step, phase) folded into the Report's ``phase_peaks`` (each phase of ``names``
+    over all steps) and ``step_peaks`` (each step over its phases). A generation's phases are
+    ``GENERATE_PHASES`` and its steps its forwards (``memfit.generation``)."""
+    return {"phase_peaks": {p: max((v for (s, ph), v in peaks.items() if ph == p), default=0) for p in names},
+            "step_peaks": [max((v for (s, ph), v in peaks.items() if s == step and ph in names), default=0)
                            for step in range(steps)]}
 
 

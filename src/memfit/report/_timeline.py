@@ -20,7 +20,7 @@ __all__ = ["Timeline", "timeline", "unit", "TOTAL", "SETUP_WIDTH"]
 TOTAL = "live (total)"  # the one series of a report without ``stacked``
 # Bottom to top: what lives the whole step under what comes and goes.
 STACK_ORDER = ("parameters", "buffers", "unsharded_parameters", "gradients", "unsharded_gradients",
-               "optimizer_state", "batch", "communication", "activations", "temporaries")
+               "optimizer_state", "batch", "communication", "kv_cache", "activations", "temporaries")
 SETUP_WIDTH = 0.3  # x taken by what happens before step 1 (a step takes 1)
 
 

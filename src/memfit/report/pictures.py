@@ -51,6 +51,7 @@ COLOURS = {
     Category.UNSHARDED_PARAMETERS.value: "#64b5cd",
     Category.UNSHARDED_GRADIENTS.value: "#da8bc3",
     Category.COMMUNICATION.value: "#937860",
+    Category.KV_CACHE.value: "#17becf",
 }
 OTHER_COLOUR = "#7f7f7f"
 PHASE_COLOURS = {"setup": "#eeeeee", "forward": "#dbe8f7", "backward": "#fbe6d4", "optimizer": "#e9dff5",

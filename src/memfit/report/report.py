@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from html import escape
 
-from memfit.categories import PHASES, Category
+from memfit.categories import ALL_PHASES, Category
 from memfit.units import format_size
 
 __all__ = ["Report", "FITS", "EXPANDABLE", "OOM", "EXPANDABLE_CONF", "ERROR_SOURCE"]
@@ -107,6 +107,12 @@ class Report:
     leaks           (a profile) memory that grows between the same points of consecutive steps:
                     site, bytes_per_step, steps (how many steps added to it), category, stack.
     reserved        (a CUDA profile) the allocator's reserved bytes over time: {"event": [...], "bytes": [...]}.
+
+    For a generation (``memfit.generation.estimate_generate``, ``settings["workload"] == "generate"``):
+    ``phase_peaks`` are ``prefill`` (the prompt's forward, an encoder's included) and ``decode``,
+    ``step_peaks`` one per forward (the prefill, then each decode step), ``by_category`` holds ``kv_cache``,
+    and ``settings`` the request: prompt_len, new_tokens, batch_size, precision, cache, weights, padding,
+    logits_to_keep.
 
     For a checkpoint stored quantised (``quantization_config``: ``estimator/checkpoint.py``):
     checkpoint      format (e.g. "awq int4 g128"), method, bits, stored_weight_bytes (the weights as stored) and
@@ -212,7 +218,7 @@ class Report:
         lines = self._headline() + ["at the peak:"]
         lines += [f"  {name:<16} {format_size(nbytes):>12}" for name, nbytes in self._categories()]
         lines.append("phase peaks: " + ", ".join(
-            f"{p} {format_size(self.phase_peaks[p])}" for p in PHASES if p in self.phase_peaks))
+            f"{p} {format_size(self.phase_peaks[p])}" for p in ALL_PHASES if p in self.phase_peaks))
         if self.modules:
             lines.append("largest holders of activations and temporaries at the peak:")
             for name, nbytes in self.modules[:8]:
@@ -243,7 +249,7 @@ def _html(report: Report) -> str:
     peak = max(report.peak_bytes, 1)
     parts.append(_table("at the peak", ("category", "bytes", "share"),
                         [(name, format_size(n), f"{100 * n / peak:.1f}%") for name, n in report._categories()]))
-    phases = [p for p in PHASES if p in report.phase_peaks]
+    phases = [p for p in ALL_PHASES if p in report.phase_peaks]
     parts.append(_table("phase peaks", ("phase", "peak"), [(p, format_size(report.phase_peaks[p])) for p in phases]))
     if report.modules:
         parts.append(_table("largest holders of activations and temporaries at the peak", ("module", "bytes"),

@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from memfit.categories import PHASES, Category
+from memfit.categories import GENERATE_PHASES, PHASES, Category
 from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, verdict_line
 from memfit.units import format_size
 
@@ -46,13 +46,14 @@ def verdict(report: Report, budget: int | None = None) -> dict:
 
 def report_view(report: Report, name: str, budget: int | None = None, recipe=None) -> Group:
     """``recipe``: the Recipe the report was made with, when the caller holds it (the CLI does);
-    without it, the one recorded in ``report.settings``."""
-    if recipe is None:
+    without it, the one recorded in ``report.settings`` (a generation has none: its settings are shown)."""
+    generation = report.settings.get("workload") == "generate"
+    if recipe is None and not generation:
         from memfit.techniques.recipe import Recipe
 
         recipe = Recipe.from_dict(report.settings["recipe"])
-    title = (f"{name}: {recipe.describe()}, {report.parameters / 1e9:.3f}B params "
-             f"({report.method} on {report.device} semantics)")
+    title = (f"{name}: {_generation(report.settings) if generation else recipe.describe()}, "
+             f"{report.parameters / 1e9:.3f}B params ({report.method} on {report.device} semantics)")
     parts = [Text(title, style="bold")]
     if report.world is not None:
         w = report.world
@@ -61,7 +62,7 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
                           + ", ".join(f"rank {r['rank']} {format_size(r['device_bytes'])}" for r in report.ranks)))
     if report.devices is not None:
         parts.append(_devices(report))
-    if not recipe.is_exact:
+    if not generation and not recipe.is_exact:
         parts.append(Text(f"changes the math: {', '.join(recipe.approximations)}", style="yellow"))
     parts += [_categories(report), _phases(report)]
     if report.modules:
@@ -92,6 +93,14 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
                           style=style))
     parts.extend(Text(f"note: {note}", style="dim") for note in report.notes)
     return Group(*parts)
+
+
+def _generation(settings: dict) -> str:
+    """One line of what a generation ran (``memfit.generation``)."""
+    weights = "" if settings["weights"] == "auto" else f", {settings['weights']} weights"
+    padded = ", left-padded" if settings["padding"] else ""
+    return (f"generate {settings['batch_size']} x ({settings['prompt_len']} prompt + {settings['new_tokens']} new) "
+            f"tokens{padded}, {settings['cache']} cache, {settings['precision']}{weights}")
 
 
 def _devices(report: Report) -> Table:
@@ -128,9 +137,11 @@ def _categories(report: Report) -> Table:
 
 def _phases(report: Report) -> Table:
     table = Table(title="phase peaks", title_justify="left")
-    for phase in PHASES:
+    generation = [p for p in GENERATE_PHASES if p in report.phase_peaks]
+    phases = generation or PHASES  # prefill and decode of a generation, else a step's three
+    for phase in phases:
         table.add_column(phase, justify="right")
-    table.add_row(*(format_size(report.phase_peaks.get(p, 0)) for p in PHASES))
+    table.add_row(*(format_size(report.phase_peaks.get(p, 0)) for p in phases))
     return table
 
 

@@ -61,15 +61,16 @@ NF4_DQ = dict(quant_type="nf4", compress_statistics=True, blocksize=64)  # QLoRA
 _SETTINGS = tuple(NF4_DQ)
 
 
-def quantized_linear(linear: torch.nn.Linear, bnb) -> torch.nn.Module:
-    """A bitsandbytes ``Linear4bit`` (NF4-DQ, bf16 compute) holding ``linear``'s weight, quantised."""
+def quantized_linear(linear: torch.nn.Linear, bnb, compute_dtype=torch.bfloat16) -> torch.nn.Module:
+    """A bitsandbytes ``Linear4bit`` (NF4-DQ, ``compute_dtype`` compute: QLoRA's bf16 by default) holding
+    ``linear``'s weight, quantised."""
     with unset_fake_temporarily():
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  device="meta", compute_dtype=torch.bfloat16, compress_statistics=True,
+                                  device="meta", compute_dtype=compute_dtype, compress_statistics=True,
                                   quant_type="nf4")
     _quantize_into(layer, linear.weight.detach(), NF4_DQ)
     if linear.bias is not None:  # Linear4bit casts its bias to the compute dtype on first use; do it now
-        layer.bias = torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        layer.bias = torch.nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
     layer.compute_type_is_set = True
     return layer
 

@@ -247,9 +247,10 @@ def _cast_adapters(model, peft, dtype) -> None:
                     setattr(adapter, name, torch.nn.Parameter(weight.detach().to(dtype), requires_grad=weight.requires_grad))
 
 
-def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR) -> torch.nn.Module:
+def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR,
+                  compute_dtype=torch.bfloat16) -> torch.nn.Module:
     """Replace the ``nn.Linear`` layers ``targets`` names (``quantize_targets``; ``adapted`` reads
-    ``lora_targets``) by 4-bit ones, in place (once).
+    ``lora_targets``) by 4-bit ones computing in ``compute_dtype``, in place (once).
 
     Already-quantised models (a bitsandbytes ``Linear4bit`` anywhere) are left as they are.
     """
@@ -266,7 +267,7 @@ def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_target
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, quantized_linear(getattr(owner, child), bnb))
+        setattr(owner, child, quantized_linear(getattr(owner, child), bnb, compute_dtype))
     return model
 
 
