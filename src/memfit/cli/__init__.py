@@ -32,6 +32,7 @@ _VERBS = {
     "plan": ("plan", "build", "run", "the fastest recipe that fits a budget, and why"),
     "train": ("train", "build", "run", "train inside a budget: OOMs survived, no sample lost, resumable"),
     "profile": ("profile", "build", "run", "watch a real training script's memory: steps, categories, leaks, pictures"),
+    "serve-plan": ("serve_plan", "build", "run", "requests x context that fit a card when serving, beside vLLM's blocks"),
     "doctor": ("doctor", "build", "run", "explain an out-of-memory error and rank the fixes by the bytes they save"),
     "models": ("catalog", "build_models", "models", "list the built-in model catalog"),
     "gpus": ("catalog", "build_gpus", "gpus", "list the GPU catalog"),
