@@ -1,4 +1,5 @@
-"""``memfit estimate``: the memory of one training step, on fake tensors."""
+"""``memfit estimate``: the memory of one training step, on fake tensors; with ``--generate``, of a Hugging Face
+``generate`` (prefill, then decode: ``memfit.generation``)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def build(est) -> None:
                   "CUDA semantics of that card and its memory as the budget; see `memfit gpus`")
     _args.add_batch(est, help="package.module:function returning a batch (for factory models)")
     _args.add_loss(est)
-    est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth")
+    est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth (with --generate: "
+                          "every decode step too, instead of the prefill and the last step)")
     est.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
                      help="mixture-of-experts only: tokens spread evenly over the experts (default), or all on the "
                           "same top-k experts (worst case for CPU bf16 kernel scratch)")
@@ -56,9 +58,56 @@ def build(est) -> None:
                           "modules); needs pip install 'memfit[pictures]'")
     est.add_argument("--png", default=None, metavar="FILE",
                      help="also draw the timeline and the module bars as a 1600x900 PNG")
+    # every flag so far but the shared ones is a training step's: (dest, flag, default), checked by --generate
+    _TRAINING[:] = [(a.dest, a.option_strings[0], a.default) for a in est._actions
+                    if a.option_strings and a.dest not in _SHARED and a.dest != "help"]
+    _generate_flags(est)
+
+
+_TRAINING: list = []
+# what --generate takes beside its own flags; every other flag of estimate is a training step's
+_SHARED = {"model", "revision", "trust_remote_code", "batch_size", "precision", "full", "json", "budget",
+           "moe_routing", "device"}
+# the generation's own flags: (dest, default)
+_GENERATE = (("prompt_len", None), ("new_tokens", None), ("cache", None), ("weights", None), ("padding", False),
+             ("logits_to_keep", None))
+# mirrors generation.cache.CACHES and weights.WEIGHTS / DTYPES, written out so --help imports no torch
+# (tests/test_generate_fast.py keeps them equal)
+CACHE_HELP = "dynamic, static, quantized (quantized:fp8, quantized:quanto, quantized:hqq)"
+WEIGHT_CHOICES = ("auto", "int8", "nf4")
+GENERATE_PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def _generate_flags(est) -> None:
+    group = est.add_argument_group("inference (--generate)")
+    group.add_argument("--generate", action="store_true",
+                       help="estimate a Hugging Face generate (greedy, exactly --new-tokens tokens) instead of a "
+                            "training step: weights, KV cache, prefill and decode; --batch-size is the prompts")
+    group.add_argument("--prompt-len", type=_args.positive, default=None, help="with --generate: tokens per prompt")
+    group.add_argument("--new-tokens", type=_args.positive, default=None,
+                       help="with --generate: tokens generated after the prompt")
+    group.add_argument("--cache", default=None, help=f"with --generate: the KV cache, {CACHE_HELP} (default dynamic)")
+    group.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                       help="with --generate: linear layers in --precision (auto, default), bitsandbytes int8 or nf4")
+    group.add_argument("--padding", action="store_true",
+                       help="with --generate: left-pad the shorter prompts of the batch (a 4-D mask each step)")
+    group.add_argument("--logits-to-keep", type=int, default=None,
+                       help="with --generate: prompt positions whose logits the prefill computes (0: all; default: "
+                            "generate's choice, the last one)")
+    for action in est._actions:  # --precision also takes fp16 (a generation's half-precision weights)
+        if action.dest == "precision" and action.choices is not None and "fp16" not in action.choices:
+            action.choices = tuple(action.choices) + ("fp16",)
 
 
 def run(args) -> int:
+    if args.generate:
+        return run_generate(args)
+    given = [name for name, default in _GENERATE if getattr(args, name) != default]
+    if given:
+        raise MemfitError(f"--{given[0].replace('_', '-')} is for --generate (a Hugging Face generate): add --generate, "
+                          f"or drop --{given[0].replace('_', '-')}")
+    if args.precision == "fp16":
+        raise MemfitError("--precision fp16 is a --generate dtype: a training step in half precision is fp16-mixed")
     if args.max_batch_size:
         if args.lengths is not None or args.packed:
             raise MemfitError("--max-batch-size does not take --lengths or --packed yet: estimate the batch sizes "
@@ -104,6 +153,50 @@ def run(args) -> int:
         Console().print(report_view(report, args.model, args.budget, recipe=recipe))
     _write_pictures(args, report)
     return 0
+
+
+def run_generate(args) -> int:
+    """``--generate``: ``estimate_generate`` (its fast path unless --full), the report as a table or JSON."""
+    _check_generate_flags(args)
+
+    from rich.console import Console
+
+    from memfit.generation import estimate_generate
+    from memfit.report.tables import report_view, verdict
+
+    with _args.progress(f"tracing {args.model}'s generate on fake tensors") as update:
+        report = estimate_generate(_args.model_of(args), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                   batch_size=args.batch_size or 1, precision=args.precision or "bf16",
+                                   cache=args.cache or "dynamic", weights=args.weights or "auto",
+                                   padding=args.padding, logits_to_keep=args.logits_to_keep,
+                                   moe_routing=args.moe_routing, fast=False if args.full else None, progress=update)
+    if args.json:
+        data = report.to_dict()
+        if args.budget is not None:
+            data["budget"] = verdict(report, args.budget)
+        print(json.dumps(data, indent=2))
+    else:
+        Console().print(report_view(report, args.model, args.budget))
+    return 0
+
+
+def _check_generate_flags(args) -> None:
+    """One line for a training step's flag given with --generate, or a generation's missing."""
+    for name in ("prompt_len", "new_tokens"):
+        if getattr(args, name) is None:
+            raise MemfitError(f"--generate needs --{name.replace('_', '-')}: the prompt's tokens (--prompt-len) and "
+                              "the tokens to generate (--new-tokens)")
+    if args.precision in ("bf16-mixed", "fp16-mixed"):
+        raise MemfitError(f"--precision {args.precision} is a training recipe: a generation runs in one dtype, "
+                          f"{', '.join(GENERATE_PRECISIONS)}")
+    if args.device != "cpu":
+        raise MemfitError("--generate and --device cuda conflict: a generation is estimated with CPU semantics only "
+                          "so far")
+    for name, flag, default in _TRAINING:
+        if getattr(args, name, default) != default:
+            flag = "--" + name.replace("_", "-")
+            raise MemfitError(f"{flag} and --generate conflict: {flag} is for a training step; drop it, or drop "
+                              "--generate")
 
 
 def _check_pictures(args) -> None:

@@ -16,7 +16,7 @@ __all__ = ["estimate", "GENERATE_ONLY"]
 
 #: Keywords of ``estimate_generate`` that a training step has no use for.
 GENERATE_ONLY = ("prompt_len", "new_tokens", "cache", "weights", "padding", "logits_to_keep")
-_GENERATE = GENERATE_ONLY + ("batch_size", "precision", "device", "moe_routing", "progress")
+_GENERATE = GENERATE_ONLY + ("batch_size", "precision", "device", "moe_routing", "fast", "progress")
 
 
 def estimate(model, batch=None, *, workload: str = "train", **kwargs):
