@@ -112,6 +112,11 @@ CASES = [
     ("mixtral-nf4", mixtral, dict(GEN, batch_size=2, weights="nf4"), "NF4 linear layers of a mixture of experts"),
     ("qwen2-moe-nf4", qwen2_moe, dict(GEN, batch_size=2, weights="nf4"),
      "NF4 with a 1-output linear layer (shared_expert_gate): bitsandbytes' CPU repacking refuses it"),
+    ("llama-ao-int8wo", llama, dict(GEN, weights="ao-int8wo"), "torchao Int8WeightOnlyConfig (Int8Tensor), bf16"),
+    ("mistral-ao-int8wo-fp16", mistral, dict(GEN, batch_size=2, precision="fp16", weights="ao-int8wo"),
+     "torchao int8 weight-only, fp16 activations, sliding window"),
+    ("llama-ao-int8da8w", llama, dict(GEN, batch_size=2, weights="ao-int8da8w"),
+     "torchao Int8DynamicActivationInt8WeightConfig: int8 activations per token, sum kernel scratch replayed"),
 ]
 
 

@@ -46,6 +46,20 @@ def test_estimate_equals_the_allocator(config, kwargs):
     assert report.peak_bytes == truth
 
 
+@pytest.mark.parametrize("weights", ["ao-int8wo", "ao-int8da8w"])
+def test_torchao_int8_weights_equal_the_allocator(weights):
+    """torchao's CPU int8 formats: quantize_ on the fake model; the weights' bytes are Int8Tensor's inner int8
+    rows, fp32 scales and int8 zero points, and the generate's peak is the allocator's to the byte."""
+    pytest.importorskip("torchao")
+    report = estimate_generate(_llama(), prompt_len=12, new_tokens=4, weights=weights)
+    truth = true_peak_generate(resolve(_llama()).build, Request(12, 4, 1, "dynamic", False), weights=weights)
+    assert report.peak_bytes == truth, (report.peak_bytes, truth)
+    rows = LAYERS * (2 * 64 + 2 * 32 + 2 * 128 + 64)  # q, o, k, v, gate, up, down: one output row each
+    int8 = LAYERS * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)
+    bf16 = 2 * 256 * 64 * 2 + (2 * LAYERS + 1) * 64 * 2  # embeddings, head, norms
+    assert report.by_category["parameters"] == int8 + rows * (4 + 1) + bf16
+
+
 def _kv_bytes(tokens: int, rows: int) -> int:
     """A dynamic cache of ``tokens`` positions: keys and values of every layer, fp32."""
     return 2 * LAYERS * KV_HEADS * HEAD_DIM * tokens * rows * 4

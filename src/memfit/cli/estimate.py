@@ -74,7 +74,7 @@ _GENERATE = (("prompt_len", None), ("new_tokens", None), ("cache", None), ("weig
 # mirrors generation.cache.CACHES and weights.WEIGHTS / DTYPES, written out so --help imports no torch
 # (tests/test_generate_fast.py keeps them equal)
 CACHE_HELP = "dynamic, static, quantized (quantized:fp8, quantized:quanto, quantized:hqq)"
-WEIGHT_CHOICES = ("auto", "int8", "nf4")
+WEIGHT_CHOICES = ("auto", "int8", "nf4", "ao-int8wo", "ao-int8da8w")
 GENERATE_PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -88,7 +88,9 @@ def _generate_flags(est) -> None:
                        help="with --generate: tokens generated after the prompt")
     group.add_argument("--cache", default=None, help=f"with --generate: the KV cache, {CACHE_HELP} (default dynamic)")
     group.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
-                       help="with --generate: linear layers in --precision (auto, default), bitsandbytes int8 or nf4")
+                       help="with --generate: linear layers in --precision (auto, default), bitsandbytes int8 or nf4, "
+                            "torchao int8 weight-only (ao-int8wo) or int8 dynamic activations + int8 weights "
+                            "(ao-int8da8w)")
     group.add_argument("--padding", action="store_true",
                        help="with --generate: left-pad the shorter prompts of the batch (a 4-D mask each step)")
     group.add_argument("--logits-to-keep", type=int, default=None,

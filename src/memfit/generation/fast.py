@@ -48,7 +48,7 @@ from memfit.estimator.fake import build_fake, fake_copy
 from memfit.generation.full import PROBED, as_real, check_generates, traced
 from memfit.generation.run import Request, prompt_batch, vocab_size
 from memfit.generation.values import LIMIT, KnownValues
-from memfit.generation.weights import DTYPES, Outliers, quantize_weights
+from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights, stored
 from memfit.hardware.cpu_kernels import CpuKernels
 from memfit.estimator.trace import numel
 from memfit.report.report import Report
@@ -174,10 +174,10 @@ def _forward(source, copy, request: Request, precision: str, weights: str, *, up
         prompt[name] = mode.from_tensor(value)
         reads.known(prompt[name], value)
     ledger = Ledger(device=torch.device("cpu"), model=model)
-    ledger.probe_ops = PROBED
+    ledger.probe_ops = PROBED | probed_ops(weights)
     if upto is not None:
         ledger.on_phase = _stop_at(ledger, upto)
-    for tensor in list(model.parameters()) + extra:
+    for tensor in (local for t in list(model.parameters()) + extra for local in stored(t)):
         ledger.register(tensor, Category.PARAMETERS)
     for tensor in model.buffers():
         ledger.register(tensor, Category.BUFFERS)

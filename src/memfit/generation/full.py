@@ -24,7 +24,7 @@ from memfit.estimator.fake import build_fake, fake_copy
 from memfit.estimator.trace import fold_peaks, numel
 from memfit.generation.run import Request, prompt_batch, run_generate, vocab_size
 from memfit.generation.values import LIMIT, KnownValues
-from memfit.generation.weights import DTYPES, Outliers, quantize_weights
+from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights, stored
 from memfit.hardware.cpu_kernels import CpuKernels
 from memfit.report.report import Report
 from memfit.scoped import patched
@@ -54,8 +54,8 @@ def estimate_full(source, request: Request, precision: str, weights: str, progre
         reads.known(prompt[name], value)
     ledger = Ledger(device=torch.device("cpu"), model=model)
     ledger.on_phase = _ticker(progress, request.new_tokens + 1)
-    ledger.probe_ops = PROBED
-    for tensor in list(model.parameters()) + extra:
+    ledger.probe_ops = PROBED | probed_ops(weights)
+    for tensor in (local for t in list(model.parameters()) + extra for local in stored(t)):
         ledger.register(tensor, Category.PARAMETERS)
     for tensor in model.buffers():
         ledger.register(tensor, Category.BUFFERS)

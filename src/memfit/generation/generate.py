@@ -63,8 +63,9 @@ def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: in
                   ``offloaded_static`` need a GPU and are refused with CPU semantics.
     weights       the linear layers' storage: ``auto`` (``precision``), ``int8`` (bitsandbytes LLM.int8,
                   ``load_in_8bit``) or ``nf4`` (bitsandbytes 4-bit NF4, ``load_in_4bit``, double-quantised,
-                  ``precision`` as compute dtype); the output embedding stays in ``precision``, as
-                  ``from_pretrained`` leaves it.
+                  ``precision`` as compute dtype), ``ao-int8wo`` (torchao ``Int8WeightOnlyConfig``) or
+                  ``ao-int8da8w`` (torchao ``Int8DynamicActivationInt8WeightConfig``); the output embedding
+                  stays in ``precision``, as ``from_pretrained`` leaves it.
     padding       left-pad the prompts (rows after the first shorter): transformers then builds a 4-D
                   attention mask in every forward.
     logits_to_keep  positions whose logits the prefill computes; None: ``generate``'s own choice (the

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from memfit.accounting.allocator_events import span
 from memfit.generation.run import Request, prompt_batch, run_generate, vocab_size
-from memfit.generation.weights import DTYPES, quantize_weights
+from memfit.generation.weights import DTYPES, quantize_weights, stored
 from memfit.scoped import quiet_profiler
 from memfit.techniques.step import batch_tensors
 
@@ -50,7 +50,7 @@ def resident_peak(fn, resident) -> int:
     """Bytes of the distinct storages of ``resident`` plus the highest bytes allocated above them while
     ``fn()`` runs on CPU, frees of resident storages included (see the module)."""
     storages = {}
-    for tensor in resident:
+    for tensor in (local for t in resident for local in stored(t)):  # a tensor subclass: its inner tensors
         storage = tensor.untyped_storage()
         storages.setdefault(storage.data_ptr(), storage)
     base = sum(s.nbytes() for s in storages.values())

@@ -1,4 +1,4 @@
-"""The weights a generation runs on: a dtype, or bitsandbytes' 8-bit and 4-bit linear layers.
+"""The weights a generation runs on: a dtype, bitsandbytes' 8-bit and 4-bit linear layers, or torchao's int8.
 
 ``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_8bit=True))`` swaps every
 ``nn.Linear`` but the output head for a ``Linear8bitLt`` (LLM.int8: int8 rows and one fp32 scale per
@@ -13,8 +13,14 @@ a plain fake parameter carrying the attributes bitsandbytes reads (the 4-bit cas
 none (an int8 forward of a trained model has a few per layer, kilobytes), ``Outliers`` answers the two
 bitsandbytes ops whose fake kernels would otherwise ask for a data-dependent size.
 
-Left out: torchao's formats (its tensor subclasses on fake tensors are not checked yet), GPTQ / AWQ
-kernels (they need a GPU).
+torchao's formats that run on the CPU (torch 2.13, torchao 0.18): ``ao-int8wo``
+(``quantize_(model, Int8WeightOnlyConfig())``) and ``ao-int8da8w`` (``Int8DynamicActivationInt8WeightConfig()``,
+activations quantised per token in each forward). Both make each weight an ``Int8Tensor``: int8 rows, one
+fp32 scale and one int8 zero point per row. ``quantize_`` runs as is on the fake model: the subclass wraps
+fake inner tensors, and its bytes are those inner tensors' (``stored``), which the ledger and the truth count.
+
+Left out: torchao's int4 weight-only formats (torchao 0.18 packs int4 for CUDA (tinygemm), mslk, XPU or NPU:
+none runs on the CPU), GPTQ / AWQ kernels (they need a GPU).
 """
 
 from __future__ import annotations
@@ -27,10 +33,18 @@ from memfit.errors import MemfitError
 from memfit.scoped import rng_hop_rules
 from memfit.techniques.lora import ALL_LINEAR, bnb_module, quant_state_tensors, quantize_base, quantized_layers
 
-__all__ = ["DTYPES", "WEIGHTS", "quantize_weights", "Outliers", "INT8_THRESHOLD"]
+__all__ = ["DTYPES", "WEIGHTS", "TORCHAO", "quantize_weights", "stored", "probed_ops", "Outliers", "INT8_THRESHOLD"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-WEIGHTS = ("auto", "int8", "nf4")
+WEIGHTS = ("auto", "int8", "nf4", "ao-int8wo", "ao-int8da8w")
+#: memfit name -> torchao.quantization config class: the weight-only and dynamic-activation int8 formats, the
+#: torchao formats that run on the CPU (torchao 0.18's int4 packings need CUDA, XPU/NPU or mslk)
+TORCHAO = {"ao-int8wo": "Int8WeightOnlyConfig", "ao-int8da8w": "Int8DynamicActivationInt8WeightConfig"}
+#: ops a format's forward calls whose CPU kernels allocate below the dispatcher, replayed for their scratch
+#: (``accounting/scratch.py``): ao-int8da8w's ``int8 weight.sum(dim=0, dtype=int32)`` (the zero-point correction
+#: of torchao's u8s8 path, taken on CPUs with AVX512-VNNI and no AMX) copies the whole weight to int32 inside the
+#: sum kernel (20 KiB at a tiny Llama's peak, 10 % of it, before it was replayed)
+_PROBED = {"ao-int8da8w": frozenset({"sum"})}
 INT8_THRESHOLD = 6.0  # BitsAndBytesConfig's llm_int8_threshold
 
 
@@ -39,6 +53,8 @@ def quantize_weights(model: torch.nn.Module, weights: str, dtype: torch.dtype) -
     layers hold beside their parameters (scales, absmax, code tables), which the model keeps resident."""
     if weights == "auto":
         return []
+    if weights in TORCHAO:
+        return _torchao(model, weights)
     bnb = bnb_module()
     if weights == "nf4":
         quantize_base(model, ALL_LINEAR, ALL_LINEAR, compute_dtype=dtype)
@@ -51,6 +67,36 @@ def quantize_weights(model: torch.nn.Module, weights: str, dtype: torch.dtype) -
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, _int8_linear(getattr(owner, child), bnb, dtype))
     return [module.weight.SCB for module in model.modules() if isinstance(module, bnb.nn.Linear8bitLt)]
+
+
+def probed_ops(weights: str) -> frozenset[str]:
+    """The op names (``Ledger.probe_ops``) ``weights``' forward adds to a generation's."""
+    return _PROBED.get(weights, frozenset())
+
+
+def stored(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s bytes: itself, or for a tensor subclass (torchao's
+    ``Int8Tensor``) the inner tensors ``__tensor_flatten__`` names; the wrapper has no storage of its own."""
+    if type(tensor) is torch.Tensor or isinstance(tensor, FakeTensor) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [t for value in inner if isinstance(value, torch.Tensor) for t in stored(value)]
+
+
+def _torchao(model: torch.nn.Module, weights: str) -> list[torch.Tensor]:
+    """``quantize_(model, config)`` on ``model``'s linear layers but the heads: each weight becomes torchao's
+    ``Int8Tensor`` (int8 rows, one fp32 scale and one int8 zero point per row), a parameter whose bytes are
+    its inner tensors'; nothing beside the parameters."""
+    try:
+        import torchao.quantization as ao
+    except ImportError:
+        raise MemfitError(f"weights={weights} needs torchao: pip install 'memfit[ao]'") from None
+    names = set(quantized_layers(model))
+    if not names:
+        raise MemfitError(f"weights={weights} found no nn.Linear layers to quantise in {type(model).__name__}")
+    ao.quantize_(model, getattr(ao, TORCHAO[weights])(), filter_fn=lambda module, name: name in names)
+    return []
 
 
 def _int8_linear(linear: torch.nn.Linear, bnb, dtype) -> torch.nn.Module:
