@@ -25,10 +25,7 @@ tensor is what), the user's loop does not, so it is read from torch's own hooks:
 - where: every allocation keeps the Python stack that made it; its *site* is the innermost frame of
   the user's own code (not torch, memfit, an installed package or the standard library).
 
-Leaks (``_leaks``): a storage allocated in step k that is still alive when the last step ends (so
-at least one full step later) is a survivor of step k; survivors of steps 1 .. n-2 (step 0 makes what lives for
-good: optimizer state, caches; the last step has no step after it) grouped by site, where at least two
-steps left some, are leaks, with the bytes they add per step. A clean loop has none.
+Leaks: memory that grows step after step, by allocation site (``sites.py``, where the rule is).
 
 On CUDA the allocator's history (``torch.cuda.memory._record_memory_history``) is recorded beside
 the ledger: the raw snapshot (which PyTorch's memory_viz page opens) and the reserved bytes over time
@@ -48,7 +45,7 @@ import os
 import sys
 import sysconfig
 import warnings
-from collections import Counter, defaultdict
+from collections import Counter
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -62,14 +59,12 @@ from memfit.accounting.scratch import measure_scratch
 from memfit.categories import Category
 from memfit.errors import MemfitError
 from memfit.estimator.trace import fold_peaks, numel
+from memfit.profiling.sites import FRAMES, largest_at, leaks, short
 from memfit.report.report import Report
 from memfit.units import parse_size
 
 __all__ = ["profile", "Profile", "Enough"]
 
-_TOP = 20  # largest allocations at the peak kept with their stacks
-_FRAMES = 12  # frames kept per allocation stack
-_MIN_LEAK_STEPS = 2
 
 
 class Enough(Exception):
@@ -121,8 +116,8 @@ class _Watch(Ledger):
                        if not f.filename.startswith(self._own))
         site = next((i for i, f in enumerate(frames) if self._is_user(f[0])), -1)
         if site < 0:
-            return frames[:_FRAMES], -1
-        return frames[site:site + _FRAMES], 0  # from the user's innermost frame outwards
+            return frames[:FRAMES], -1
+        return frames[site:site + FRAMES], 0  # from the user's innermost frame outwards
 
     def _track(self, storage, category: Category) -> int | None:
         if storage.device.type != self.device.type:  # a CUDA profile does not count host tensors, and back
@@ -325,7 +320,7 @@ class Profile:
 
     def _site_here(self) -> str | None:
         stack, site = self.watch._stack()
-        return None if site < 0 else f"{_short(stack[0][0])}:{stack[0][1]}"
+        return None if site < 0 else f"{short(stack[0][0])}:{stack[0][1]}"
 
     def _backward_began(self) -> None:
         if self._forward is not None:
@@ -409,7 +404,7 @@ class Profile:
                  "no optimizer step seen: all of it counts as step 1 (mark steps with prof.step())"]
         if unprobed:
             notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")
-        leaks = _leaks(watch, self._boundaries)
+        found = leaks(watch, self._boundaries)
         if self.steps and self.steps < 4:
             notes.append("leaks are looked for over 4 steps or more; fewer were profiled")
         extra = {}
@@ -433,8 +428,8 @@ class Profile:
             trainable=sum(numel(p) for p in params if p.requires_grad),
             settings=settings,
             notes=notes,
-            top_allocations=_largest_at(watch, result.peak_event),
-            leaks=leaks,
+            top_allocations=largest_at(watch, result.peak_event),
+            leaks=found,
             **extra,
         )
 
@@ -468,101 +463,6 @@ def profile(*, model=None, device=None, max_steps: int | None = None, budget=Non
 
 def _tokens(inputs, step):
     return max((entry["tokens"] for entry in inputs if entry["step"] == step), default=None)
-
-
-def _short(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
-
-
-def _frames(watch: _Watch, index: int) -> list[str]:
-    return [f"{_short(f)}:{line} in {name}" for f, line, name in watch.stack(index)[0]]
-
-
-def _site(watch: _Watch, index: int) -> str:
-    """The innermost frame of the user's code that allocated record ``index`` ("file.py:LINE")."""
-    stack, _ = watch.stack(index)
-    if not stack:
-        return "(before the profile)"
-    return f"{_short(stack[0][0])}:{stack[0][1]}"
-
-
-def _live_at(watch: _Watch, stop: int | None) -> dict[int, None]:
-    live: dict[int, None] = {}
-    for number, (kind, index) in enumerate(storage_events(watch)):
-        if stop is not None and number > stop:
-            break
-        if kind == ALLOC:
-            live[index] = None
-        elif kind == FREE:
-            live.pop(index, None)
-    return live
-
-
-def _largest_at(watch: _Watch, event: int) -> list[dict]:
-    live = _live_at(watch, event)
-    top = sorted(live, key=lambda i: -watch.records[i].nbytes)[:_TOP]
-    out = []
-    for index in top:
-        record = watch.records[index]
-        out.append({"bytes": record.nbytes, "category": record.category.value, "module": record.module,
-                    "site": _site(watch, index), "stack": _frames(watch, index)})
-    return out
-
-
-def _leaks(watch: _Watch, boundaries: list[int]) -> list[dict]:
-    """Sites whose storages, made in step k, outlive step k + 1 and the profile (see the module docstring)."""
-    steps = len(boundaries)
-    if steps < 4:
-        return []
-    last = boundaries[-1]
-    born_at: dict[int, int] = {}
-    freed_at: dict[int, int] = {}
-    for number, (kind, index) in enumerate(watch.events):
-        if kind == ALLOC:
-            born_at[index] = number
-        elif kind == FREE:
-            freed_at[index] = number
-
-    def step_of(event: int) -> int:
-        lo, hi = 0, len(boundaries)
-        while lo < hi:  # the first boundary past the event
-            mid = (lo + hi) // 2
-            if boundaries[mid] <= event:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
-    by_site: dict[str, Counter] = defaultdict(Counter)
-    category: dict[str, Counter] = defaultdict(Counter)
-    example: dict[str, int] = {}
-    for index, born in born_at.items():
-        if freed_at.get(index, last) < last:
-            continue  # freed before the last step ended
-        record = watch.records[index]
-        if record.donated or record.managed:
-            continue
-        k = step_of(born)
-        if not 1 <= k <= steps - 2:
-            continue
-        site = _site(watch, index)
-        by_site[site][k] += record.nbytes
-        category[site][record.category.value] += record.nbytes
-        example.setdefault(site, index)
-    span = steps - 2
-    leaks = []
-    for site, per_step in by_site.items():
-        if len(per_step) < _MIN_LEAK_STEPS:
-            continue
-        index = example[site]
-        leaks.append({"site": site, "bytes_per_step": round(sum(per_step.values()) / span),
-                      "steps": len(per_step), "category": category[site].most_common(1)[0][0],
-                      "stack": _frames(watch, index)})
-    return sorted(leaks, key=lambda leak: -leak["bytes_per_step"])
 
 
 def _cuda_fields(snapshot, watch) -> dict:
