@@ -41,14 +41,13 @@ from memfit.accounting.ledger import MARK, SPIKE, Ledger
 from memfit.accounting.replay import replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.accounting.synth import synthesise
-from memfit.categories import Category
 from memfit.errors import MemfitError
 from memfit.estimator.depth import plan_copy
 from memfit.estimator.fake import build_fake, fake_copy
-from memfit.generation.full import PROBED, as_real, check_generates, traced
+from memfit.generation.full import PROBED, as_real, check_generates, register, traced
 from memfit.generation.run import Request, prompt_batch, vocab_size
 from memfit.generation.values import LIMIT, KnownValues
-from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights, stored
+from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights
 from memfit.hardware.cpu_kernels import CpuKernels
 from memfit.estimator.trace import numel
 from memfit.report.report import Report
@@ -177,12 +176,7 @@ def _forward(source, copy, request: Request, precision: str, weights: str, *, up
     ledger.probe_ops = PROBED | probed_ops(weights)
     if upto is not None:
         ledger.on_phase = _stop_at(ledger, upto)
-    for tensor in (local for t in list(model.parameters()) + extra for local in stored(t)):
-        ledger.register(tensor, Category.PARAMETERS)
-    for tensor in model.buffers():
-        ledger.register(tensor, Category.BUFFERS)
-    for tensor in prompt.values():
-        ledger.register(tensor, Category.BATCH)
+    register(ledger, model, extra, prompt)
     top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None)
     with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads:
         try:

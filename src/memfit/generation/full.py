@@ -29,7 +29,7 @@ from memfit.hardware.cpu_kernels import CpuKernels
 from memfit.report.report import Report
 from memfit.scoped import patched
 
-__all__ = ["estimate_full", "traced", "as_real", "check_generates", "PROBED"]
+__all__ = ["estimate_full", "traced", "as_real", "check_generates", "register", "PROBED"]
 
 # CPU kernels whose scratch a generation's peak can sit on, replayed beside the training step's (conv, RNN,
 # low-precision matmuls): SDPA's flash kernel allocates per-thread blocks inside itself (2,880 B per call of a
@@ -55,12 +55,7 @@ def estimate_full(source, request: Request, precision: str, weights: str, progre
     ledger = Ledger(device=torch.device("cpu"), model=model)
     ledger.on_phase = _ticker(progress, request.new_tokens + 1)
     ledger.probe_ops = PROBED | probed_ops(weights)
-    for tensor in (local for t in list(model.parameters()) + extra for local in stored(t)):
-        ledger.register(tensor, Category.PARAMETERS)
-    for tensor in model.buffers():
-        ledger.register(tensor, Category.BUFFERS)
-    for tensor in prompt.values():
-        ledger.register(tensor, Category.BATCH)
+    register(ledger, model, extra, prompt)
     top_k = getattr(config.get_text_config(decoder=True), "num_experts_per_tok", None)
     with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads:
         _check_length(traced(model, prompt, request, ledger, source.name), request, config)
@@ -149,6 +144,17 @@ def _check_length(out, request: Request, config) -> None:
     if made != request.new_tokens:
         raise MemfitError(f"generate stopped after {made} of {request.new_tokens} tokens on fake tensors: a stopping "
                           "rule read a value the fake run cannot know; the estimate would be too low")
+
+
+def register(ledger, model, extra, prompt) -> None:
+    """What exists before the generation: the weights (a quantised one's stored tensors, ``weights.stored``),
+    the buffers and the prompt. Shared by the full trace and the fast path's traces."""
+    for tensor in (local for t in list(model.parameters()) + extra for local in stored(t)):
+        ledger.register(tensor, Category.PARAMETERS)
+    for tensor in model.buffers():
+        ledger.register(tensor, Category.BUFFERS)
+    for tensor in prompt.values():
+        ledger.register(tensor, Category.BATCH)
 
 
 def _ticker(progress, total: int):
