@@ -37,17 +37,18 @@ import dataclasses
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.accounting.ledger import MARK, SPIKE, Ledger
+from memfit.accounting.ledger import MARK, SPIKE
 from memfit.accounting.replay import replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.accounting.synth import synthesise
 from memfit.errors import MemfitError
 from memfit.estimator.depth import plan_copy
 from memfit.estimator.fake import build_fake, fake_copy
-from memfit.generation.full import PROBED, as_real, check_generates, register, traced
+from memfit.generation.device import cuda_fields
+from memfit.generation.full import as_real, check_generates, generation_ledger, register, semantics, traced
 from memfit.generation.run import Request, prompt_batch, vocab_size
 from memfit.generation.values import LIMIT, KnownValues
-from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights
+from memfit.generation.weights import DTYPES, Outliers, quantize_weights
 from memfit.hardware.cpu_kernels import CpuKernels
 from memfit.estimator.trace import numel
 from memfit.report.report import Report
@@ -76,6 +77,8 @@ class _Forward:
     notes: dict  # counts: unprobed op calls, unknown scalar reads, frees unmatched at full depth
     phase_peaks: dict  # prefill / decode -> peak over the traced forwards of that phase
     step_peaks: list  # the peak of each traced forward, in order
+    log: object = None  # the allocation log, at full depth (what the CUDA allocator replays)
+    log_peak: int = 0  # its peak over every traced forward
 
 
 def fast_refusal(source, request: Request) -> str | None:
@@ -88,17 +91,18 @@ def fast_refusal(source, request: Request) -> str | None:
     return None
 
 
-def estimate_fast(source, request: Request, precision: str, weights: str, progress=None) -> Report:
+def estimate_fast(source, request: Request, precision: str, weights: str, progress=None, gpu=None,
+                  budget: int | None = None) -> Report:
     """The prefill and the last decode step of ``request`` (see the module), at the deep model's depth."""
     copy = plan_copy(source) if source.module is None else None
     shallow = source.shallow(copy.blocks) if copy is not None else source
     tick = _ticker(progress)
     if request.new_tokens <= 4:  # as short as the traces below: trace it whole
-        prefill, last = _forward(shallow, copy, request, precision, weights, upto=None, last=None), None
+        prefill, last = _forward(shallow, copy, request, precision, weights, upto=None, last=None, gpu=gpu), None
     else:
-        prefill = _forward(shallow, copy, request, precision, weights, upto=2, last=None)
+        prefill = _forward(shallow, copy, request, precision, weights, upto=2, last=None, gpu=gpu)
         tick(1)
-        last = _last_step(shallow, copy, request, precision, weights)
+        last = _last_step(shallow, copy, request, precision, weights, gpu)
     tick(2)
     top = prefill if last is None or prefill.peak >= last.peak else last
     depth = source.depth
@@ -114,15 +118,19 @@ def estimate_fast(source, request: Request, precision: str, weights: str, progre
                      "bf16 kernel scratch")
     phase_peaks = {"prefill": prefill.phase_peaks.get("prefill", 0),
                    "decode": max(prefill.phase_peaks.get("decode", 0), last.peak if last is not None else 0)}
+    cuda = {}
+    if gpu is not None:
+        cuda, more = cuda_fields(prefill.log, gpu, budget, above=top.peak - prefill.log_peak)
+        notes += more
     return Report(
-        peak_bytes=top.peak,
+        peak_bytes=cuda.pop("peak_bytes", top.peak),
         by_category=top.by_category,
         phase_peaks=phase_peaks,
         step_peaks=prefill.step_peaks + ([last.peak] if last is not None else []),
         modules=top.modules,
         timeline=top.timeline,
         stacked=top.stacked,
-        device="cpu",
+        device="cpu" if gpu is None else "cuda",
         method="depth" if copy is not None else "fast",
         modelled_bytes=top.scratch,
         unprobed_ops=sum(f.notes["unprobed"] for f in ([prefill] + ([last] if last is not None else []))),
@@ -136,17 +144,18 @@ def estimate_fast(source, request: Request, precision: str, weights: str, progre
                   "traced_depths": [len(copy.blocks)] if copy is not None else [depth],
                   **({"depth": depth} if depth else {})},
         notes=notes + _counted([prefill] + ([last] if last is not None else [])) + list(source.notes),
+        **cuda,
     )
 
 
-def _last_step(source, copy, request: Request, precision: str, weights: str) -> _Forward:
+def _last_step(source, copy, request: Request, precision: str, weights: str, gpu=None) -> _Forward:
     """The last decode step of ``request``: a cache of ``prompt + new - 1`` positions, traced as the last step
     of 3 and of 4 new tokens from the prompts that end there. The tensors a generation keeps of its prompt
     (the caller's ids and mask, ``generate``'s own copies) are the only difference between the two: a line
     in the prompt's length, followed back to the true prompt for the peak and each category."""
     end = request.prompt_len + request.new_tokens - 1
     a, b = (_forward(source, copy, dataclasses.replace(request, prompt_len=end - k + 1, new_tokens=k), precision,
-                     weights, upto=None, last=k - 1) for k in (3, 4))
+                     weights, upto=None, last=k - 1, gpu=gpu) for k in (3, 4))
     back = request.new_tokens - 3  # prompt tokens from trace a's to the true one
 
     def line(x: int, y: int) -> int:
@@ -158,7 +167,7 @@ def _last_step(source, copy, request: Request, precision: str, weights: str) -> 
 
 
 def _forward(source, copy, request: Request, precision: str, weights: str, *, upto: int | None,
-             last: int | None) -> _Forward:
+             last: int | None, gpu=None) -> _Forward:
     """Trace ``request`` on ``source`` up to decode step ``upto`` (None: all of it), its log written at the deep
     depth and replayed; the peak of its forward ``last`` (None: of everything traced)."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -172,13 +181,12 @@ def _forward(source, copy, request: Request, precision: str, weights: str, *, up
     for name, value in prompt_batch(request, vocab_size(model.config)).items():
         prompt[name] = mode.from_tensor(value)
         reads.known(prompt[name], value)
-    ledger = Ledger(device=torch.device("cpu"), model=model)
-    ledger.probe_ops = PROBED | probed_ops(weights)
+    ledger = generation_ledger(model, weights, gpu)
     if upto is not None:
         ledger.on_phase = _stop_at(ledger, upto)
     register(ledger, model, extra, prompt)
     top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None)
-    with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads:
+    with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads, semantics(gpu):
         try:
             traced(model, prompt, request, ledger, source.name)
         except _Stop:
@@ -202,7 +210,7 @@ def _forward(source, copy, request: Request, precision: str, weights: str, *, up
         phase_peaks[ph] = max(phase_peaks.get(ph, 0), result.phase_peaks[(step, ph)])
     return _Forward(peak, by_category, result.modules if own else [], result.timeline, result.stacked,
                     result.scratch_at_peak if own else 0, _parameters(ledger, log, copy), notes,
-                    phase_peaks, [result.phase_peaks[k] for k in steps])
+                    phase_peaks, [result.phase_peaks[k] for k in steps], log, result.peak_bytes)
 
 
 def _counted(forwards: list) -> list[str]:

@@ -6,6 +6,9 @@ scratch, the check that a model generates.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -25,11 +28,14 @@ from memfit.estimator.trace import fold_peaks, numel
 from memfit.generation.run import Request, prompt_batch, run_generate, vocab_size
 from memfit.generation.values import LIMIT, KnownValues
 from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights, stored
+from memfit.generation.device import cuda_fields
 from memfit.hardware.cpu_kernels import CpuKernels
+from memfit.hardware.cuda import cuda_semantics
 from memfit.report.report import Report
 from memfit.scoped import patched
 
-__all__ = ["estimate_full", "traced", "as_real", "check_generates", "register", "PROBED"]
+__all__ = ["estimate_full", "traced", "as_real", "check_generates", "register", "PROBED", "generation_ledger",
+           "semantics"]
 
 # CPU kernels whose scratch a generation's peak can sit on, replayed beside the training step's (conv, RNN,
 # low-precision matmuls): SDPA's flash kernel allocates per-thread blocks inside itself (2,880 B per call of a
@@ -37,7 +43,8 @@ __all__ = ["estimate_full", "traced", "as_real", "check_generates", "register", 
 PROBED = frozenset({"_scaled_dot_product_flash_attention_for_cpu"})
 
 
-def estimate_full(source, request: Request, precision: str, weights: str, progress) -> Report:
+def estimate_full(source, request: Request, precision: str, weights: str, progress, gpu=None,
+                  budget: int | None = None) -> Report:
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     dtype = DTYPES[precision]
     if source.module is not None:
@@ -52,16 +59,34 @@ def estimate_full(source, request: Request, precision: str, weights: str, progre
     for name, value in prompt_batch(request, vocab_size(config)).items():
         prompt[name] = mode.from_tensor(value)
         reads.known(prompt[name], value)
-    ledger = Ledger(device=torch.device("cpu"), model=model)
+    ledger = generation_ledger(model, weights, gpu)
     ledger.on_phase = _ticker(progress, request.new_tokens + 1)
-    ledger.probe_ops = PROBED | probed_ops(weights)
     register(ledger, model, extra, prompt)
     top_k = getattr(config.get_text_config(decoder=True), "num_experts_per_tok", None)
-    with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads:
+    with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads, semantics(gpu):
         _check_length(traced(model, prompt, request, ledger, source.name), request, config)
         # inside CpuKernels: a mixture-of-experts kernel is replayed with the routing assumed
         scratch, unprobed = measure_scratch(ledger)
-    return _report(ledger, (scratch, unprobed), model, request, precision, weights, reads, progress, source)
+    report = _report(ledger, (scratch, unprobed), model, request, precision, weights, reads, progress, source)
+    if gpu is None:
+        return report
+    fields, notes = cuda_fields(ledger, gpu, budget)
+    return dataclasses.replace(report, **fields, device="cuda", notes=report.notes + notes)
+
+
+def generation_ledger(model, weights: str, gpu) -> Ledger:
+    """The ledger of a generation's trace: on CUDA (``gpu`` a catalog card) with its cuBLAS workspace and no CPU
+    kernel scratch, on the CPU with the kernels whose scratch is replayed."""
+    if gpu is not None:
+        return Ledger(device=torch.device("cpu"), model=model, cublas_workspace=gpu.cublas_workspace_bytes)
+    ledger = Ledger(device=torch.device("cpu"), model=model)
+    ledger.probe_ops = PROBED | probed_ops(weights)
+    return ledger
+
+
+def semantics(gpu):
+    """CUDA's rules for the trace (``hardware/cuda.py``) when ``gpu`` is a card; nothing on the CPU."""
+    return cuda_semantics() if gpu is not None else contextlib.nullcontext()
 
 
 def traced(model, prompt: dict, request: Request, ledger: Ledger, name: str):

@@ -226,7 +226,7 @@ def _measure(estimate_generate, model, fmt: str, chunks, kv) -> Measured:
     counted = []
 
     def prefill(tokens: int):
-        report = estimate_generate(model, prompt_len=tokens, new_tokens=1, weights=weights)
+        report = estimate_generate(model, prompt_len=tokens, new_tokens=1, weights=weights, device="cpu")
         counted.append(report.parameters)
         cats = {str(k): v for k, v in report.by_category.items()}
         resident = cats.get("parameters", 0) + cats.get("buffers", 0)
@@ -242,7 +242,8 @@ def _measure(estimate_generate, model, fmt: str, chunks, kv) -> Measured:
     chunk = {c: prefill(c)[2] for c in sorted(set(chunks))}
     decode = []
     for batch in DECODE_BATCHES:
-        report = estimate_generate(model, prompt_len=SHORT[0], new_tokens=2, batch_size=batch, weights=weights)
+        report = estimate_generate(model, prompt_len=SHORT[0], new_tokens=2, batch_size=batch, weights=weights,
+                                   device="cpu")
         held = batch * (kv[0] * (SHORT[0] + 1) + kv[1])
         decode.append(max(0, report.phase_peaks.get("decode", 0) - resident - held))
     slope = max(0, (decode[1] - decode[0]) // (DECODE_BATCHES[1] - DECODE_BATCHES[0]))

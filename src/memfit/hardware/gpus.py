@@ -267,3 +267,78 @@ def gpu(name: str) -> GPU:
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise MemfitError(f"unknown GPU {name!r}: {hint}known GPUs are {', '.join(gpu_names())}; "
                       f"use one of these, or give the memory as a size (e.g. --budget 24GiB)")
+
+
+#: The card memfit answers for when no GPU is given and none is visible: the most common training card in
+#: the published runs memfit is measured against (torchtitan's, the transformers guides'). Named in every
+#: answer that assumes it.
+DEFAULT_GPU = "h100-sxm"
+#: ``MEMFIT_DEVICE=cpu`` makes CPU semantics the default where neither ``device`` nor ``gpu`` is given.
+DEVICE_ENV = "MEMFIT_DEVICE"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Whose semantics an answer follows: ``gpu`` None for the CPU's; ``how`` says where the card came from:
+    ``given`` (gpu= / --gpu), ``visible`` (the GPU torch sees), ``default`` (none visible: ``DEFAULT_GPU``),
+    ``cpu`` (device="cpu" / --device cpu, or ``MEMFIT_DEVICE=cpu``)."""
+
+    gpu: GPU | None
+    how: str
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu is None else "cuda"
+
+
+def visible_gpu() -> GPU | None:
+    """The GPU torch sees (device 0), as a catalog card when its name is known, else a card made from its own
+    total memory and compute capability (speeds of the catalog card of the same architecture); None when torch
+    sees no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    try:
+        return gpu(props.name)
+    except MemfitError:
+        pass
+    cc = (props.major, props.minor)
+    near = min(CATALOG.values(), key=lambda card: (abs(card.compute_capability[0] - cc[0]) * 10
+                                                    + abs(card.compute_capability[1] - cc[1]),
+                                                    abs(card.memory_bytes - props.total_memory)))
+    context = near.cuda_context_bytes
+    return dataclasses.replace(near, name=_compact(props.name) or "cuda", full_name=props.name,
+                               memory_bytes=int(props.total_memory), compute_capability=cc,
+                               cublas_workspace_bytes=_cublas_workspace(cc), bf16=cc >= (8, 0), fp8=cc >= (8, 9),
+                               cuda_context_bytes=context)
+
+
+def target(device=None, card=None) -> Target:
+    """Whose semantics to follow, as every verb decides it: ``card`` (a name or a ``GPU``) if given; else
+    ``device="cpu"`` (or ``MEMFIT_DEVICE=cpu`` when ``device`` is None) for the CPU's; else the GPU torch sees;
+    else ``DEFAULT_GPU``."""
+    import os
+
+    kind = None if device is None else str(device).split(":")[0]
+    if kind not in (None, "cpu", "cuda"):
+        raise MemfitError(f"device {shown_device(device)} is not modelled: use device='cpu' or device='cuda'")
+    if card is not None:
+        if kind == "cpu":
+            raise MemfitError("gpu and device='cpu' conflict: drop one")
+        return Target(card if isinstance(card, GPU) else gpu(card), "given")
+    if kind is None:
+        env = os.environ.get(DEVICE_ENV, "").strip().lower()
+        if env not in ("", "cpu", "cuda"):
+            raise MemfitError(f"{DEVICE_ENV}={env[:20]!r} is not a device: set it to cpu or cuda, or unset it")
+        kind = env or "cuda"
+    if kind == "cpu":
+        return Target(None, "cpu")
+    seen = visible_gpu()
+    return Target(seen, "visible") if seen is not None else Target(CATALOG[DEFAULT_GPU], "default")
+
+
+def shown_device(device) -> str:
+    text = repr(device)
+    return text if len(text) <= 40 else text[:37] + "..."

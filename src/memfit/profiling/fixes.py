@@ -336,7 +336,7 @@ def _room(message: OomMessage | None, target) -> int | None:
 def _card(gpu, message: OomMessage | None, notes: list):
     """The catalog GPU: the one named, else the one whose memory the message's capacity is (within 2 %)."""
     from memfit.estimator.estimate import DEFAULT_GPU
-    from memfit.hardware.gpus import CATALOG, gpu as lookup
+    from memfit.hardware.gpus import CATALOG, gpu as lookup, visible_gpu
 
     if gpu is not None:
         return gpu if not isinstance(gpu, str) else lookup(gpu)
@@ -348,7 +348,12 @@ def _card(gpu, message: OomMessage | None, notes: list):
             notes.append(f"GPU taken as {best.name}: its memory is nearest the message's {format_size(capacity)} "
                          "capacity (pass --gpu to name yours)")
             return best
-    notes.append(f"no catalog GPU has the message's capacity: {DEFAULT_GPU} semantics under it (pass --gpu)")
+    seen = visible_gpu()
+    if seen is not None:
+        notes.append(f"GPU taken as {seen.name}, the one torch sees (pass --gpu to name another)")
+        return seen
+    notes.append(f"no catalog GPU has the message's capacity and none is visible: {DEFAULT_GPU} semantics under it "
+                 "(pass --gpu)")
     return lookup(DEFAULT_GPU)
 
 

@@ -61,6 +61,7 @@ from memfit.errors import MemfitError
 from memfit.estimator.trace import fold_peaks, numel
 from memfit.profiling.sites import FRAMES, largest_at, leaks, short
 from memfit.report.report import Report
+from memfit.units import format_size
 from memfit.units import parse_size
 
 __all__ = ["profile", "Profile", "Enough"]
@@ -195,8 +196,9 @@ class Profile:
             if self.budget is not None:
                 resident = sum(r.nbytes for r in watch.records)
                 scope.enter_context(VirtualBudget(self.budget, resident=resident))
+            if self.device.type == "cuda":  # the report's peak is the allocator's own, from here on
+                torch.cuda.reset_peak_memory_stats(self.device)
             if self.record_history:
-                torch.cuda.reset_peak_memory_stats()
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000)
                 scope.callback(torch.cuda.memory._record_memory_history, enabled=None)
             handles = [register_optimizer_step_pre_hook(self._optimizer_begins),
@@ -413,8 +415,15 @@ class Profile:
         settings = {"steps": self.steps, "workload": "train" if self.steps else "forward",
                     "inputs": self.inputs, "budget": self.budget}
         settings.update(extra.pop("settings", {}))
+        if self.device.type == "cuda":
+            # What a user compares with: torch.cuda.max_memory_allocated(), each block rounded up by the
+            # caching allocator (512 B, or the 2 MiB / 20 MiB segment rules), which the ledger's tensor
+            # bytes are not. The categories, phases and steps stay the ledger's.
+            settings["ledger_peak_bytes"] = result.peak_bytes
+            notes.append("peak: the caching allocator's max_memory_allocated (blocks rounded up); categories, phases "
+                         f"and steps are tensor bytes (their peak {format_size(result.peak_bytes)})")
         return Report(
-            peak_bytes=result.peak_bytes,
+            peak_bytes=settings["max_memory_allocated"] if self.device.type == "cuda" else result.peak_bytes,
             by_category=result.by_category,
             **fold_peaks(result.phase_peaks, steps),
             modules=result.modules,

@@ -258,6 +258,23 @@ def _html(report: Report) -> str:
     return '<div class="memfit-report">' + "".join(parts) + "</div>"
 
 
+def target_line(report: Report) -> str:
+    """The first line of an answer: whose semantics, which card and why that one, and the verdict's word."""
+    how = report.settings.get("target")
+    if report.gpu is None:
+        return "CPU semantics: the CPU allocator's bytes (--device cpu)"
+    said = {"visible": f"the {report.gpu}, the GPU torch sees",
+            "default": f"the {report.gpu}: no GPU visible, so memfit's default card (--gpu NAME for yours, "
+                       "--device cpu for the CPU's semantics)"}.get(how, f"the {report.gpu}")
+    word = {FITS: "fits", EXPANDABLE: "fits only with expandable segments", OOM: "OUT OF MEMORY"}.get(report.verdict)
+    if word is None or report.capacity_bytes is None:
+        return f"on {said}"
+    room = format_size(report.capacity_bytes + (report.context_bytes or 0))
+    if report.verdict == OOM:
+        return f"on {said}: {word}, {format_size(report.missing_bytes or 0)} more than its {room} is needed"
+    return f"on {said}: {word}, {format_size(report.device_bytes)} of its {room}"
+
+
 def verdict_line(report: Report) -> str:
     """One line saying what torch would do with the step on the card (``report.verdict``)."""
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.categories import GENERATE_PHASES, PHASES, Category
-from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, verdict_line
+from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, target_line, verdict_line
 from memfit.units import format_size
 
 __all__ = ["report_view", "verdict", "plan_view", "fit_view", "front_around"]
@@ -54,7 +54,7 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
         recipe = Recipe.from_dict(report.settings["recipe"])
     title = (f"{name}: {_generation(report.settings) if generation else recipe.describe()}, "
              f"{report.parameters / 1e9:.3f}B params ({report.method} on {report.device} semantics)")
-    parts = [Text(title, style="bold")]
+    parts = [Text(target_line(report), style="bold"), Text(title, style="bold")]
     if report.world is not None:
         w = report.world
         cluster = f"{w['size']} GPU(s)" if w["nodes"] == 1 else f"{w['nodes']} nodes x {w['gpus']} GPUs"

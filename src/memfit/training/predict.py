@@ -117,7 +117,7 @@ class ShapeBudget:
         recipe = self.recipe.replace(micro_batch_size=rows, grad_accum_steps=self.parts)
         with _disable_current_modes():  # a VirtualBudget around the caller must not count fake tensors
             report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, gpu=self.gpu,
-                              fast=False)
+                              device="cpu" if self.gpu is None else "cuda", fast=False)
         self.estimates += 1
         return report.reserved_bytes if report.reserved_bytes is not None else report.peak_bytes
 

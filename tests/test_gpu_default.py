@@ -1,0 +1,95 @@
+"""CUDA semantics are the default (issue 33): the card given, else the GPU torch sees, else h100-sxm, named in
+the first line; CPU semantics only when asked (device="cpu", --device cpu, MEMFIT_DEVICE=cpu). A generation
+under CUDA semantics has reserved bytes, the context, a verdict and the cuBLAS workspace."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import memfit
+from memfit.errors import MemfitError
+from memfit.hardware import gpus
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny-llama", "config.json")
+
+
+@pytest.fixture
+def no_env(monkeypatch):
+    """The default as a user gets it: conftest.py sets MEMFIT_DEVICE=cpu for the rest of the suite."""
+    monkeypatch.delenv("MEMFIT_DEVICE", raising=False)
+
+
+def test_estimate_defaults_to_cuda_on_the_default_card(no_env):
+    report = memfit.estimate(TINY, batch_size=2, seq_len=16)
+    assert report.device == "cuda" and report.gpu == gpus.DEFAULT_GPU
+    assert report.settings["target"] == "default"
+    assert report.reserved_bytes is not None and report.verdict == "fits"
+    assert report.context_bytes == gpus.gpu(gpus.DEFAULT_GPU).cuda_context_bytes
+
+
+def test_cpu_only_when_asked(no_env, monkeypatch):
+    assert memfit.estimate(TINY, batch_size=2, seq_len=16, device="cpu").reserved_bytes is None
+    given = memfit.estimate(TINY, batch_size=2, seq_len=16, gpu="rtx-4090")
+    assert (given.gpu, given.settings["target"]) == ("rtx-4090", "given")
+    monkeypatch.setenv("MEMFIT_DEVICE", "cpu")
+    report = memfit.estimate(TINY, batch_size=2, seq_len=16)
+    assert report.device == "cpu" and report.settings["target"] == "cpu"
+    monkeypatch.setenv("MEMFIT_DEVICE", "tpu")
+    with pytest.raises(MemfitError, match="MEMFIT_DEVICE"):
+        gpus.target()
+    with pytest.raises(MemfitError, match="conflict"):
+        gpus.target("cpu", "h200")
+
+
+def _sees(monkeypatch, name: str, memory: int, cc=(9, 0)):
+    props = SimpleNamespace(name=name, total_memory=memory, major=cc[0], minor=cc[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+def test_the_visible_gpu_is_the_card(no_env, monkeypatch):
+    _sees(monkeypatch, "NVIDIA H200", 150_000_000_000)
+    chosen = gpus.target()
+    assert (chosen.gpu.name, chosen.how, chosen.device) == ("h200", "visible", "cuda")
+    # a card the catalog does not know: its own memory and compute capability, a catalog card's speeds
+    _sees(monkeypatch, "NVIDIA RTX PRO 6000 Blackwell", 102_000_000_000, (12, 0))
+    card = gpus.target().gpu
+    assert card.full_name == "NVIDIA RTX PRO 6000 Blackwell" and card.memory_bytes == 102_000_000_000
+    assert card.compute_capability == (12, 0) and card.bf16
+    assert gpus.target(card="a100").how == "given"  # --gpu still wins over what is visible
+
+
+def test_cli_first_line_names_the_card_and_the_verdict(no_env, capsys):
+    from memfit.cli import main
+
+    assert main(["estimate", TINY, "--seq-len", "16", "--budget", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("on the h100-sxm: no GPU visible"), out[:200]
+    assert "OUT OF MEMORY" in " ".join(out.split("\n\n")[0].splitlines()[:4])
+    assert main(["estimate", TINY, "--seq-len", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"]["target"] == "default" and data["gpu"] == "h100-sxm" and data["budget"]["fits"]
+    assert main(["estimate", TINY, "--seq-len", "16", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("CPU semantics")
+
+
+def test_generate_on_cuda_has_reserved_context_verdict_and_the_workspace(no_env):
+    kw = dict(prompt_len=24, new_tokens=3, batch_size=2)
+    cpu = memfit.estimate_generate(TINY, device="cpu", **kw)
+    cuda = memfit.estimate_generate(TINY, gpu="h100-sxm", **kw)
+    assert cpu.reserved_bytes is None and cuda.device == "cuda"
+    assert cuda.reserved_bytes >= cuda.peak_bytes and cuda.verdict == "fits"
+    assert cuda.context_bytes == gpus.gpu("h100-sxm").cuda_context_bytes
+    workspace = gpus.gpu("h100-sxm").cublas_workspace_bytes
+    # the cuBLAS workspace (what a CPU-semantics estimate missed on an H200), 512-byte rounding, no CPU scratch
+    assert workspace <= cuda.peak_bytes - cpu.peak_bytes + 64 * 1024 <= workspace + 128 * 1024
+    assert memfit.estimate_generate(TINY, **kw).settings["target"] == "default"
+    tight = memfit.estimate_generate(TINY, gpu="h100-sxm", budget=cuda.context_bytes + 1024 * 1024, **kw)
+    assert tight.verdict == "out_of_memory"
+    with pytest.raises(MemfitError, match="budget"):
+        memfit.estimate_generate(TINY, device="cpu", budget="1GiB", **kw)
