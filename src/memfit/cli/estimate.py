@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -34,9 +35,10 @@ def build(est) -> None:
     est.add_argument("--steps", type=_args.positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
     _args.add_budget(est, help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the "
                      "card, as set_per_process_memory_fraction enforces it (default: the whole card)")
-    _args.add_device(est, "cpu", help="whose semantics to follow: cpu (default), or cuda (allocated, reserved, context)")
-    _args.add_gpu(est, help="a GPU of the catalog (rtx-4090, a100-80gb, h100-sxm, ...): "
-                  "CUDA semantics of that card and its memory as the budget; see `memfit gpus`")
+    _args.add_device(est, None, help="whose semantics to follow: cuda (default: allocated, reserved, context and the "
+                     "verdict on the card) or cpu (the CPU allocator's bytes); MEMFIT_DEVICE=cpu changes the default")
+    _args.add_gpu(est, help="a GPU of the catalog (rtx-4090, a100-80gb, h100-sxm, ...): CUDA semantics of that card "
+                  "and its memory as the budget (default: the GPU torch sees, else h100-sxm); see `memfit gpus`")
     _args.add_batch(est, help="package.module:function returning a batch (for factory models)")
     _args.add_loss(est)
     est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth (with --generate: "
@@ -67,7 +69,7 @@ def build(est) -> None:
 _TRAINING: list = []
 # what --generate takes beside its own flags; every other flag of estimate is a training step's
 _SHARED = {"model", "revision", "trust_remote_code", "batch_size", "precision", "full", "json", "budget",
-           "moe_routing", "device"}
+           "moe_routing", "device", "gpu"}
 # the generation's own flags: (dest, default)
 _GENERATE = (("prompt_len", None), ("new_tokens", None), ("cache", None), ("weights", None), ("padding", False),
              ("logits_to_keep", None))
@@ -121,31 +123,31 @@ def run(args) -> int:
             raise MemfitError("--batch-size and --max-batch-size conflict: --max-batch-size finds it; drop --batch-size")
         from memfit.cli import fit
 
-        args.device = "cuda" if args.gpu is not None else args.device
+        args.device = "cuda" if args.gpu is not None else (args.device or "cuda")
         return fit.run(args)
     _check_pictures(args)
 
     from rich.console import Console
 
-    from memfit.estimator.estimate import estimate
+    from memfit.estimator.estimate import estimate, targeted
     from memfit.report.tables import report_view, verdict
 
-    card = None
-    if args.gpu is not None:
-        from memfit.hardware.gpus import gpu
+    from memfit.hardware.gpus import target
 
-        card = gpu(args.gpu)
-    cuda = card is not None or args.device == "cuda" or args.device_map is not None  # the budget is the allocator's limit on the card
+    # --device-map places the model over GPUs: CUDA semantics whatever the default
+    chosen = target("cuda" if args.device_map is not None and args.device is None else args.device, args.gpu)
+    card, cuda = chosen.gpu, chosen.gpu is not None
     recipe = _args.recipe_from_args(args)
     with _args.progress(f"tracing {args.model} on fake tensors") as update:
         report = estimate(_args.model_of(args), _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
                           recipe=recipe, steps=args.steps, batch_size=args.batch_size,
                           seq_len=args.seq_len, fast=False if args.full else None,
-                          device="cuda" if cuda else args.device, gpu=card, moe_routing=args.moe_routing,
+                          device=chosen.device, gpu=card, moe_routing=args.moe_routing,
                           budget=args.budget if cuda else None, progress=update, lengths=args.lengths,
                           packed=args.packed, gpus=args.gpus, nodes=args.nodes, device_map=args.device_map,
                           max_memory=args.max_memory, offload_folder=args.offload_folder,
                           workload="forward" if args.forward_only else "train")
+    report = targeted(chosen, report)
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:
@@ -164,17 +166,22 @@ def run_generate(args) -> int:
     from rich.console import Console
 
     from memfit.generation import estimate_generate
+    from memfit.hardware.gpus import target
     from memfit.report.tables import report_view, verdict
 
+    chosen = target(args.device, args.gpu)
     with _args.progress(f"tracing {args.model}'s generate on fake tensors") as update:
         report = estimate_generate(_args.model_of(args), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                                    batch_size=args.batch_size or 1, precision=args.precision or "bf16",
                                    cache=args.cache or "dynamic", weights=args.weights or "auto",
                                    padding=args.padding, logits_to_keep=args.logits_to_keep,
-                                   moe_routing=args.moe_routing, fast=False if args.full else None, progress=update)
+                                   moe_routing=args.moe_routing, fast=False if args.full else None, progress=update,
+                                   device=chosen.device, gpu=chosen.gpu,
+                                   budget=args.budget if chosen.gpu is not None else None)
+    report = dataclasses.replace(report, settings={**report.settings, "target": chosen.how})
     if args.json:
         data = report.to_dict()
-        if args.budget is not None:
+        if args.budget is not None or report.verdict is not None:
             data["budget"] = verdict(report, args.budget)
         print(json.dumps(data, indent=2))
     else:
@@ -191,9 +198,6 @@ def _check_generate_flags(args) -> None:
     if args.precision in ("bf16-mixed", "fp16-mixed"):
         raise MemfitError(f"--precision {args.precision} is a training recipe: a generation runs in one dtype, "
                           f"{', '.join(GENERATE_PRECISIONS)}")
-    if args.device != "cpu":
-        raise MemfitError("--generate and --device cuda conflict: a generation is estimated with CPU semantics only "
-                          "so far")
     for name, flag, default in _TRAINING:
         if getattr(args, name, default) != default:
             flag = "--" + name.replace("_", "-")

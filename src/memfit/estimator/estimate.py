@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from memfit.hardware.cpu_kernels import check_routing
+from memfit.hardware.gpus import DEFAULT_GPU, Target, target
 from memfit.errors import MemfitError, shown
 from memfit.estimator.checkpoint import checkpoint_recipe, with_checkpoint
 from memfit.estimator.fake_trace import fake_trace
@@ -22,7 +23,7 @@ from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.report.report import Report
 from memfit.estimator.trace import phases
 
-__all__ = ["estimate", "estimate_micro_batch", "resolve_target", "DEFAULT_GPU", "check_args", "step_batch"]
+__all__ = ["estimate", "estimate_micro_batch", "resolve_target", "DEFAULT_GPU", "check_args", "step_batch", "targeted"]
 
 # Below this depth a full trace is cheap enough that the fast path buys nothing.
 FAST_MIN_DEPTH = 8
@@ -34,7 +35,7 @@ FULL_ACCUMULATION = 16
 
 def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: str = "fp32",
              steps: int = 2, batch_size: int | None = None, seq_len: int | None = None,
-             device: str = "cpu", gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
+             device: str | None = None, gpu=None, fast: bool | None = None, recipe: Recipe | None = None,
              moe_routing: str = "balanced", budget=None, progress=None, lengths=None, packed: bool = False,
              gpus: int | None = None, nodes: int | None = None, device_map=None, max_memory=None,
              offload_folder: str | None = None, workload: str = "train") -> Report:
@@ -49,12 +50,15 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     loss_fn    ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``.
     optimizer  ``adamw``, ``adam``, ``sgd``, ``adafactor`` or a callable ``params -> Optimizer``.
     precision  ``fp32``, ``bf16-mixed``, ``fp16-mixed`` or ``bf16``.
-    device     whose semantics to follow: ``cpu`` (byte-exact against the CPU allocator) or
-               ``cuda`` (``memfit.cuda``: CUDA autocast lists, fused attention, foreach
-               optimizers, cuBLAS workspaces, and the caching allocator's rounding and segments;
-               the report adds ``reserved_bytes``, ``context_bytes`` and ``device_bytes``).
+    device     whose semantics to follow: ``cuda`` (the default: ``memfit.cuda``: CUDA autocast lists, fused
+               attention, foreach optimizers, cuBLAS workspaces, and the caching allocator's rounding and
+               segments; the report adds ``reserved_bytes``, ``context_bytes``, ``device_bytes`` and a
+               verdict) or ``cpu`` (byte-exact against the CPU allocator). ``None``: CUDA, unless the
+               environment sets ``MEMFIT_DEVICE=cpu``.
     gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.hardware.gpus.gpu(...)``) for CUDA semantics:
-               its workspace size and context; implies ``device="cuda"`` (default ``h100-sxm``).
+               its memory, workspace size and context. Default: the GPU torch sees, else ``h100-sxm``
+               (``memfit.hardware.gpus.DEFAULT_GPU``); ``report.settings["target"]`` says which
+               (``given``, ``visible``, ``default``, ``cpu``).
     batch_size examples per optimizer step (default 1). With ``recipe.micro_batch_size`` it is
                micro_batch_size x grad_accum_steps; a different value is an error, not overridden.
     budget     CUDA only: the memory the process may use (context included, bytes or "24GiB"),
@@ -101,16 +105,24 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                with ``device_map`` for inference is estimated so.
     """
     check_args(precision, steps, batch_size, seq_len)
+    chosen = target(device, gpu)
+    device, gpu = chosen.device, chosen.gpu
     recipe, factory = recipe_from(recipe, precision, optimizer)
     _check_workload(workload, recipe, gpus, nodes)
     model = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     recipe, checkpoint = checkpoint_recipe(model, recipe, workload)
-    return with_checkpoint(model, _estimate_resolved(model, batch, recipe=recipe, factory=factory, loss_fn=loss_fn,
+    return targeted(chosen, with_checkpoint(model, _estimate_resolved(model, batch, recipe=recipe, factory=factory, loss_fn=loss_fn,
                                               steps=steps, batch_size=batch_size, seq_len=seq_len, device=device,
                                               gpu=gpu, budget=budget, fast=fast, progress=progress, lengths=lengths,
                                               packed=packed, gpus=gpus, nodes=nodes, device_map=device_map,
                                               max_memory=max_memory, offload_folder=offload_folder,
-                                              workload=workload, moe_routing=moe_routing), checkpoint)
+                                              workload=workload, moe_routing=moe_routing), checkpoint))
+
+
+def targeted(chosen: Target, report: Report) -> Report:
+    """``report`` saying whose semantics it followed and why that card (``settings["target"]``; the first line of
+    the CLI's answer, ``report.target_line``, says it in words)."""
+    return dataclasses.replace(report, settings={**report.settings, "target": chosen.how})
 
 
 def _estimate_resolved(source, batch, *, recipe, factory, loss_fn, steps, batch_size, seq_len, device, gpu, budget,
@@ -425,9 +437,6 @@ def _ticker(progress, total: int):
         progress(done, total)
 
     return tick
-
-
-DEFAULT_GPU = "h100-sxm"
 
 
 def resolve_target(device, gpu):

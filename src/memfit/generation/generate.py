@@ -36,8 +36,10 @@ from memfit.generation.full import estimate_full
 from memfit.generation.run import Request
 from memfit.generation.weights import DTYPES, WEIGHTS
 from memfit.hardware.cpu_kernels import check_routing
+from memfit.hardware.gpus import target
 from memfit.models.source import resolve
 from memfit.report.report import Report
+from memfit.units import parse_size
 
 __all__ = ["estimate_generate", "check_request", "check_generate_args", "MAX_TOKENS", "MAX_BATCH"]
 
@@ -48,8 +50,8 @@ MAX_BATCH = 1 << 16
 
 def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: int = 1, precision: str = "bf16",
                       cache: str = "dynamic", weights: str = "auto", padding: bool = False,
-                      logits_to_keep: int | None = None, device: str = "cpu", moe_routing: str = "balanced",
-                      fast: bool | None = None, progress=None) -> Report:
+                      logits_to_keep: int | None = None, device: str | None = None, moe_routing: str = "balanced",
+                      fast: bool | None = None, progress=None, gpu=None, budget=None) -> Report:
     """Estimate the peak memory of ``model.generate`` on ``batch_size`` prompts of ``prompt_len`` tokens,
     generating ``new_tokens`` more, without allocating it.
 
@@ -74,22 +76,36 @@ def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: in
                   (``fast.py``); None (default): when the full trace would run more than ``FAST_FROM`` block
                   forwards ((new_tokens + 1) x depth); False: trace every forward; True: refuse where it is not exact.
     progress      ``progress(done, total)``, called as each forward begins and when the replay is done.
+    device, gpu   whose semantics to follow, as for ``memfit.estimate``: CUDA by default (``gpu``: the card
+                  given, else the GPU torch sees, else ``h100-sxm``), with ``reserved_bytes``, the CUDA context
+                  and the verdict (``device.py``); ``device="cpu"``: byte-exact against the CPU allocator.
+    budget        CUDA only: the memory the process may use, context included (bytes or "24GiB").
 
     The report's ``phase_peaks`` are ``prefill`` and ``decode``, its ``step_peaks`` one per forward
     (the prefill, then each decode step), ``by_category`` adds ``kv_cache``, and ``settings["workload"]``
     is ``"generate"``.
     """
     request = check_request(prompt_len, new_tokens, batch_size, cache, padding, logits_to_keep)
-    check_generate_args(precision, weights, device, cache)
+    chosen = target(device, gpu)
+    card = chosen.gpu
+    check_generate_args(precision, weights, chosen.device, cache)
+    limit = None
+    if budget is not None:
+        if card is None:
+            raise MemfitError("budget applies to CUDA estimates (the allocator under a memory fraction): drop "
+                              "device='cpu', or compare report.peak_bytes yourself")
+        limit = parse_size(budget)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     with quiet_fake_log():
         from memfit.generation.fast import choose_fast, estimate_fast
 
         go, note = choose_fast(fast, source, request)
         if go:
-            return estimate_fast(source, request, precision, weights, progress)
-        report = estimate_full(source, request, precision, weights, progress)
-        return dataclasses.replace(report, notes=report.notes + [note]) if note else report
+            report = estimate_fast(source, request, precision, weights, progress, gpu=card, budget=limit)
+        else:
+            report = estimate_full(source, request, precision, weights, progress, gpu=card, budget=limit)
+            report = dataclasses.replace(report, notes=report.notes + [note]) if note else report
+    return dataclasses.replace(report, settings={**report.settings, "target": chosen.how})
 
 
 def check_request(prompt_len, new_tokens, batch_size, cache, padding, logits_to_keep) -> Request:
@@ -114,9 +130,8 @@ def check_generate_args(precision: str, weights: str, device: str, cache: str = 
         raise MemfitError(f"precision {shown(precision)} is not a generation dtype: use one of {', '.join(DTYPES)}")
     if weights not in WEIGHTS:
         raise MemfitError(f"weights {shown(weights)} unknown: use one of {', '.join(WEIGHTS)}")
-    if str(device).split(":")[0] != "cpu":
-        raise MemfitError(f"device {shown(device)}: a generation is estimated with CPU semantics only so far "
-                          "(device='cpu')")
+    if str(device).split(":")[0] not in ("cpu", "cuda"):
+        raise MemfitError(f"device {shown(device)} is not modelled: use device='cpu' or device='cuda'")
     if str(cache).startswith("offloaded"):
         raise MemfitError(f"cache={cache} moves each layer's cache from the GPU to the host between uses (CUDA "
                           "streams): it needs a GPU, and on the CPU the cache is in host memory already; use "

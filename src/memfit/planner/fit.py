@@ -149,7 +149,8 @@ class _Search:
 
     def __init__(self, model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
                  progress, cache=None):
-        from memfit.estimator.estimate import DEFAULT_GPU, resolve_target, check_args
+        from memfit.estimator.estimate import check_args, resolve_target
+        from memfit.hardware.gpus import target as default_target
         from memfit.models.source import resolve
 
         check_args(precision, 1, 1, seq_len)
@@ -164,7 +165,7 @@ class _Search:
         if gpu is not None and str(device).startswith("cpu"):
             raise MemfitError("gpu and device='cpu' conflict: drop one")
         cpu = str(device).startswith("cpu")
-        self.target = resolve_target(device, gpu if gpu is not None or cpu else DEFAULT_GPU)
+        self.target = resolve_target(device, gpu if gpu is not None or cpu else default_target("cuda").gpu)
         if budget is None:
             if gpu is None:
                 raise MemfitError("fit needs a budget: pass budget='24GiB' or gpu='rtx-4090'")

@@ -78,7 +78,8 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
 
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
-    from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
+    from memfit.estimator.estimate import resolve_target
+    from memfit.hardware.gpus import target as default_target
     from memfit.models.source import resolve
 
     from memfit.estimator.estimate import MAX_SEQ
@@ -95,7 +96,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     device = device or "cuda"
     if gpu is not None and str(device).startswith("cpu"):
         raise MemfitError("gpu and device='cpu' conflict: drop one")
-    target = resolve_target(device, gpu if gpu is not None or str(device).startswith("cpu") else DEFAULT_GPU)
+    target = resolve_target(device, gpu if gpu is not None or str(device).startswith("cpu") else default_target("cuda").gpu)
     if budget is None:
         if target is None or gpu is None:
             raise MemfitError("plan needs a budget: pass budget='24GiB' or a gpu='rtx-4090'")
