@@ -402,7 +402,7 @@ def _row(name: str, est: dict, real: dict) -> dict:
         row["error_allocated"] = _error(real["memfit_profile_peak"], real["allocated"])
         row["error_reserved"] = _error(real["memfit_profile_reserved"], real["reserved"])
     elif CASES[name]["kind"] == "oom":
-        row["verdict_right"] = (est.get("verdict") == "out of memory") == real["oom"]
+        row["verdict_right"] = (est.get("verdict") == "out_of_memory") == real["oom"]
     else:
         row["error_allocated"] = _error(est["allocated"], real["allocated"])
         row["error_reserved"] = _error(est["reserved"], real["reserved"])

@@ -224,9 +224,15 @@ def event_series(ledger: Ledger, scratch: list[int], prime: int | None = None) -
 class LedgerView:
     """A ledger's records with only some storages' events (``keep``, record indices): one device's side
     of a step on several (an offloaded step's GPU or host, a device_map's GPUs). Marks stay; kernel
-    scratch (``spikes``) stays with one side."""
+    scratch (``spikes``) stays with one side. ``transient``: storages this side holds only for a moment (a
+    tensor made here, then copied to the other side): each is freed right after it is allocated."""
 
-    def __init__(self, ledger, keep: set[int], spikes: bool):
+    def __init__(self, ledger, keep: set[int], spikes: bool, transient: frozenset = frozenset()):
         self.records, self.marks, self.sites, self.model = ledger.records, ledger.marks, ledger.sites, ledger.model
-        self.events = [(kind, i) for kind, i in ledger.events
-                       if (kind not in (ALLOC, FREE) or i in keep) and (spikes or kind != SPIKE)]
+        self.events = []
+        for kind, i in ledger.events:
+            if kind in (ALLOC, FREE) and i in transient:
+                if kind == ALLOC:
+                    self.events += [(ALLOC, i), (FREE, i)]
+            elif (kind not in (ALLOC, FREE) or i in keep) and (spikes or kind != SPIKE):
+                self.events.append((kind, i))

@@ -14,7 +14,8 @@ def build(fit) -> None:
     _args.add_gpu(fit, help="the card (rtx-4090, a100-80gb, ...): its memory is the budget and "
                   "its CUDA semantics are followed; see `memfit gpus`")
     _args.add_budget(fit)
-    _args.add_device(fit, "cuda", help="follow CUDA semantics (default; h100-sxm's without --gpu) or the CPU's")
+    _args.add_device(fit, "cuda", help="follow CUDA semantics (default: --gpu, else the GPU torch sees, else h100-sxm) "
+                     "or the CPU's")
     _args.add_seq_len(fit)
     _args.add_recipe(fit)
     _args.recipe_flags(fit)

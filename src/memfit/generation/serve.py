@@ -2,12 +2,13 @@
 weight format, beside vLLM's paged-cache block arithmetic and the textbook KV formula.
 
 Memory of a serving process on one card (CUDA semantics as ``memfit estimate --gpu`` reports them: the
-card's ``total_memory`` less its CUDA context and the cuBLAS workspace is what torch's allocator can
-hold)::
+card's ``total_memory`` less its CUDA context is what torch's allocator can hold; the cuBLAS workspace and
+the allocator's 512-byte rounding are in the traces)::
 
     weights + B x kv(L) + max(prefill_chunk(C), decode(B)) <= usable
 
-**Traced** (``estimate_generate`` on fake tensors, the model's own ``generate``, bf16 compute):
+**Traced** (``estimate_generate`` on fake tensors under the card's CUDA semantics, the model's own
+``generate``, bf16 compute):
 
 * ``weights``: the ``parameters`` and ``buffers`` of a short prefill, per weight format (bf16; int8 and
   nf4 are bitsandbytes' layers, the output head left in bf16 as ``from_pretrained`` leaves it);
@@ -43,9 +44,9 @@ Known limitations:
 
 * tensor parallelism is not modelled: a model that does not fit one card gets Accelerate's
   ``device_map`` placement over ``gpus`` cards (one forward of one chunk, each GPU's share);
-* the traces are CPU-semantics ``generate`` runs of Hugging Face's code (SDPA, no paged attention
-  kernels, no CUDA graphs); the caching allocator's rounding and fragmentation are not replayed here:
-  leave a margin of a few percent;
+* the traces are ``generate`` runs of Hugging Face's code under CUDA semantics (SDPA, no paged attention
+  kernels, no CUDA graphs); each piece is allocated bytes (rounded), the caching allocator's fragmentation
+  between them is not replayed: leave a margin of a few percent;
 * vLLM's hybrid allocator (separate pools for sliding-window layers, Mamba state) is not modelled:
   its blocks are counted for full-attention pages of every layer;
 * the KV cache is stored in the compute dtype (bf16); fp8 KV caches are not planned.
@@ -54,6 +55,7 @@ Known limitations:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from memfit.errors import MemfitError, shown
 
@@ -107,7 +109,7 @@ class ServePlan:
     model: str
     gpu: str
     context: int
-    usable_bytes: int  # card memory less CUDA context and cuBLAS workspace
+    usable_bytes: int  # card memory less its CUDA context
     memory_bytes: int  # the card's (or the budget's) total
     kv_analytic_per_token: int  # 2 x layers x kv_heads x head_dim x 2
     kv_measured_per_token: int
@@ -205,9 +207,10 @@ def analytic(*, memory_bytes: int, params: int, fmt: str, kv_per_token: int, con
             "max_batch": max(0, (memory_bytes - weights) // per_request)}
 
 
-def measure(model, fmt: str, chunks, *, kv: tuple | None = None) -> Measured:
+def measure(model, fmt: str, chunks, *, kv: tuple | None = None, card=None) -> Measured:
     """The traces of one weight format (module docstring). ``kv``: (per token, per request) already measured
-    (the cache does not depend on the weights' format)."""
+    (the cache does not depend on the weights' format). ``card``: trace under that GPU's CUDA semantics (the
+    cuBLAS workspace, the allocator's rounding); None: the CPU's."""
     import logging
 
     from memfit.generation.generate import estimate_generate
@@ -216,25 +219,30 @@ def measure(model, fmt: str, chunks, *, kv: tuple | None = None) -> Measured:
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        return _measure(estimate_generate, model, fmt, chunks, kv)
+        where = {"device": "cpu"} if card is None else {"gpu": card}
+        return _measure(functools.partial(estimate_generate, precision="bf16", **where), model, fmt, chunks, kv,
+                        functools.partial(estimate_generate, precision="bf16", device="cpu"))
     finally:
         log.setLevel(level)
 
 
-def _measure(estimate_generate, model, fmt: str, chunks, kv) -> Measured:
+def _measure(estimate_generate, model, fmt: str, chunks, kv, cache_trace=None) -> Measured:
+    """``cache_trace``: the ``estimate_generate`` the cache's bytes per token are read from (a device-independent
+    figure, read at the CPU trace's peak); default ``estimate_generate``."""
     weights = _WEIGHTS[fmt]
     counted = []
 
-    def prefill(tokens: int):
-        report = estimate_generate(model, prompt_len=tokens, new_tokens=1, weights=weights, device="cpu")
+    def prefill(tokens: int, trace=estimate_generate):
+        report = trace(model, prompt_len=tokens, new_tokens=1, weights=weights)
         counted.append(report.parameters)
         cats = {str(k): v for k, v in report.by_category.items()}
         resident = cats.get("parameters", 0) + cats.get("buffers", 0)
         return resident, cats.get("kv_cache", 0), report.peak_bytes - resident - cats.get("kv_cache", 0)
 
-    resident, short_kv, _ = prefill(SHORT[0])
+    resident = prefill(SHORT[0])[0]
+    short_kv = prefill(SHORT[0], cache_trace or estimate_generate)[1]
     if kv is None:
-        long_kv = prefill(SHORT[1])[1]
+        long_kv = prefill(SHORT[1], cache_trace or estimate_generate)[1]
         per_token = (long_kv - short_kv) // (SHORT[1] - SHORT[0])
         kv = (per_token, max(0, short_kv - per_token * SHORT[0]))
     if kv[0] <= 0:
@@ -242,8 +250,7 @@ def _measure(estimate_generate, model, fmt: str, chunks, kv) -> Measured:
     chunk = {c: prefill(c)[2] for c in sorted(set(chunks))}
     decode = []
     for batch in DECODE_BATCHES:
-        report = estimate_generate(model, prompt_len=SHORT[0], new_tokens=2, batch_size=batch, weights=weights,
-                                   device="cpu")
+        report = estimate_generate(model, prompt_len=SHORT[0], new_tokens=2, batch_size=batch, weights=weights)
         held = batch * (kv[0] * (SHORT[0] + 1) + kv[1])
         decode.append(max(0, report.phase_peaks.get("decode", 0) - resident - held))
     slope = max(0, (decode[1] - decode[0]) // (DECODE_BATCHES[1] - DECODE_BATCHES[0]))
@@ -273,9 +280,9 @@ def serve_plan(model, *, gpu="h100-sxm", context: int, gpus: int = 1, chunks=Non
         raise MemfitError(f"gpu_memory_utilization must be in (0, 1], got {shown(gpu_memory_utilization)}")
     formats = ("bf16",) + tuple(f for f in FORMATS[1:] if f in _formats(allow))
     memory = card.memory_bytes if budget is None else parse_size(budget)
-    usable = memory - card.cuda_context_bytes - card.cublas_workspace_bytes
+    usable = memory - card.cuda_context_bytes  # the cuBLAS workspace is in the traces (CUDA semantics)
     if usable <= 0:
-        raise MemfitError(f"budget {shown(budget)} is below the CUDA context and cuBLAS workspace of {card.name}")
+        raise MemfitError(f"budget {shown(budget)} is below the CUDA context of {card.name}")
     default_tokens, max_seqs = vllm_defaults(memory, card.name)
     tokens = _count("max_num_batched_tokens", max_num_batched_tokens or default_tokens, MAX_CONTEXT)
     chunks = sorted({min(_count("chunk", c, MAX_CONTEXT), context) for c in (chunks or CHUNKS)})
@@ -285,7 +292,7 @@ def serve_plan(model, *, gpu="h100-sxm", context: int, gpus: int = 1, chunks=Non
     kv_formula, windows = kv_layout(source.config)
     measured, kv = {}, None
     for fmt in formats:
-        measured[fmt] = measure(source, fmt, chunks + [tokens], kv=kv)
+        measured[fmt] = measure(source, fmt, chunks + [tokens], kv=kv, card=card)
         kv = (measured[fmt].kv_per_token, measured[fmt].kv_per_request)
     limit = _positions(source.config)
     rows = [_row(fmt, measured[fmt], windows, context, chunks, usable, limit) for fmt in formats]
@@ -344,7 +351,7 @@ def _placement(source, card, gpus, chunk, measured: Measured, usable) -> dict:
                 "for a device_map placement (tensor parallelism is not modelled)"}
     from memfit.estimator.estimate import estimate
 
-    share = usable + card.cublas_workspace_bytes  # each card's memory less its CUDA context, as from_pretrained's default
+    share = usable  # each card's memory less its CUDA context, as from_pretrained's default
     report = estimate(source, device_map="auto", gpus=gpus, gpu=card, workload="forward", precision="bf16",
                       seq_len=chunk, batch_size=1, steps=1, max_memory={i: share for i in range(gpus)})
     devices = [{"device": d["device"], "bytes": d.get("device_bytes", d["peak_bytes"]), "verdict": d.get("verdict")}

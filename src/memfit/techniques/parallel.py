@@ -238,7 +238,10 @@ def _fsdp_roles(watch):
     reduce-scatter, and the all-gather / reduce-scatter buffers (``categories.py``). FSDP2 has no
     hooks for these, so three of its private functions are wrapped for the step, as torch's own
     ``FSDPMemTracker`` does; where a torch lacks one, its tensors stay temporaries (bytes unchanged)."""
+    import torch
+
     from memfit.categories import Category
+    from memfit.hardware.cuda import active as cuda_active
     from memfit.scoped import patched
 
     try:
@@ -275,6 +278,20 @@ def _fsdp_roles(watch):
         watch.mark(result[0], Category.COMMUNICATION)
         return result
 
+    inputs = getattr(param_module.FSDPParam, "all_gather_inputs", None)
+    staged = streams is not None and isinstance(inputs, property) and cuda_active()
+
+    def all_gather_inputs(self):
+        # CPUOffloadPolicy on a GPU: each shard is copied to the GPU (``.to(device, non_blocking=True)``, on the
+        # copy-in stream) and cast to the compute dtype there; the copy lives until the cast is made. The fake
+        # step runs on the host, where that ``.to`` is a no-op: the copy is allocated here instead.
+        if not self.offload_to_cpu:
+            return inputs.fget(self)
+        copy = torch.empty_like(self._sharded_param_data)
+        out = inputs.fget(self)
+        del copy
+        return out
+
     def unsharded(self):
         init(self)
         for tensor in (getattr(self, "_unsharded_param", None), *getattr(self, "all_gather_outputs", ())):
@@ -283,7 +300,9 @@ def _fsdp_roles(watch):
 
     with patched(group_module, "foreach_all_gather", all_gather), \
             patched(group_module, "foreach_reduce", reduce_scatter), \
-            patched(param_module.FSDPParam, "init_unsharded_param", unsharded):
+            patched(param_module.FSDPParam, "init_unsharded_param", unsharded), \
+            (patched(param_module.FSDPParam, "all_gather_inputs", property(all_gather_inputs)) if staged
+             else contextlib.nullcontext()):
         yield
 
 
