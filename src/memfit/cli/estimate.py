@@ -172,7 +172,7 @@ def run_generate(args) -> int:
     chosen = target(args.device, args.gpu)
     with _args.progress(f"tracing {args.model}'s generate on fake tensors") as update:
         report = estimate_generate(_args.model_of(args), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                   batch_size=args.batch_size or 1, precision=args.precision or "bf16",
+                                   batch_size=args.batch_size or 1, precision=args.precision,
                                    cache=args.cache or "dynamic", weights=args.weights or "auto",
                                    padding=args.padding, logits_to_keep=args.logits_to_keep,
                                    moe_routing=args.moe_routing, fast=False if args.full else None, progress=update,

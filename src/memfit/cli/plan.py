@@ -16,9 +16,10 @@ def build(pl) -> None:
     _args.add_budget(pl)
     _args.add_device(pl, "cuda", help="plan for a GPU (cuda, default; speeds of --gpu or h100-sxm) or for this CPU")
     _args.add_seq_len(pl)
-    pl.add_argument("--global-batch-size", type=_args.positive, default=None,
-                    help="examples per optimizer step, split into micro-batch x accumulation "
-                    "(default 8; with --batch, the batch's rows)")
+    pl.add_argument("--batch-size", "--global-batch-size", dest="global_batch_size", type=_args.positive, metavar="N",
+                    default=None, help="examples per optimizer step, split into micro-batch x accumulation, as "
+                    "estimate's --batch-size (default 8; with --batch, the batch's rows); --global-batch-size "
+                    "is the same flag")
     _args.add_batch(pl, help="package.module:function returning the global batch (for "
                     "factory models; dim 0 is split into micro-batches)")
     _args.add_loss(pl)

@@ -90,6 +90,7 @@ def run(args) -> int:
         raise MemfitError(f"no module {target[0]!r}: is it installed, or run from its project's folder?")
     if args.steps < 0:
         raise MemfitError(f"--steps must be 0 (run to the end) or more, got {args.steps}")
+    _warn_misplaced(target, args.as_module)
     for flag, path in (("--html", args.html), ("--png", args.png), ("--out", args.out), ("--snapshot", args.snapshot)):
         _args.check_file(flag, path)
     if args.html or args.png:
@@ -135,6 +136,38 @@ def run(args) -> int:
             traceback.print_exception(type(failed), failed, tb or failed.__traceback__, file=sys.stderr)
         return 1
     return status
+
+
+def _own_flags() -> dict[str, bool]:
+    """memfit profile's own flags that take part in a profile (not ``--help``, nor ``-m``, which names what
+    follows it): whether each takes a value."""
+    parser = argparse.ArgumentParser(add_help=False)
+    build(parser)
+    return {flag: action.nargs != 0 for action in parser._actions for flag in action.option_strings if flag != "-m"}
+
+
+def _warn_misplaced(target: list[str], as_module: bool) -> None:
+    """One line on stderr when memfit profile's own flags follow the script: they are the script's
+    arguments (as ``python train.py --json`` would pass them), not memfit's. The script gets them unchanged."""
+    own, found, i = _own_flags(), [], 1
+    while i < len(target):
+        word = target[i]
+        if word == "--":  # what follows is plainly the script's
+            break
+        flag = word.split("=", 1)[0]
+        if flag in own:
+            takes = own[flag] and "=" not in word and i + 1 < len(target)
+            found.append((word, target[i + 1] if takes else None))
+            i += 1 if takes else 0
+        i += 1
+    if not found:
+        return
+    flags = " ".join(flag.split("=", 1)[0] for flag, _ in found)
+    moved = " ".join(f"{flag} {value}" if value is not None else flag for flag, value in found)
+    script = f"-m {target[0]}" if as_module else target[0]
+    rest = " ..." if len(target) - 1 > sum(1 + (v is not None) for _, v in found) else ""
+    print(f"memfit: warning: {flags} after {target[0]} went to {target[0]}'s argv, not to memfit profile; for "
+          f"memfit, write them before it: `memfit profile {moved} {script}{rest}`", file=sys.stderr)
 
 
 def _write(prof, data, args) -> None:

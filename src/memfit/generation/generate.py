@@ -48,7 +48,7 @@ MAX_TOKENS = 1 << 20
 MAX_BATCH = 1 << 16
 
 
-def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: int = 1, precision: str = "bf16",
+def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: int = 1, precision: str | None = None,
                       cache: str = "dynamic", weights: str = "auto", padding: bool = False,
                       logits_to_keep: int | None = None, device: str | None = None, moe_routing: str = "balanced",
                       fast: bool | None = None, progress=None, gpu=None, budget=None) -> Report:
@@ -58,7 +58,9 @@ def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: in
     model         anything ``memfit.estimate`` takes (a catalog name, a Hugging Face Hub id or config.json,
                   a transformers config, an ``nn.Module``, a factory) whose model can ``generate``: a
                   causal LM or an encoder-decoder (T5, BART: the prompt is the encoder's input).
-    precision     the dtype of the weights and activations: ``bf16`` (default), ``fp16`` or ``fp32``.
+    precision     the dtype of the weights and activations: ``bf16``, ``fp16`` or ``fp32``; None (default): the
+                  model config's own dtype (``dtype``, ``torch_dtype`` before transformers 5), bf16 where it names
+                  none. ``settings["precision_from"]`` says which: ``given``, ``config`` or ``default``.
     cache         the KV cache transformers builds (``cache_implementation``): ``dynamic`` (default;
                   sliding-window layers keep their window), ``static``, ``quantized`` (``quantized:fp8``;
                   ``quantized:quanto`` / ``quantized:hqq`` need those packages); ``offloaded`` and
@@ -88,7 +90,7 @@ def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: in
     request = check_request(prompt_len, new_tokens, batch_size, cache, padding, logits_to_keep)
     chosen = target(device, gpu)
     card = chosen.gpu
-    check_generate_args(precision, weights, chosen.device, cache)
+    check_generate_args("bf16" if precision is None else precision, weights, chosen.device, cache)  # None: below
     limit = None
     if budget is not None:
         if card is None:
@@ -96,15 +98,25 @@ def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: in
                               "device='cpu', or compare report.peak_bytes yourself")
         limit = parse_size(budget)
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
-    with quiet_fake_log():
-        from memfit.generation.fast import choose_fast, estimate_fast
+    precision, precision_from, precision_note = _precision(precision, source.config)
+    # building a transformers model writes the dtype it was built in into its config: the caller's config (a
+    # Source reused, a config object) must name the same dtype after the estimate as before it
+    config, named = source.config, vars(source.config).get("dtype") if source.config is not None else None
+    try:
+        with quiet_fake_log():
+            from memfit.generation.fast import choose_fast, estimate_fast
 
-        go, note = choose_fast(fast, source, request)
-        if go:
-            report = estimate_fast(source, request, precision, weights, progress, gpu=card, budget=limit)
-        else:
-            report = estimate_full(source, request, precision, weights, progress, gpu=card, budget=limit)
-            report = dataclasses.replace(report, notes=report.notes + [note]) if note else report
+            go, note = choose_fast(fast, source, request)
+            if go:
+                report = estimate_fast(source, request, precision, weights, progress, gpu=card, budget=limit)
+            else:
+                report = estimate_full(source, request, precision, weights, progress, gpu=card, budget=limit)
+                report = dataclasses.replace(report, notes=report.notes + [note]) if note else report
+    finally:
+        if config is not None:
+            vars(config)["dtype"] = named
+    report = dataclasses.replace(report, notes=report.notes + ([precision_note] if precision_note else []),
+                                 settings={**report.settings, "precision_from": precision_from})
     return dataclasses.replace(report, settings={**report.settings, "target": chosen.how})
 
 
@@ -138,3 +150,21 @@ def check_generate_args(precision: str, weights: str, device: str, cache: str = 
                           f"cache={'static' if cache == 'offloaded_static' else 'dynamic'}")
 
 
+def _precision(precision: str | None, config) -> tuple[str, str, str | None]:
+    """The generation's dtype, where it comes from (``given``, ``config``, ``default``) and the report's note
+    on it: the one asked for, else the config's own (``dtype``, or ``torch_dtype`` before transformers 5),
+    else bf16."""
+    if precision is not None:
+        return precision, "given", None
+    value = getattr(config, "dtype", None) if config is not None else None
+    if value is None and config is not None:
+        value = vars(config).get("torch_dtype")  # transformers 4 (5 reads it into dtype, and warns on the name)
+    if value is None:
+        why = "the config names none" if config is not None else "the model has no config to name one"
+        return "bf16", "default", f"precision bf16: default, {why}"
+    names = {str(dtype).removeprefix("torch."): name for name, dtype in DTYPES.items()}
+    named = str(value).removeprefix("torch.")
+    if named not in names:
+        return "bf16", "default", (f"precision bf16: default, the config's dtype {named} is not one of "
+                                   f"{', '.join(DTYPES)}")
+    return names[named], "config", f"precision {names[named]}: the config's dtype"

@@ -18,7 +18,7 @@ import torch
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["check_config", "read_config", "import_object", "checked_build"]
+__all__ = ["check_config", "read_config", "config_from_dict", "import_object", "checked_build"]
 
 # Config fields that are counts or widths, per architecture family; None is allowed where
 # transformers fills in a default (head_dim, n_inner, num_key_value_heads).
@@ -76,6 +76,19 @@ def read_config(folder: str, name: str, *, revision: str | None = None, trust_re
                                             trust_remote_code=trust_remote_code)
     except _BUILD_ERRORS + (OSError, RecursionError) as err:
         raise MemfitError(f"cannot read {name}: {_message(err)}: fix its config.json") from None
+    check_config(config, name)
+    return config
+
+
+def config_from_dict(data: dict, name: str):
+    """The transformers config of ``data`` (a config file's JSON object, its ``model_type`` known to
+    transformers), checked: what ``AutoConfig.from_pretrained`` makes of a config.json."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config = CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    except _BUILD_ERRORS + (RecursionError,) as err:
+        raise MemfitError(f"cannot read {name}: {_message(err)}: fix the file") from None
     check_config(config, name)
     return config
 

@@ -20,7 +20,8 @@ from urllib.parse import urlparse
 
 from memfit.errors import MemfitError
 
-__all__ = ["is_hub_id", "hub_config_file", "needs_remote_code", "known_model_type", "NotCached"]
+__all__ = ["is_hub_id", "hub_config_file", "needs_remote_code", "known_model_type", "model_type_of", "config_fields",
+           "NotCached"]
 
 # owner/name as the Hub spells repository ids (letters, digits, '-', '_', '.'; at most 96 each)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -102,15 +103,34 @@ def _cached_like(repo_id: str, cache: str) -> list[str]:
     return difflib.get_close_matches(repo_id, names, n=2, cutoff=0.8)
 
 
+# A config.json is kilobytes; a file this large is weights or data, not read as JSON.
+_MAX_CONFIG_BYTES = 64 << 20
+_FIX = "a Hugging Face config is one JSON object with model_type (a model's config.json)"
+
+
 def _fields(path: str) -> dict:
+    """The JSON object in the file at ``path``, or one line naming the file and the fix."""
     try:
+        if os.path.getsize(path) > _MAX_CONFIG_BYTES:
+            raise MemfitError(f"{path} is {os.path.getsize(path) >> 20} MiB, too large for a model config: point at "
+                              "the model's config.json (or its folder)")
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise MemfitError(f"{path} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}): fix the "
+                          f"file; {_FIX}") from None
+    except UnicodeDecodeError:
+        raise MemfitError(f"{path} is not a text file: point at a model's config.json (or its folder)") from None
     except (OSError, ValueError) as err:
-        raise MemfitError(f"cannot read {path}: {type(err).__name__}: {err}: fix its config.json") from None
+        raise MemfitError(f"cannot read {path}: {type(err).__name__}: {err}: point at a model's config.json") from None
     if not isinstance(data, dict):
-        raise MemfitError(f"{path} holds a {type(data).__name__}, not a config object: fix its config.json")
+        raise MemfitError(f"{path} holds a JSON {type(data).__name__}, not a config object: {_FIX}")
     return data
+
+
+def config_fields(path: str) -> dict:
+    """The JSON object in the model config file at ``path`` (of any name), or one line naming the file and the fix."""
+    return _fields(path)
 
 
 def known_model_type(model_type) -> bool:
@@ -119,12 +139,28 @@ def known_model_type(model_type) -> bool:
     return model_type in CONFIG_MAPPING_NAMES
 
 
-def needs_remote_code(path: str, name: str, trust_remote_code: bool) -> bool:
-    """Whether the config.json at ``path`` can only be read with the repository's own code; raises
-    when it can be read by no code memfit may run."""
+def model_type_of(architectures) -> str | None:
+    """The model_type of a config that names only its ``architectures`` (``["LlamaForCausalLM"]``): that of
+    the first transformers class among them, or None."""
     import transformers
 
-    data = _fields(path)
+    for name in architectures if isinstance(architectures, list) else ():
+        try:
+            found = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+        except Exception:  # noqa: BLE001 — a class whose backend is missing: not one to read a config by
+            found = None
+        model_type = getattr(getattr(found, "config_class", None), "model_type", None)
+        if known_model_type(model_type):
+            return model_type
+    return None
+
+
+def needs_remote_code(path: str, name: str, trust_remote_code: bool, data: dict | None = None) -> bool:
+    """Whether the config.json at ``path`` (its object ``data`` when read already) can only be read with the
+    repository's own code; raises when it can be read by no code memfit may run."""
+    import transformers
+
+    data = _fields(path) if data is None else data
     model_type = data.get("model_type")
     if known_model_type(model_type):
         return False
@@ -134,6 +170,6 @@ def needs_remote_code(path: str, name: str, trust_remote_code: bool) -> bool:
                               "to transformers): pass --trust-remote-code (trust_remote_code=True) if you trust it")
         return True
     if model_type is None:
-        raise MemfitError(f"{name}: config.json has no model_type: fix its config.json")
+        raise MemfitError(f"{name}: {os.path.basename(path)} has no model_type: fix it (add the model's model_type)")
     raise MemfitError(f"{name}: model_type {model_type!r} is unknown to transformers {transformers.__version__}: "
                       "upgrade transformers (pip install -U transformers)")

@@ -18,7 +18,7 @@ import torch
 from memfit.errors import MemfitError, shown
 from memfit.models import families, hub, lengths, quantized, tasks
 from memfit.models.catalog import by_source, lookup
-from memfit.models.check import check_config, checked_build, import_object, read_config
+from memfit.models.check import check_config, checked_build, config_from_dict, import_object, read_config
 
 __all__ = ["Source", "resolve"]
 
@@ -157,6 +157,8 @@ _TASKS = {"bert": "masked-lm", "distilbert": "masked-lm", "roberta": "masked-lm"
 
 def _from_config_path(path: str, trust_remote_code: bool = False, *, name: str | None = None,
                       hub_id: str | None = None, revision: str | None = None) -> Source:
+    if os.path.isfile(path) and os.path.basename(path) != "config.json":
+        return _from_config_file(path, trust_remote_code)
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise MemfitError(f"no config.json at {path}: point at a Hugging Face config.json or its folder")
@@ -167,6 +169,27 @@ def _from_config_path(path: str, trust_remote_code: bool = False, *, name: str |
     else:
         config = read_config(folder, path, trust_remote_code=remote)
     return _hf_source(name, config, _task(config), remote)
+
+
+def _from_config_file(path: str, trust_remote_code: bool) -> Source:
+    """A model config saved under any file name (``my-model.json``, ``llama_cfg``): the JSON object in it, read
+    as a Hugging Face config when it names a ``model_type`` (or only ``architectures``, whose model_type
+    transformers knows). Not the folder's config.json: the file named is the one read."""
+    data = hub.config_fields(path)
+    name = os.path.splitext(os.path.basename(path))[0] or os.path.basename(path)
+    if data.get("model_type") is None:
+        model_type = hub.model_type_of(data.get("architectures"))
+        if model_type is None:
+            what = (f"its architectures {data['architectures']} are unknown to transformers"
+                    if data.get("architectures") else "it has no model_type or architectures")
+            raise MemfitError(f"{path} is not a Hugging Face model config ({what}): point at a model's config.json, "
+                              "or add the model's model_type to the file")
+        data = {**data, "model_type": model_type}
+    if hub.needs_remote_code(path, name, trust_remote_code, data):
+        raise MemfitError(f"{name} runs its own code (auto_map), which transformers finds beside a file named "
+                          f"config.json: save {path} as config.json in the folder of that code and pass the folder")
+    config = config_from_dict(data, path)
+    return _hf_source(name, config, _task(config))
 
 
 def _task(config) -> str:
