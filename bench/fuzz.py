@@ -1,12 +1,14 @@
 """Fuzz memfit's inputs: malformed and edge values for every public entry point.
 
 A generator with a fixed seed makes cases for the API (``memfit.estimate``, ``memfit.plan``,
-``Recipe(...)``, ``Recipe.load``) and the command line (every verb and flag: sizes, numbers,
-recipe files, config.json files, ``package.module:function`` sources). Each case passes when it
+``memfit.apply``, ``Recipe(...)``, ``Recipe.load``, ``Recipe.save``) and the command line (every verb
+and flag: sizes, numbers, recipe files, config.json files, ``package.module:function`` sources;
+``estimate``, ``plan``, ``fit``, ``doctor``, ``serve-plan``). Each case passes when it
 gives a normal result, or a ``MemfitError`` (CLI: exit status 2, or 1 for "nothing fits") whose
 message is exactly one short line, with no traceback printed anywhere. Anything else is a
 failure: another exception, a traceback on stderr, a long or multi-line message, a case over its
-time limit.
+time limit (``CASE_SECONDS``; a plan whose arguments are unusual, ``PLAN_SECONDS``: an argument
+that makes the search explode must be refused or bounded, not answered in minutes).
 
 Models are tiny configs (two layers, width 32) so each case takes well under a second; a plan
 reuses the traces of the few (target, batch, sequence) combinations it meets.
@@ -41,6 +43,11 @@ from memfit.cli import main  # noqa: E402
 from memfit.errors import MAX_MESSAGE, MemfitError  # noqa: E402
 
 CASE_SECONDS = 180  # a case over this is a failure (a plan's first traces take ~20 s on a busy CPU)
+# A plan with an unusual argument (HARD_PLAN) over this is a failure: a huge, divisor-rich global batch,
+# a huge sequence, a budget of a byte or of 10**30, a million GPUs must be refused or bounded. A valid
+# plan's first traces of a new (target, batch, sequence) take ~20 s on 2 busy cores: the bound is twice that.
+PLAN_SECONDS = 45
+HUGE = "9" * 400  # past float's range as a number of bytes, and int()'s digit limit is 4300
 
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=32, intermediate_size=64,
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
@@ -80,10 +87,11 @@ def loss_raises(model, batch):
 '''
 
 INTS = ["0", "-1", "1", "2", "3", "4", "16", "007", "1e3", "1.5", "", " ", "nan", "inf", "abc", "0x10", "-0",
-        "99999999999999999999", "2147483648", "1000000000", "\u0661\u0662", "12abc", "+4", "1_000"]
+        "99999999999999999999", "2147483648", "1000000000", "\u0661\u0662", "12abc", "+4", "1_000", HUGE[:40],
+        "9" * 5000]
 SIZES = ["24GiB", "24GB", "80G", "512MiB", "1", "0", "-1GiB", "GiB", ".5G", "1.5TB", "1e400GiB", "nan", "inf",
          "24 gib", "1KiB", "100", "99999999999999999999999999999TB", "24XB", "1,000", "", "1GiB1", "0.0000001G",
-         "10TiB", "3.5e3MiB"]
+         "10TiB", "3.5e3MiB", HUGE + "GiB", "99999999999999999999999999999999999999999GiB", HUGE]
 WORDS = ["", " ", "x", "none", "None", "null", "-", "--", "\n", "a" * 5000, "\u00e9\u00e8", "\x00", "gpt2\n2",
          "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace")]
 PRECISIONS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp8", "BF16-MIXED", ""]
@@ -207,7 +215,7 @@ def make_cases(seed: int, n: int, ws: Workspace) -> list[dict]:
     """``n`` cases from ``seed``: (kind, description, arguments). Deterministic for a seed."""
     rng = random.Random(seed)
     kinds = [("recipe", 12), ("recipe_load", 14), ("estimate", 18), ("plan", 8), ("cli_estimate", 26),
-             ("cli_plan", 10), ("cli_misc", 4), ("subprocess", 1)]
+             ("cli_plan", 10), ("cli_misc", 4), ("subprocess", 1), ("apply", 6), ("recipe_save", 4), ("cli_other", 5)]
     names = [k for k, w in kinds for _ in range(w)]
     cases = []
     for i in range(n):
@@ -244,15 +252,20 @@ def _model(rng, ws):
 
 def _estimate(rng, ws):
     kwargs = {}
-    pool = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "steps": [1, 2, 0, -1, 1.5, "2", 10**9],
-            "batch_size": [1, 2, 3, 0, -2, None, 2.0, 10**9, 10**15], "seq_len": [8, 16, 0, None, 10**7, 10**12, "8"],
+    pool = {"precision": PRECISIONS, "optimizer": OPTIMIZERS + ["factory:none", "factory:int"],
+            "steps": [1, 2, 0, -1, 1.5, "2", 10**9, None, True, 2.0, 10**30],
+            "batch_size": [1, 2, 3, 0, -2, None, 2.0, 10**9, 10**15, True, "2", 1.5],
+            "seq_len": [8, 16, 0, None, 10**7, 10**12, "8", True, 1.5, -1],
             "device": DEVICES, "gpu": GPUS + [None], "fast": [True, False, None, "yes"],
+            "budget": ["1GiB", 1, 10**30, HUGE + "GiB", "nan", -1, None],
             "recipe": ["fields", None, "not a recipe", {"precision": "fp32"}]}
     for name, values in rng.sample(sorted(pool.items()), rng.randint(0, 4)):
         kwargs[name] = rng.choice(values)
     if kwargs.get("recipe") == "fields":
         kwargs["recipe"] = {k: rng.choice(v) for k, v in rng.sample(sorted(RECIPE_VALUES.items()), rng.randint(1, 3))}
     kwargs.setdefault("seq_len", 16)
+    if "budget" in kwargs:
+        kwargs.setdefault("device", "cuda")
     return {"model": _model(rng, ws), "kwargs": kwargs}
 
 
@@ -262,6 +275,10 @@ PLAN_TARGETS = [{"budget": "1GiB"}, {"budget": "256MiB", "device": "cpu"}]
 
 
 def _plan(rng, ws):
+    if rng.random() < 0.2:  # one argument that could make the search explode, alone (PLAN_SECONDS)
+        name, values = rng.choice(sorted(HARD_PLAN.items()))
+        kwargs = {**PLAN_TARGETS[0], "global_batch_size": 2, "seq_len": 16, **rng.choice(values)}
+        return {"model": ("config", LLAMA), "kwargs": kwargs, "seconds": PLAN_SECONDS}
     kwargs = dict(rng.choice(PLAN_TARGETS))
     kwargs.update(global_batch_size=2, seq_len=16)
     pool = {"budget": SIZES + [0, -5, 10**30, 1.5, None], "gpu": GPUS + [None], "device": DEVICES + [None],
@@ -272,6 +289,19 @@ def _plan(rng, ws):
         kwargs[name] = rng.choice(values)
     model = ("config", LLAMA) if rng.random() < 0.8 else _bad_model(rng, ws)
     return {"model": model, "kwargs": kwargs}
+
+
+# Arguments of plan that are valid on their face but unusual: each must be answered, refused or
+# bounded within PLAN_SECONDS (a divisor-rich batch has hundreds of micro-batch sizes).
+HARD_PLAN = {
+    "global_batch_size": [{"global_batch_size": 8648640}, {"global_batch_size": 720720},
+                          {"global_batch_size": 1 << 24}, {"global_batch_size": 5040}],
+    "seq_len": [{"seq_len": 1 << 24}, {"seq_len": 1 << 20}],
+    "budget": [{"budget": 1}, {"budget": "1"}, {"budget": 10**30}, {"budget": HUGE + "GiB"}, {"budget": "1KiB"}],
+    "gpus": [{"gpus": 10**6, "gpu": "h100-sxm"}, {"gpus": 1 << 17, "gpu": "h100-sxm", "global_batch_size": 1 << 17},
+             {"gpus": 8, "nodes": 1 << 14, "gpu": "h100-sxm", "global_batch_size": 1 << 17},
+             {"gpus": True, "gpu": "h100-sxm"}, {"gpus": 0, "gpu": "h100-sxm"}, {"nodes": 2, "gpu": "h100-sxm"}],
+}
 
 
 def _bad_model(rng, ws):
@@ -301,6 +331,10 @@ def _cli_estimate(rng, ws):
 
 
 def _cli_plan(rng, ws):
+    if rng.random() < 0.2:  # one argument that could make the search explode, alone: refused or bounded
+        argv = ["plan", ws.file("config.json", json.dumps(LLAMA)), "--seq-len", "16", "--global-batch-size", "2",
+                "--budget", "1GiB"] + rng.choice(HARD_CLI_PLAN)  # a flag given twice: the last counts
+        return {"argv": argv, "seconds": PLAN_SECONDS}
     valid = rng.random() < 0.5
     model = ws.file("config.json", json.dumps(LLAMA)) if valid else str(_bad_model(rng, ws))
     argv = ["plan", model, "--seq-len", "16", "--global-batch-size", "2"]
@@ -311,6 +345,117 @@ def _cli_plan(rng, ws):
     if rng.random() < 0.3:
         argv += ["--out", rng.choice([os.path.join(ws.path, "missing", "r.yaml"), os.path.join(ws.path, "o.yaml"),
                                       os.path.join(ws.path, "o.json"), os.path.join(ws.path, "o.txt"), ws.path, ""])]
+    argv += rng.sample(["--json"], rng.randint(0, 1))
+    return {"argv": argv}
+
+
+HARD_CLI_PLAN = [["--global-batch-size", "8648640"], ["--global-batch-size", "720720"], ["--seq-len", "16777216"],
+                 ["--budget", "1"], ["--budget", HUGE + "GiB"], ["--gpus", "1000000", "--gpu", "h100-sxm"],
+                 ["--gpus", "131072", "--gpu", "h100-sxm", "--global-batch-size", "131072"],
+                 ["--global-batch-size", HUGE], ["--seq-len", HUGE[:30]]]
+
+
+# -- apply, Recipe.save and the other verbs -------------------------------------------------------------
+
+class _NoParams(__import__("torch").nn.Module):
+    def forward(self, x):
+        return x
+
+
+def _tiny_module():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _sum_loss(model, batch):
+    return model(batch).sum()
+
+
+# ``apply``'s arguments by name (a case holds names: JSON-printable, the same for a seed); each a
+# zero-argument maker. The user's own callables here never raise: what they raise is theirs.
+APPLY_MODELS = {"tiny": _tiny_module, "none": lambda: None, "name": lambda: "gpt2", "int": lambda: 3,
+                "no parameters": _NoParams, "class": lambda: _NoParams,
+                "config": lambda: _materialise(("config", GPT2))}
+APPLY_RECIPES = {
+    "none": lambda: None, "default": lambda: memfit.Recipe(), "bf16": lambda: memfit.Recipe(precision="bf16"),
+    "accumulation": lambda: memfit.Recipe(grad_accum_steps=2), "in backward": lambda: memfit.Recipe(
+        optimizer_in_backward=True), "sgd": lambda: memfit.Recipe(optimizer="sgd"), "str": lambda: "bf16-mixed",
+    "dict": lambda: {"precision": "bf16"}, "int": lambda: 3, "list": lambda: ["bf16"], "zero": lambda: 0,
+}
+APPLY_OPTIMIZERS = {
+    "default": lambda: None, "sgd": lambda: "sgd", "unknown": lambda: "nope", "int": lambda: 3, "list": lambda: [1],
+    "factory": lambda: (lambda params: __import__("torch").optim.SGD(params, lr=0.1)),
+    "factory:none": lambda: (lambda params: None), "factory:int": lambda: (lambda params: 7),
+    "factory:object": lambda: (lambda params: object()), "factory:list": lambda: (lambda params: list(params)),
+}
+APPLY_LOSSES = {"sum": lambda: _sum_loss, "default": lambda: None, "int": lambda: 3, "str": lambda: "mse"}
+
+
+def _factory(name: str):
+    """``factory:none`` and the like: an optimizer factory returning something that is no optimizer."""
+    return APPLY_OPTIMIZERS[name]() if isinstance(name, str) and name.startswith("factory:") else name
+
+
+def _apply(rng, ws):
+    return {"model": rng.choice(sorted(APPLY_MODELS)), "recipe": rng.choice(sorted(APPLY_RECIPES)),
+            "optimizer": rng.choice(sorted(APPLY_OPTIMIZERS)), "loss_fn": rng.choice(sorted(APPLY_LOSSES)),
+            "step": rng.random() < 0.7}
+
+
+# Where ``Recipe.save`` is asked to write: (what, a maker of the path in the workspace).
+SAVE_PATHS = {
+    "yaml": lambda ws: os.path.join(ws.path, "saved.yaml"), "json": lambda ws: os.path.join(ws.path, "saved.json"),
+    "txt": lambda ws: os.path.join(ws.path, "saved.txt"), "bytes": lambda ws: os.fsencode(os.path.join(ws.path,
+                                                                                                       "b.yaml")),
+    "pathlib": lambda ws: __import__("pathlib").Path(ws.path) / "p.yaml", "directory": lambda ws: ws.path,
+    "missing folder": lambda ws: os.path.join(ws.path, "missing", "r.yaml"),
+    "file as folder": lambda ws: os.path.join(ws.path, "fuzzfactories.py", "r.yaml"),
+    "unwritable": lambda ws: "/dev/full" if os.path.exists("/dev/full") else os.path.join(ws.path, "missing", "x"),
+    "read-only folder": lambda ws: os.path.join(_read_only(ws), "r.yaml"),
+    "empty": lambda ws: "", "blank": lambda ws: "  ", "none": lambda ws: None, "int": lambda ws: 3,
+    "nul": lambda ws: os.path.join(ws.path, "a\x00b.yaml"), "long name": lambda ws: os.path.join(ws.path, "x" * 300),
+}
+
+
+def _read_only(ws) -> str:
+    folder = os.path.join(ws.path, "read-only")
+    os.makedirs(folder, exist_ok=True)
+    os.chmod(folder, 0o500)  # as root still writable: then the save succeeds and loads back
+    return folder
+
+
+def _recipe_save(rng, ws):
+    fields = rng.choice([{}, {"precision": "bf16-mixed"}, {"checkpointing": "blocks", "grad_accum_steps": 2},
+                         {"lora": "lora:8"}])
+    return {"fields": fields, "path": rng.choice(sorted(SAVE_PATHS))}
+
+
+OOM_MESSAGE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+               "23.64 GiB of which 1.06 GiB is free. Of the allocated memory 20.12 GiB is allocated by PyTorch, and "
+               "1.20 GiB is reserved by PyTorch but unallocated.")
+
+
+def _cli_other(rng, ws):
+    """fit, doctor and serve-plan with malformed values (the fast ones: no model for doctor)."""
+    verb = rng.choice(["fit", "doctor", "doctor", "serve-plan"])
+    model = ws.file("config.json", json.dumps(GPT2))
+    if verb == "fit":
+        argv = ["fit", model, "--seq-len", "8", "--budget", rng.choice(SIZES)]
+        flags = {"--seq-len": INTS, "--device": ["cpu", "cuda", "x"], "--gpu": GPUS, "--gpus": INTS,
+                 "--grad-accum-steps": INTS}
+    elif verb == "doctor":
+        argv = ["doctor", "--error", rng.choice([OOM_MESSAGE, "", "no oom here", ws.path,
+                                                 os.path.join(ws.path, "missing.log"), "\x00", HUGE])]
+        flags = {"--budget": SIZES, "--gpu": GPUS, "--allow": ALLOWS, "--batch-size": INTS, "--seq-len": INTS}
+        argv.append("--no-plan")
+    else:
+        argv = ["serve-plan", model, "--context", rng.choice(INTS)]
+        flags = {"--gpu": GPUS, "--gpus": INTS, "--chunk": INTS, "--block-size": INTS, "--budget": SIZES,
+                 "--gpu-memory-utilization": ["0.9", "0", "1", "2", "nan", "inf", "-1", "x", HUGE],
+                 "--max-num-batched-tokens": INTS, "--allow": ["", "int8", "nf4", "x", ",,"]}
+    for flag in rng.sample(sorted(flags), rng.randint(0, 2)):
+        argv += [flag, rng.choice(flags[flag])]
     argv += rng.sample(["--json"], rng.randint(0, 1))
     return {"argv": argv}
 
@@ -429,9 +574,11 @@ def _judge_cli(status, stderr: str, argv) -> str | None:
         return f"traceback on stderr: {stderr[-300:]!r}"
     if status == 0:
         return None
-    if status == 1 and argv and argv[0] == "plan" and "--json" in argv and not stderr.strip():
+    if status == 1 and argv and argv[0] in ("plan", "fit") and "--json" in argv and not stderr.strip():
         return None  # nothing fits: the message is in the JSON
-    if status == 2 or (status == 1 and argv and argv[0] == "plan"):
+    if status in (3, 4) and argv and argv[0] == "doctor":
+        return None  # diagnosed without a fix that fits (3), no out-of-memory error in the input (4)
+    if status == 2 or (status == 1 and argv and argv[0] in ("plan", "fit")):
         problem = _short_line(stderr)
         return f"status {status} with {problem} on stderr: {stderr[:300]!r}" if problem else None
     return f"exit status {status!r}: {stderr[-300:]!r}"
@@ -458,15 +605,39 @@ def run_case(case: dict, ws: Workspace) -> str | None:
                 memfit.estimate(_materialise(case["model"]), **{**kwargs, "recipe": memfit.Recipe.from_dict(
                     kwargs["recipe"])})
             return _api(call)
+        if "optimizer" in kwargs:
+            kwargs["optimizer"] = _factory(kwargs["optimizer"])
         return _api(lambda: memfit.estimate(_materialise(case["model"]), **kwargs))
     if kind == "plan":
         return _api(lambda: memfit.plan(_materialise(case["model"]), **case["kwargs"]))
+    if kind == "apply":
+        return _api(lambda: _run_apply(case))
+    if kind == "recipe_save":
+        return _api(lambda: _run_save(case, ws))
     if kind == "subprocess":
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), ws.path]))
         proc = subprocess.run([sys.executable, "-m", "memfit.cli", *case["argv"]], capture_output=True, text=True,
                               env=env, timeout=CASE_SECONDS, errors="replace")
         return _judge_cli(proc.returncode, proc.stderr, case["argv"])
     return _cli(case["argv"])
+
+
+def _run_apply(case: dict) -> None:
+    import torch
+
+    model, opt, step = memfit.apply(APPLY_MODELS[case["model"]](), APPLY_RECIPES[case["recipe"]](),
+                                    optimizer=APPLY_OPTIMIZERS[case["optimizer"]](),
+                                    loss_fn=APPLY_LOSSES[case["loss_fn"]]())
+    if case["step"]:
+        step(torch.randn(4, 8))
+
+
+def _run_save(case: dict, ws: Workspace) -> None:
+    recipe = memfit.Recipe(**case["fields"])
+    path = SAVE_PATHS[case["path"]](ws)
+    recipe.save(path)
+    if path != "/dev/full" and memfit.Recipe.load(path) != recipe:  # a save that succeeds loads back equal
+        raise AssertionError(f"Recipe.save then load changed {recipe!r}")
 
 
 def _printable(case: dict) -> dict:
@@ -492,14 +663,15 @@ def fuzz(seed: int, cases: int, *, kinds: set[str] | None = None, only: set[int]
                 if (kinds and case["kind"] not in kinds) or (only and case["id"] not in only):
                     continue
                 t0 = time.perf_counter()
-                signal.alarm(CASE_SECONDS)
+                seconds = case.get("seconds", CASE_SECONDS)
+                signal.alarm(seconds)
                 TORCH_LOG.records.clear()
                 try:
                     problem = run_case(case, ws)
                     if not problem and TORCH_LOG.records:
                         problem = f"torch logged a traceback: {TORCH_LOG.records[0][:200]!r}"
                 except _Timeout:
-                    problem = f"over {CASE_SECONDS} s"
+                    problem = f"over {seconds} s"
                 except subprocess.TimeoutExpired:
                     problem = f"subprocess over {CASE_SECONDS} s"
                 finally:

@@ -5,11 +5,14 @@ Sizes are ints inside memfit; this module is the only place that reads or writes
 
 from __future__ import annotations
 
+import math
 import re
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "MAX_SIZE"]
+
+MAX_SIZE = 1 << 60  # 1 EiB: past any machine's memory; byte counts stay well inside 64 bits
 
 _UNITS = {
     "": 1, "b": 1,
@@ -32,10 +35,13 @@ def parse_size(text: str | int) -> int:
         match = _SIZE.match(str(text))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise MemfitError(f"cannot read size {text!r}: write it like 24GiB, 24GB, 80G or 512MiB")
-        value = int(float(match.group(1)) * _UNITS[unit])
+            raise MemfitError(f"cannot read size {shown(text)}: write it like 24GiB, 24GB, 80G or 512MiB")
+        number = float(match.group(1)) * _UNITS[unit]  # inf for hundreds of digits, never an error
+        value = int(number) if math.isfinite(number) and number <= MAX_SIZE else MAX_SIZE + 1
     if value <= 0:
-        raise MemfitError(f"size {text!r} must be positive: write it like 24GiB")
+        raise MemfitError(f"size {shown(text)} must be positive: write it like 24GiB")
+    if value > MAX_SIZE:
+        raise MemfitError(f"size {shown(text)} is over 1 EiB, more memory than any machine has: write it like 24GiB")
     return value
 
 

@@ -13,10 +13,10 @@ import os
 import sys
 
 from memfit.cli import _recipe_flags
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
 from memfit.units import parse_size
 
-__all__ = ["size", "positive", "add_model", "model_of", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
+__all__ = ["size", "positive", "integer", "number", "add_model", "model_of", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
            "add_batch", "add_world", "add_loss", "add_out", "add_json", "recipe_fields", "allowable", "recipe_flags",
            "recipe_from_args", "import_spec", "progress", "check_out", "check_gpu_device"]
 
@@ -33,11 +33,26 @@ def size(text: str) -> int:
 def positive(text: str) -> int:
     try:
         value = int(text)
-    except ValueError:
+    except ValueError:  # not a number, or past int()'s 4300 digits
         value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a positive integer")
     return value
+
+
+def integer(text: str) -> int:
+    """``int``, but a value that is not one is quoted briefly (it can be thousands of characters)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number") from None
 
 
 # The flags estimate, fit and plan share. Type, default and name are fixed here; the help says what
@@ -131,7 +146,7 @@ def recipe_flags(parser) -> None:
     """One flag per Recipe field, from the techniques' declarations (``techniques/spec.py``); None
     means "not given", so a --recipe file's value stands. A true/false field is settable both ways
     (``--set-to-none`` / ``--no-set-to-none``)."""
-    types = {"int": int, "count": positive, "optional-count": positive, "float": float}
+    types = {"int": integer, "count": positive, "optional-count": positive, "float": number}
     for name, kind, choices, help in recipe_fields():
         flag = "--" + name.replace("_", "-")
         if kind == "bool" and choices:  # --flag alone: true; --flag VALUE: one of the choices; --no-flag: false

@@ -18,6 +18,9 @@ __all__ = ["WARNINGS", "LOG_LINES", "quiet"]
 
 # (category, regex the message starts with, where from and why hidden): ``warnings.warn`` lines
 WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (FutureWarning, r"`rope_scaling` is deprecated",
+     "transformers (>= 5) reading an old-style rope_scaling of a user's config.json: it converts the field itself; "
+     "a bad value still gets memfit's one-line error"),
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated",
      "transformers (>= 5) deprecates PreTrainedModel.is_gradient_checkpointing in its modeling_utils.py; peft "
      "reads it (PeftModel, prepare_model_for_kbit_training) on every LoRA model memfit builds, once per trace, "

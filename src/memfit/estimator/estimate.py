@@ -470,7 +470,8 @@ def check_args(precision: str, steps: int, batch_size: int | None, seq_len: int 
     check_precision(precision)
     for name, value, limit in (("steps", steps, MAX_STEPS), ("batch_size", batch_size, MAX_BATCH),
                                ("seq_len", seq_len, MAX_SEQ)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
+        if (value is not None or name == "steps") and (not isinstance(value, int) or isinstance(value, bool)
+                                                       or not 0 < value <= limit):
             raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
 
 

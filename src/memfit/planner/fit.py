@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.units import format_size, parse_size
 from memfit.estimator.checkpoint import checkpoint_recipe
@@ -130,6 +130,11 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
 
     Raises ``NoBatchFits`` (a ``MemfitError``) when micro-batch 1 does not fit.
     """
+    from memfit.techniques.accumulation import MAX_BATCH
+
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_BATCH:
+        raise MemfitError(f"limit must be an integer from 1 to {MAX_BATCH} (examples per micro-batch), got "
+                          f"{shown(limit)}")
     if gpus is not None or nodes is not None:
         if device is not None and str(device).startswith("cpu"):
             raise MemfitError("gpus= and device='cpu' conflict: fit across GPUs follows CUDA semantics; drop one")

@@ -90,6 +90,11 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     for name, value, limit in (("global_batch_size", global_batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
             raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
+    for name, value in (("progress", progress), ("loss_fn", loss_fn)):
+        if value is not None and not callable(value):
+            raise MemfitError(f"{name} must be a callable or None, got {type(value).__name__} {shown(value, 40)}")
+    if cache is not None and not isinstance(cache, EngineCache):
+        raise MemfitError(f"cache must be a memfit.planner.cache.EngineCache, got {type(cache).__name__}")
     custom = custom_optimizer(optimizer)
     if not custom:
         Recipe(optimizer=optimizer)  # an unknown name is one line naming the choices
@@ -103,6 +108,13 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         budget_bytes = target.memory_bytes
     else:
         budget_bytes = parse_size(budget)
+    if target is not None:  # a budget over the card is refused now, not after the search's traces
+        from memfit.estimator.verdict import limits
+
+        limits(target, budget_bytes)
+        if budget_bytes <= target.cuda_context_bytes:  # nothing can fit: no search (its traces take seconds)
+            raise NothingFits(f"nothing fits {format_size(budget_bytes)}: the {target.name}'s CUDA context alone takes "
+                              f"{format_size(target.cuda_context_bytes)} of a budget; give a budget above that", None)
     source, stored = dequantised(resolve(model))
     if callable(batch):  # made once: its rows are the global batch
         batch = batch()
@@ -123,8 +135,11 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
 
     world = world_of(gpus, nodes)
     if world is not None:
-        from memfit.planner.ranks import plan_ranks
+        from memfit.planner.ranks import MAX_SHARD, plan_ranks
 
+        if world.gpus > MAX_SHARD:
+            raise MemfitError(f"plan across GPUs takes at most {MAX_SHARD} GPUs per node, got gpus={world.gpus}: a "
+                              "node's GPUs share its fast links (NVL72 has 72); give the rest as nodes=")
         if batch is not None or allowed:
             raise MemfitError("plan across GPUs searches exact recipes of catalog or config models: drop "
                               + ("batch=" if batch is not None else "allow=") + " (or gpus=)")
@@ -153,7 +168,12 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     fallback, tried = None, set()
     roomy = [p for p in fitting if p.device_bytes + _margin(p.device_bytes, target) <= budget_bytes]
     slower = False
-    for candidate in roomy[:MAX_CHECKS]:
+    # A candidate over budget by its full estimate shows how far the predictions of its graph fall short;
+    # the next ones of that graph are judged by that (a divisor-rich global batch has dozens of micro-batch
+    # sizes within 1% of each other at the edge: each would be checked in full, seconds each, and fail).
+    short: dict = {}  # graph key -> needed / predicted bytes of the worst miss
+    checks = _Checks(engine, short, budget_bytes)
+    for candidate in checks.of(roomy):
         if fallback is not None and candidate.step_seconds > fallback[0].step_seconds * CLEAN_SLOWDOWN:
             slower = True  # a clean fit this much slower is a worse answer than a setting
             break
@@ -166,8 +186,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
             break
         if _fits(full, budget_bytes) and fallback is None:
             fallback = (candidate, full)
+        checks.learn(candidate, full)
     roomy_choice = chosen is not None
-    for candidate in ([] if chosen is not None or fallback is not None else fitting[:MAX_CHECKS]):
+    for candidate in ([] if chosen is not None or fallback is not None else checks.of(fitting)):
         full = _checked(engine, candidate.recipe, explicit, refused)
         if full is None:
             continue
@@ -175,6 +196,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
             chosen, report = candidate, full
             break
         rejected += 1
+        checks.learn(candidate, full)
     if chosen is None and fallback is not None:
         chosen, report = fallback
         notes.append(f"recipes that fit cleanly are over {CLEAN_SLOWDOWN:.2f}x slower: this one fits on the terms its "
@@ -183,7 +205,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     if rejected:
         notes.append(f"{rejected} faster candidate(s) predicted to fit were over budget by a full estimate")
     if roomy_choice:
-        tight = [p for p in fitting if p not in roomy and _rank(p) < _rank(chosen)]
+        # by identity: comparing Plans compares their Recipes field by field, and a divisor-rich global
+        # batch makes thousands of candidates (a quadratic `in` took minutes at 5040)
+        spare, first = {id(p) for p in roomy}, _rank(chosen)
+        tight = [p for p in fitting if id(p) not in spare and _rank(p) < first]
         if tight:
             notes.append(f"{len(tight)} faster candidate(s) predicted to fit leave less than the measured estimation "
                          f"error free (the fastest needs {format_size(tight[0].device_bytes)} of "
@@ -218,8 +243,9 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         reasons.append(NO_BLOCKS)
     exact = Plan(**{**exact.__dict__, "reasons": tuple(reasons)})
     passed_over = {r for r, _ in refused}
+    first = _rank(chosen)
     rest = [p for p in fitting
-            if p.recipe != chosen.recipe and _rank(p) >= _rank(chosen) and p.recipe not in passed_over]
+            if p.recipe != chosen.recipe and _rank(p) >= first and p.recipe not in passed_over]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": _optimizer_setting(optimizer), "allow": sorted(allowed), "traces": engine.traces,
                 "speed": engine.speed.name}
@@ -287,6 +313,33 @@ def _checked(engine, recipe: Recipe, budget: int | None, refused: list | None = 
         return dataclasses.replace(full, **fit_reserved(full.peak_bytes, full.reserved_bytes, engine.target,
                                                         budget, managed).report_fields())
     return engine.verify(recipe, budget)
+
+
+class _Checks:
+    """Which candidates predicted to fit get a full estimate: at most ``MAX_CHECKS`` of a list, fastest
+    first, passing over those whose graph's predictions a full estimate found short (``learn``) by
+    enough to put them over the budget."""
+
+    def __init__(self, engine, short: dict, budget: int):
+        self.engine, self.short, self.budget = engine, short, budget
+
+    def of(self, pool):
+        done = 0
+        for p in pool:
+            if done >= MAX_CHECKS:
+                return
+            if p.device_bytes * self.short.get(self.engine._graph_key(p.recipe), 1.0) > self.budget:
+                continue
+            done += 1
+            yield p
+
+    def learn(self, p, full) -> None:
+        """``full``, the full estimate of candidate ``p``: if it does not fit, how far short ``p``'s prediction was."""
+        if _fits(full, self.budget):
+            return
+        needed = full.device_bytes + (full.missing_bytes or 0)
+        key = self.engine._graph_key(p.recipe)
+        self.short[key] = max(self.short.get(key, 1.0), needed / max(p.device_bytes, 1))
 
 
 def _margin(nbytes: int, target) -> int:

@@ -37,7 +37,7 @@ from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
 from memfit.planner.cost import EFFICIENCY, Speed
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.terms import KernelRows, Phases
-from memfit.techniques.accumulation import divisors
+from memfit.techniques.accumulation import MAX_ACCUM_STEPS, divisors
 from memfit.techniques.parallel import mixed_dtypes
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
@@ -46,6 +46,12 @@ __all__ = ["plan_ranks", "NoWorld", "structures", "comm_seconds", "offload_secon
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
+#: ranks one FSDP group may span in a plan: a per-rank trace under the fake process group grows with
+#: them (a tiny Llama: 2 s at 64 ranks, 8 s at 512, a minute at 4096), and a search makes dozens. Past
+#: it, the groups searched are a node's (HSDP); a node has at most this many GPUs (NVL72 has 72).
+MAX_SHARD = 128
+#: micro-batches a candidate's per-rank trace runs (``plan_ranks``)
+TRACED_MICRO = 3
 
 
 def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
@@ -60,8 +66,9 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
     offload = {**zero3, "offload": "cpu", "sync_grads": "every"}
     found = []
     host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
-    spread = [{**zero3, "shard_over": "world"}] if world.nodes > 1 else []  # over every rank: 1/size each
-    if world.nodes > 1 and host_step:
+    # over every rank: 1/size each (up to MAX_SHARD ranks: past them a trace takes minutes)
+    spread = [{**zero3, "shard_over": "world"}] if 1 < world.nodes and world.size <= MAX_SHARD else []
+    if spread and host_step:
         spread.append({**offload, "shard_over": "world"})
     for checkpointing in ("off", "blocks") if has_blocks else ("off",):
         bases = (ddp, zero2, zero3) if world.size > 1 else (zero3,)
@@ -138,8 +145,11 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         with _meta(source) as model:
             has_blocks = bool(model is not None and find_blocks(model))
     shapes = structures(target, world, has_blocks, optimizer)
-    sizes = sorted(divisors(per_rank), reverse=True)
+    sizes = sorted((d for d in divisors(per_rank) if per_rank // d <= MAX_ACCUM_STEPS), reverse=True)
     done, traces, results, notes = [0], [0], [], []
+    if world.nodes > 1 and world.size > MAX_SHARD:
+        notes.append(f"FSDP over all {world.size} ranks left out (past {MAX_SHARD} a per-rank trace takes minutes): "
+                     "HSDP, sharded within each node, searched")
     total = len(shapes) * (2 + max(1, len(sizes).bit_length()))
 
     def tick():
@@ -148,25 +158,30 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
             progress(min(done[0], total), total)
 
     def trace(fields: dict, micro: int):
+        """(recipe, report, replay, micro-batches traced): memory stops changing after the second
+        micro-batch, so at most ``TRACED_MICRO`` run (a per-rank batch of thousands of micro-batches
+        would trace each one, twice); the step's kernels are scaled to all of them."""
         recipe = Recipe(**fields, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
+        traced = min(recipe.grad_accum_steps, TRACED_MICRO)
         traces[0] += 1
         with fake_world(world, 0):
-            report, replay = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=None, steps=2,
-                                        batch_size=per_rank, seq_len=seq_len, gpu=target, budget=budget_bytes,
-                                        detail=True)
+            report, replay = fake_trace(source, None, recipe=recipe.replace(grad_accum_steps=traced), loss_fn=loss_fn,
+                                        optimizer=None, steps=2, batch_size=micro * traced, seq_len=seq_len, gpu=target,
+                                        budget=budget_bytes, detail=True)
         tick()
-        return recipe, report, replay
+        return recipe, report, replay, traced
 
     for fields in shapes:
         fit = _largest_fitting(trace, fields, sizes)
         if fit is None:
             continue
-        recipe, report, replay = fit
+        recipe, report, replay, traced = fit
         rows = KernelRows.of(replay.ops)
-        steady = rows.where(Phases(replay.series).mask(rows.marks(), "forward", 1)
-                            | Phases(replay.series).mask(rows.marks(), "backward", 1)
-                            | Phases(replay.series).mask(rows.marks(), "optimizer", 1))
-        compute = speed.kernel_seconds(steady.cost())
+        phases = Phases(replay.series)
+        micro_rows = rows.where(phases.mask(rows.marks(), "forward", 1) | phases.mask(rows.marks(), "backward", 1))
+        step_rows = rows.where(phases.mask(rows.marks(), "optimizer", 1))
+        compute = (speed.kernel_seconds(micro_rows.cost()) * recipe.grad_accum_steps / traced
+                   + speed.kernel_seconds(step_rows.cost()))
         comm, exposed = comm_seconds(recipe, world, report.parameters, (source.depth or 0) + 1,
                                      recipe.grad_accum_steps, target)
         # the host's optimizer step and the shard copies are not hidden behind the GPU's kernels
@@ -182,7 +197,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                                    gpus_per_node=world.gpus, above=world.size)
         except NoWorld as err:
             found = str(err)
-        more = (found if isinstance(found, str) else "no more nodes of these up to 64 fit either" if found is None else
+        more = (found if isinstance(found, str) else f"no larger world of these up to {MAX_SHARD} GPUs fits either"
+                if found is None else
                 f"{found[0].describe()} fit: {format_size(found[1].device_bytes)} per rank by a per-rank estimate of "
                 f"{Recipe.from_dict(found[1].settings['recipe']).describe()} (--gpus {found[0].gpus} --nodes "
                 f"{found[0].nodes} for the fastest)")
@@ -227,8 +243,8 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
     micro-batch) fits ``budget_bytes`` per
     rank, by full per-rank estimates: one node of ``WORLDS`` GPUs, or with ``gpus_per_node`` that many
     per node on 1, 2, 4, ... nodes; only worlds of more than ``above`` GPUs whose size divides the
-    batch. None if none up to 64 GPUs per node or 64 nodes fits. Stops at the first that fits: the
-    answer of a plan that found nothing, not a search for speed."""
+    batch, and at most ``MAX_SHARD`` ranks sharded together. None if none of those fits. Stops at the
+    first that fits: the answer of a plan that found nothing, not a search for speed."""
     from memfit.estimator.estimate import estimate
     from memfit.estimator.verdict import OOM
 
@@ -241,9 +257,12 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
         [World(gpus_per_node, nodes) for nodes in WORLDS if nodes > 1 or gpus_per_node > 1]
     if gpus_per_node is not None:
         worlds.insert(0, World(gpus_per_node))
-    tried = None
+    tried, past = None, False
     for world in worlds:
         if world.size <= above or global_batch_size % world.size:
+            continue
+        if world.size > MAX_SHARD:  # sharded over every rank, past what a plan traces in reasonable time
+            past = True
             continue
         # memory stops changing after the second micro-batch: two are traced, not all of them; over
         # nodes, HSDP would hold what one node holds: shard over every rank
@@ -254,7 +273,7 @@ def smallest_world(source, target, budget_bytes: int, global_batch_size: int, se
         tried = world
         if report.verdict != OOM:
             return world, report
-    if tried is None:
+    if tried is None and not past:
         raise NoWorld(f"the global batch of {global_batch_size} divides over no larger world of {target.name}s to "
                       "try: use a global batch that is a multiple of the GPU count")
     return None

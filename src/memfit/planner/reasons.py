@@ -56,9 +56,9 @@ def _reasons(exact: Plan, chosen: Plan, predicted: list[Plan], budget: int, engi
             except MemfitError:
                 pass
     if r.grad_accum_steps > 1:
-        bigger = [p for p in predicted if p.recipe == r.replace(micro_batch_size=r.micro_batch_size * 2,
-                                                                grad_accum_steps=r.grad_accum_steps // 2)] \
-            if r.grad_accum_steps % 2 == 0 else []
+        doubled = table.get(r.replace(micro_batch_size=r.micro_batch_size * 2,
+                                      grad_accum_steps=r.grad_accum_steps // 2)) if r.grad_accum_steps % 2 == 0 else None
+        bigger = [doubled] if doubled is not None else []
         if bigger and bigger[0].device_bytes > budget:
             out.append(f"micro_batch_size={r.micro_batch_size} x {r.grad_accum_steps} accumulation steps: micro-batch "
                        f"{r.micro_batch_size * 2} needs {format_size(bigger[0].device_bytes)}, over budget")

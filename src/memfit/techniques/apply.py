@@ -30,6 +30,7 @@ import contextlib
 import torch
 
 from memfit.categories import Category
+from memfit.errors import MemfitError, shown
 from memfit.techniques.optimizer import make_optimizer
 from memfit.techniques.optimizer_in_backward import InBackward
 from memfit.techniques.recipe import Recipe
@@ -64,7 +65,10 @@ def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=Non
     step       ``step(batch) -> loss``: one optimizer step over ``recipe.grad_accum_steps``
                micro-batches of ``batch`` (split along dim 0), gradients zeroed after.
     """
+    _check_apply(model, recipe, optimizer, loss_fn)
     recipe = recipe or Recipe()
+    if callable(optimizer):
+        optimizer = _checked_factory(optimizer)
     build = Build(recipe, model, next((p.device.type for p in model.parameters()), "cpu"), watch or Quiet(),
                   loss_fn=loss_fn, user_loss=loss_fn is not None, optimizer_spec=optimizer or recipe.optimizer)
     for technique in techniques():
@@ -75,6 +79,40 @@ def apply(model: torch.nn.Module, recipe: Recipe | None = None, *, optimizer=Non
     make = build.make_optimizer or (lambda params: make_optimizer(build.optimizer_spec, params))
     opt = make(build.model.parameters())
     return build.model, opt, _Step(build, opt)
+
+
+def _check_apply(model, recipe, optimizer, loss_fn) -> None:
+    """``apply``'s arguments, each wrong type one line naming the fix (not an AttributeError deep inside)."""
+    if not isinstance(model, torch.nn.Module):
+        raise MemfitError(f"apply takes a torch.nn.Module as its model, got {_kind(model)}: build the model first "
+                          "(memfit.estimate takes names, configs and factories)")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise MemfitError(f"recipe must be a memfit.Recipe, got {_kind(recipe)}: use Recipe(precision='bf16-mixed', "
+                          "...) or Recipe.load(path)")
+    if optimizer is not None and not callable(optimizer) and not isinstance(optimizer, str):
+        raise MemfitError(f"optimizer must be a name ('adamw') or a callable params -> torch.optim.Optimizer, got "
+                          f"{_kind(optimizer)}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise MemfitError(f"loss_fn must be a callable loss_fn(model, batch) -> scalar tensor, got {_kind(loss_fn)}")
+
+
+def _kind(value) -> str:
+    return f"{type(value).__name__} {shown(value, 40)}" if value is not None else "None"
+
+
+def _checked_factory(factory):
+    """The caller's ``params -> Optimizer``, its result checked: something without ``step`` and
+    ``zero_grad`` would fail only at the first step, as an AttributeError."""
+    def make(params):
+        opt = factory(params)
+        if not all(callable(getattr(opt, name, None)) for name in ("step", "zero_grad")):
+            raise MemfitError(f"the optimizer factory {shown(getattr(factory, '__qualname__', factory), 40)} returned "
+                              f"{_kind(opt)}: it must return a torch.optim.Optimizer, e.g. "
+                              "lambda params: torch.optim.AdamW(params)")
+        return opt
+
+    make.__wrapped__ = factory
+    return make
 
 
 class _Step:

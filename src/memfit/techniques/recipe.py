@@ -150,6 +150,9 @@ class Recipe:
         import yaml
 
         name = shown(str(path))
+        if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):  # an int is a file descriptor
+            raise MemfitError(f"cannot read recipe {name}: pass the path of a .yaml or .json file, "
+                              f"not {type(path).__name__}")
         try:
             with open(path, "rb") as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
@@ -180,9 +183,32 @@ class Recipe:
         return cls.from_dict(data)
 
     def save(self, path: str) -> None:
+        """Write the recipe to ``path``: JSON for a ``.json`` name, else YAML."""
+        import os
+
+        given = path
+        try:
+            path = os.fsdecode(path)  # str, bytes or os.PathLike; anything else (None, an int) is refused
+        except TypeError:
+            path = ""
+        if not path.strip():
+            raise MemfitError(f"cannot save the recipe to {shown(given)}: pass the path of a .yaml or .json file")
+        name = shown(path)
+        if os.path.isdir(path):
+            raise MemfitError(f"cannot save the recipe to {name}: it is a directory; name a .yaml or .json file in it")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            what = "is a file, not a directory" if os.path.exists(folder) else "does not exist; create it first"
+            raise MemfitError(f"cannot save the recipe to {name}: {shown(folder)} {what}")
         text = self.to_json() if path.endswith(".json") else self.to_yaml()
-        with open(path, "w") as f:
-            f.write(text)
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as err:
+            raise MemfitError(f"cannot save the recipe to {name}: {err.strerror or err}; choose another path") from None
+        except ValueError as err:  # a NUL byte in the path
+            raise MemfitError(f"cannot save the recipe to {name}: {err}; pass the path of a .yaml or .json "
+                              "file") from None
 
     def describe(self) -> str:
         """The non-default fields, e.g. ``bf16-mixed, checkpointing=blocks, grad_accum_steps=4``."""
