@@ -711,8 +711,16 @@ def _main():
                     print(json.dumps(_printable(case), default=repr))
         return 0
     kinds = {k for k in args.kinds.split(",") if k} or None
-    result = fuzz(args.seed, args.cases, kinds=kinds, only=set(args.only or ()), log=(lambda line: print(line, flush=True))
-                  if args.verbose else None)
+    seen = [0]
+
+    def log(line: str) -> None:  # every case with -v; else each failure as found, and a count every 50 cases
+        seen[0] += 1
+        if args.verbose or " FAIL " in line:
+            print(line, flush=True)
+        elif seen[0] % 50 == 0:
+            print(f"{seen[0]} of {args.cases} cases", file=sys.stderr, flush=True)
+
+    result = fuzz(args.seed, args.cases, kinds=kinds, only=set(args.only or ()), log=log)
     result["command"] = "python bench/fuzz.py " + " ".join(sys.argv[1:])
     result["torch"] = __import__("torch").__version__
     with open(args.out, "w") as f:

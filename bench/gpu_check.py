@@ -16,13 +16,16 @@ against the allocator's) and a real out-of-memory error under ``set_per_process_
 (the estimate's verdict against it). Without a GPU the script says so and exits 0.
 
 ``--traces`` also writes each named case's allocator trace (``torch.cuda.memory._record_memory_history``:
-action, size, stream) to ``DIR/traces.json.gz``, to find where an estimate and the GPU part.
+action, size, stream) to ``DIR/trace-CASE.json.gz``, to find where an estimate and the GPU part, and for
+the compile cases what each compiled graph's forward saves for backward, on the GPU and in the estimate
+(``DIR/saved-CASE-truth.json``, ``DIR/saved-CASE-estimate.json``: name, op, shape, dtype, bytes).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import gzip
 import json
@@ -110,7 +113,7 @@ def _shape(case: dict, smoke: bool) -> tuple:
 
 
 # -- estimates (no GPU) -------------------------------------------------------------------------------
-def estimate_case(name: str, card: str, smoke: bool) -> dict:
+def estimate_case(name: str, card: str, smoke: bool, saved: str | None = None) -> dict:
     import memfit
 
     case = CASES[name]
@@ -137,11 +140,53 @@ def estimate_case(name: str, card: str, smoke: bool) -> dict:
         batch = make_batch() if make_batch is not None else None
         extra = {"gpus": 1} if case["kind"] == "fsdp" else {}
         budget = case.get("budget") if not smoke else None
-        r = memfit.estimate(model, batch, loss_fn=loss, recipe=recipe, batch_size=bs, seq_len=seq, device=device,
-                            gpu=gpu, budget=budget, **extra)
+        with _saved_log(os.path.join(saved, f"saved-{name}-estimate.json") if saved and "compile" in case["recipe"]
+                        else None):
+            r = memfit.estimate(model, batch, loss_fn=loss, recipe=recipe, batch_size=bs, seq_len=seq, device=device,
+                                gpu=gpu, budget=budget, **extra)
     return {"allocated": r.peak_bytes, "reserved": r.reserved_bytes, "device_bytes": r.device_bytes,
             "context_bytes": r.context_bytes, "host_bytes": r.host_bytes, "pinned_bytes": r.pinned_bytes,
             "verdict": r.verdict, "seconds": round(time.perf_counter() - start, 1)}
+
+
+@contextlib.contextmanager
+def _saved_log(path: str | None):
+    """Writes what each compiled graph's forward saves for backward (AOTAutograd's partition, as Inductor asks
+    for it) to ``path``: name, producing op, shape, dtype. The same on the GPU's truth and the CPU's estimate,
+    so a compile case's error is read tensor by tensor (``--traces``)."""
+    if path is None:
+        yield
+        return
+    import torch._inductor.compile_fx as compile_fx
+
+    made, graphs = compile_fx.min_cut_rematerialization_partition, []
+
+    def logged(joint, joint_inputs, **kwargs):
+        fw, bw = made(joint, joint_inputs, **kwargs)
+        ops = {n.name: str(n.target) for n in fw.graph.nodes}
+        saved = []
+        for node in bw.graph.nodes:
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            if val is not None and hasattr(val, "shape") and not node.name.startswith("tangents"):
+                saved.append([node.name, ops.get(node.name, "?"), list(val.shape), str(val.dtype),
+                              val.numel() * val.element_size()])
+        graphs.append({"saved": saved, "bytes": sum(s[-1] for s in saved)})
+        return fw, bw
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    caches = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
+    # a cached graph skips the partition: compile anew
+    inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = False, False
+    compile_fx.min_cut_rematerialization_partition = logged
+    try:
+        yield
+    finally:
+        compile_fx.min_cut_rematerialization_partition = made
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = caches
+        with open(path, "w") as f:
+            json.dump(graphs, f)
 
 
 # -- truths (on the GPU) ------------------------------------------------------------------------------
@@ -222,7 +267,7 @@ def _dump_trace(name: str, dev, traces: bool, out: str | None) -> None:
         json.dump(events, f)
 
 
-def truth_case(name: str, smoke: bool, traces: bool = False, out: str | None = None) -> dict:
+def truth_case(name: str, smoke: bool, traces: bool = False, out: str | None = None, saved: bool = False) -> dict:
     import torch
 
     case = CASES[name]
@@ -259,7 +304,9 @@ def truth_case(name: str, smoke: bool, traces: bool = False, out: str | None = N
     with torch.device(dev):
         model = build()
     try:
-        run_steps(model, _to(batch, dev), recipe=recipe, steps=2, loss_fn=loss)
+        with _saved_log(os.path.join(out, f"saved-{name}-truth.json") if saved and out and "compile" in case["recipe"]
+                        else None):
+            run_steps(model, _to(batch, dev), recipe=recipe, steps=2, loss_fn=loss)
         oom = False
     except torch.OutOfMemoryError:
         oom = True
@@ -446,8 +493,8 @@ def check(out: str, names: list[str], smoke: bool, traces: bool, workers: int) -
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         # slow estimates (compile, the 8B generate) first, so they overlap the GPU's runs
         order = sorted(names, key=lambda n: ("compile" not in n and "qwen8b" not in n, n))
-        futures = {n: pool.submit(_run, ["one-estimate", n, "--gpu", card] + (["--smoke"] if smoke else []),
-                                  blind, 900) for n in order}
+        futures = {n: pool.submit(_run, ["one-estimate", n, "--gpu", card] + (["--smoke"] if smoke else [])
+                                  + (["--traces", "--out", out] if traces else []), blind, 900) for n in order}
         truths = {}
         for n in names:
             t0 = time.perf_counter()
@@ -529,16 +576,17 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     parser.add_argument("--gpu", default="h100-sxm", help="(one-estimate) the catalog card")
     parser.add_argument("--smoke", action="store_true", help="tiny models, CPU truth: the plumbing without a GPU")
-    parser.add_argument("--traces", action="store_true", help=f"allocator traces of {', '.join(TRACED)}")
+    parser.add_argument("--traces", action="store_true", help=f"allocator traces of {', '.join(TRACED)}; what each compiled graph saves for "
+                        "backward (saved-CASE-truth.json / -estimate.json)")
     parser.add_argument("--truths", default=os.path.join(HERE, "results", "gpu-check-h200-truths.json"),
                         help="(regrade) a GPU run's recorded truths")
     parser.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     args = parser.parse_args()
     if args.stage == "one-truth":
-        print(json.dumps(truth_case(args.case, args.smoke, args.traces, args.out)))
+        print(json.dumps(truth_case(args.case, args.smoke, args.traces, args.out, saved=args.traces)))
         return
     if args.stage == "one-estimate":
-        print(json.dumps(estimate_case(args.case, args.gpu, args.smoke)))
+        print(json.dumps(estimate_case(args.case, args.gpu, args.smoke, args.out if args.traces else None)))
         return
     if args.stage == "regrade":
         regrade(args.truths, args.out, args.workers, args.cases)

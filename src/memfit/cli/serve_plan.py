@@ -16,7 +16,9 @@ def _fraction(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+        from memfit.errors import shown
+
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a fraction in (0, 1]")
     return value
 
 

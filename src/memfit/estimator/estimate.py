@@ -105,6 +105,7 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
                with ``device_map`` for inference is estimated so.
     """
     check_args(precision, steps, batch_size, seq_len)
+    check_switches(fast=fast, packed=packed, progress=progress, loss_fn=loss_fn)
     chosen = target(device, gpu)
     device, gpu = chosen.device, chosen.gpu
     recipe, factory = recipe_from(recipe, precision, optimizer)
@@ -473,6 +474,17 @@ def check_args(precision: str, steps: int, batch_size: int | None, seq_len: int 
         if (value is not None or name == "steps") and (not isinstance(value, int) or isinstance(value, bool)
                                                        or not 0 < value <= limit):
             raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
+
+
+def check_switches(**values) -> None:
+    """Keyword switches of the API that take True/False (None: the default) or a callable (None: none):
+    ``fast="yes"`` or ``progress=3`` is one line here, not a TypeError deep in the trace or a silent truthy."""
+    for name, value in values.items():
+        if name in ("progress", "loss_fn"):
+            if value is not None and not callable(value):
+                raise MemfitError(f"{name} must be a callable or None, got {type(value).__name__} {shown(value, 40)}")
+        elif value is not None and not isinstance(value, bool):
+            raise MemfitError(f"{name} must be True or False, got {type(value).__name__} {shown(value, 40)}")
 
 
 # Bounds past which a trace would run for hours (steps) or byte counts overflow 64 bits.

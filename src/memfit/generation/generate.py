@@ -31,6 +31,7 @@ import dataclasses
 
 from memfit.errors import MemfitError, shown
 from memfit.estimator.fake import quiet_fake_log
+from memfit.estimator.estimate import check_switches
 from memfit.generation.cache import cache_kwargs
 from memfit.generation.full import estimate_full
 from memfit.generation.run import Request
@@ -88,6 +89,7 @@ def estimate_generate(model, *, prompt_len: int, new_tokens: int, batch_size: in
     is ``"generate"``.
     """
     request = check_request(prompt_len, new_tokens, batch_size, cache, padding, logits_to_keep)
+    check_switches(fast=fast, progress=progress)
     chosen = target(device, gpu)
     card = chosen.gpu
     check_generate_args("bf16" if precision is None else precision, weights, chosen.device, cache)  # None: below

@@ -21,18 +21,30 @@ __all__ = ["InBackward", "TECHNIQUE"]
 class InBackward(torch.optim.Optimizer):
     """One optimizer per parameter, stepped from the parameter's post-accumulate-grad hook.
 
-    Presents itself as a single optimizer (``state``, ``step``, ``zero_grad``) so the training
-    loop is unchanged: ``step`` and ``zero_grad`` are no-ops, the hooks did the work.
+    Presents itself as a single optimizer (``param_groups``, ``state``, ``step``, ``zero_grad``,
+    ``state_dict``) so the training loop is unchanged: ``step`` and ``zero_grad`` are no-ops, the hooks
+    did the work. Its one group holds every parameter, with the inner optimizers' hyperparameters; what
+    an LR scheduler (or anyone) writes there is copied to a parameter's own optimizer before it steps,
+    as torchtune's ``OptimizerInBackwardWrapper`` keeps one scheduler for all of them. ``load_state_dict``
+    puts each parameter's state back into its own optimizer.
     """
 
     def __init__(self, params, make):
         params = [p for p in params if p.requires_grad]
         self.optimizers = {p: make([p]) for p in params}
         self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in params]
-        super().__init__(params, {})
+        first = next(iter(self.optimizers.values()), None)
+        defaults = dict(first.defaults) if first is not None else {}
+        super().__init__(params, defaults)
 
     def _step(self, param):
         opt = self.optimizers[param]
+        groups = self.param_groups  # the scheduler's lr (and any other hyperparameter set there)
+        outer = groups[0] if len(groups) == 1 else next(
+            (g for g in groups if any(p is param for p in g["params"])), None)
+        if outer is not None:
+            for group in opt.param_groups:
+                group.update({k: v for k, v in outer.items() if k in group and k != "params"})
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -46,6 +58,12 @@ class InBackward(torch.optim.Optimizer):
     @state.setter
     def state(self, value):  # torch.optim.Optimizer.__init__ assigns it
         pass
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)  # the groups; the state lands in __dict__, under the property
+        for param, value in self.__dict__.pop("state", {}).items():
+            if param in self.optimizers:
+                self.optimizers[param].state[param] = value
 
     def step(self, closure=None):
         return None

@@ -209,8 +209,9 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         with real_world(broadcast_buffers=False):  # no collective in DDP's forward (lockstep.py)
             model, opt, step_fn = apply(model, recipe)
         ranks.lockstep = Lockstep(model, recipe, device)
+    # an optimizer without an lr in each group (a caller's own) steps at its own rate
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(schedule, lr, warmup, total_steps)) \
-        if hasattr(opt, "param_groups") else None
+        if getattr(opt, "param_groups", None) and all("lr" in g for g in opt.param_groups) else None
     if sched is not None:
         for group in opt.param_groups:
             group["lr"] = lr * sched.lr_lambdas[0](sched.last_epoch)
@@ -284,6 +285,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                 clean += 1
                 if scale < 1.0 and clean >= grow_after:
                     scale, clean = min(1.0, scale * 2), 0
+            step_lr = opt.param_groups[0]["lr"] if sched is not None else None  # what this step stepped with
             if sched is not None:
                 sched.step()
             elapsed = time.perf_counter() - start - estimating  # estimates are timed apart
@@ -295,7 +297,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             line = {"step": done, "loss": value, "tokens": tokens, "seconds": round(elapsed, 6),
                     "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
                     "memory_now": now, "memory_peak": memory, "predicted": predicted,
-                    "estimate_seconds": round(estimating, 3), "micro_batches": parts,
+                    "estimate_seconds": round(estimating, 3), "micro_batches": parts, "lr": _number(step_lr),
                     "micro_token_cap": None if shapes is not None else int(micro_tokens * scale),
                     "ooms": events}
             if ranks is not None:  # one all-gather: the world's loss, each rank's memory and time
@@ -313,7 +315,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
             if board is not None:
                 for name, number in (("loss", value), ("tokens_per_second", tokens / elapsed), ("memory_peak", memory),
                                      ("predicted", predicted), ("ooms", len(events)),
-                                     ("lr", opt.param_groups[0]["lr"] if hasattr(opt, "param_groups") else None)):
+                                     ("lr", _number(step_lr))):
                     if number is not None:
                         board.add_scalar(f"train/{name}", number, done)
             if done % checkpoint_every == 0 or done == total_steps:
@@ -360,3 +362,8 @@ def _memory(vb, device) -> tuple:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
     return None, None
+
+
+def _number(value):
+    """A float for the metrics line (an lr may be a tensor, as torch's capturable optimizers keep it)."""
+    return None if value is None else round(float(value), 12)
