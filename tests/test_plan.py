@@ -200,3 +200,28 @@ def test_traces_are_kept_only_by_a_cache_the_caller_passes(sweep):
     fresh = plan(_config(), gpu=GPU, budget=shared.budget, global_batch_size=8, seq_len=128)
     assert fresh.settings["traces"] > shared.settings["traces"]
     assert fresh.best == shared.best
+
+
+# -- fixed fields (memfit train plans around the recipe flags given) -----------------------------------
+def test_fixed_fields_are_in_every_candidate_and_the_rest_is_searched(sweep):
+    plans = _plan(64, fixed={"checkpointing": "blocks", "safe_step": 4})
+    assert all(p.recipe.checkpointing == "blocks" and p.recipe.safe_step == 4 for p in plans)
+    assert plans.best.verified and plans.best.device_bytes <= plans.budget
+    assert plans.settings["fixed"] == {"checkpointing": "blocks", "safe_step": 4}
+    assert len({(p.recipe.precision, p.recipe.micro_batch_size) for p in plans}) > 1  # the rest still varies
+    free = sweep[64].best  # a constraint never makes the answer faster
+    assert plans.best.step_seconds >= free.step_seconds
+
+
+def test_a_fixed_math_changing_value_is_the_users_choice():
+    plans = _plan(64, fixed=Recipe(precision="bf16"))  # a Recipe: its non-default fields
+    assert {p.recipe.precision for p in plans} == {"bf16"}
+
+
+@pytest.mark.parametrize("fixed, words", [({"bogus": 1}, "no Recipe field 'bogus'"), ("bf16", "fixed takes a dict"),
+                                          ({"precision": "fp8"}, "precision"),
+                                          ({"optimizer_in_backward": True, "grad_accum_steps": 2}, "conflict")])
+def test_bad_fixed_fields_are_one_line(fixed, words):
+    with pytest.raises(MemfitError, match=words) as err:
+        _plan(64, fixed=fixed)
+    assert "\n" not in str(err.value)

@@ -57,8 +57,13 @@ def build(train) -> None:
     train.add_argument("--checkpoint-every", type=_args.positive, default=None, help="steps between checkpoints "
                        "(default 50; always at the end)")
     train.add_argument("--keep", type=_args.positive, default=None, help="checkpoints kept (default 2)")
-    train.add_argument("--recipe", default=None, help="a recipe .yaml/.json, or auto (plan for --budget first); "
-                       "flags below override its fields")
+    train.add_argument("--recipe", default=None, help="a recipe .yaml/.json (flags below override its fields), or "
+                       "auto: plan the fastest recipe that fits first, what happens by default with a --budget, a "
+                       "--gpu or a GPU to train on (the recipe flags given stay fixed)")
+    train.add_argument("--no-plan", action="store_true", help="do not plan: train the default recipe and the "
+                       "recipe flags given (micro-batches still sized by estimates within --budget)")
+    train.add_argument("--replan", action="store_true", help="plan again even if a plan for the same question is "
+                       "stored (under $MEMFIT_CACHE or ~/.cache/memfit)")
     launch = train.add_argument_group("many processes (torchrun; the recipe's --parallel fsdp or ddp)")
     launch.add_argument("--nproc-per-node", type=_args.positive, default=None, help="processes on this machine, "
                         "one per GPU (on the CPU: gloo)")
@@ -124,6 +129,66 @@ def _launch(args) -> int:
     return 0
 
 
+def _plans(args, s, recipe_arg, device: str, budget, changes: dict) -> bool:
+    """Whether this run plans its recipe first: ``--recipe auto``, or no recipe file with a budget, a
+    card or a GPU to train on (the fastest recipe that fits, as ``memfit plan`` finds it); not with
+    ``--no-plan``, not for many processes (``plan --gpus N`` plans those)."""
+    from memfit.training.ranks import under_torchrun
+
+    if recipe_arg == "auto":
+        if under_torchrun() or changes.get("parallel", "none") != "none":
+            raise MemfitError("--recipe auto plans for one process: plan with `memfit plan --gpus N`, then pass "
+                              "the recipe file with --nproc-per-node N")
+        return True
+    if recipe_arg is not None or args.no_plan or under_torchrun() or changes.get("parallel", "none") != "none":
+        return False
+    return budget is not None or s["gpu"] is not None or device.startswith("cuda")
+
+
+def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = False):
+    """The fastest recipe that fits, with ``changes`` (the recipe flags given) fixed: from the plan
+    stored for the same question (``planner/stored.py``) unless ``--replan``, else planned now and
+    stored. Says in one line on stderr what it chose, from where, and the predicted speed."""
+    import time
+
+    from memfit.planner.plan import plan
+    from memfit.planner.stored import load_plan, plan_key, save_plan
+    from memfit.units import format_size
+
+    on_gpu = not device.startswith("cpu")
+    rows = s["global_batch_size"] or max(1, (s["global_tokens"] or s["seq_len"]) // s["seq_len"])
+    card = None
+    if on_gpu:
+        from memfit.hardware.gpus import target
+
+        card = target("cuda", s["gpu"]).gpu
+    question = {"budget": budget, "gpu": card.name if card is not None else None, "device": "cuda" if on_gpu else "cpu",
+                "global_batch_size": rows, "seq_len": s["seq_len"], "fixed": changes}
+    key = plan_key(source, **question)
+    stored = None if args.replan else load_plan(key)
+    start = time.perf_counter()
+    if stored is not None:
+        recipe, speed, need, whence = (stored["recipe"], stored.get("tokens_per_second"), stored.get("device_bytes"),
+                                       "the stored plan (--replan plans again)")
+    else:
+        with _args.progress("planning the fastest recipe that fits") as update:
+            plans = plan(source.config if source.config is not None else _args.model_of(args), budget=budget,
+                         gpu=card, global_batch_size=rows, seq_len=s["seq_len"], device="cuda" if on_gpu else "cpu",
+                         fixed=changes, progress=update)
+        best = plans.best
+        recipe, speed, need = best.recipe, best.tokens_per_second, best.device_bytes
+        save_plan(key, best, question=question, planned_seconds=round(time.perf_counter() - start, 1))
+        whence = f"planned in {time.perf_counter() - start:.0f} s"
+    if not quiet:
+        cap = budget if budget is not None else card.memory_bytes if card is not None else None
+        room = f"{format_size(need)} of {format_size(cap)}" if need is not None and cap is not None else ""
+        rate = f"predicted {speed:,.0f} tokens/s" if speed else "speed not predicted"
+        fixed = f"; kept as given: {', '.join(f'{k}={v}' for k, v in changes.items())}" if changes else ""
+        print(f"memfit train: fastest recipe that fits{' on the ' + card.name if card is not None else ''}: "
+              f"{recipe.describe() or 'the default recipe'} ({rate}, {room}; {whence}{fixed})", file=sys.stderr)
+    return recipe
+
+
 def _settings(args) -> dict:
     values = dict(_DEFAULTS)
     if args.config:
@@ -180,20 +245,15 @@ def run(args) -> int:
             device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     budget = None if s["budget"] is None else parse_size(s["budget"])
     recipe_arg = s["recipe"]
-    if recipe_arg == "auto":
-        if budget is None:
-            raise MemfitError("--recipe auto plans for a budget: pass --budget")
-        from memfit.planner.plan import plan
-
-        rows = s["global_batch_size"] or max(1, (s["global_tokens"] or s["seq_len"]) // s["seq_len"])
-        plans = plan(_args.model_of(args), budget=budget, global_batch_size=rows, seq_len=s["seq_len"],
-                     device="cpu" if device == "cpu" else "cuda")
-        base = plans.best.recipe
-    else:
-        base = Recipe.load(recipe_arg) if recipe_arg else Recipe()
     changes = {name: getattr(args, name) for name in Recipe.fields() if getattr(args, name, None) is not None}
-    recipe = base.replace(**changes) if changes else base
     source = resolve(_args.model_of(args))
+    if recipe_arg == "auto" and budget is None and s["gpu"] is None and device == "cpu":
+        raise MemfitError("--recipe auto plans for a budget: pass --budget (or train on a GPU)")
+    if _plans(args, s, recipe_arg, device, budget, changes):
+        base = _planned(args, s, source, device, budget, changes, quiet=rank != 0)
+    else:
+        base = Recipe.load(recipe_arg) if recipe_arg not in (None, "auto") else Recipe()
+    recipe = base.replace(**changes) if changes else base
     torch.manual_seed(s["seed"])
     model = source.build().to(device)
     from memfit.training.data import open_data

@@ -33,7 +33,7 @@ import time
 from memfit.planner.cache import EngineCache
 from memfit.planner.reasons import _caveats, _front, _nothing_fits, _reasons
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as _clean
-from memfit.planner.space import ALLOWABLE, allowed_names, custom_optimizer, search_space
+from memfit.planner.space import ALLOWABLE, allowed_names, check_fixed, custom_optimizer, search_space
 from memfit.errors import MemfitError, shown
 from memfit.estimator.checkpoint import dequantised
 from memfit.techniques.recipe import Recipe
@@ -54,7 +54,7 @@ SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | None = None,
          seq_len: int | None = None, allow=(), optimizer="adamw", loss_fn=None,
          device: str | None = None, progress=None, cache: EngineCache | None = None, gpus: int | None = None,
-         nodes: int | None = None) -> Plans:
+         nodes: int | None = None, fixed=None) -> Plans:
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
 
     model       as for :func:`memfit.estimate` (catalog name, config, nn.Module, factory).
@@ -76,6 +76,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                 search is DDP / FSDP2 x checkpointing x micro-batch, each candidate a real per-rank
                 estimate (``ranks.py``); ``global_batch_size`` is over all ranks.
 
+    fixed       Recipe fields the user set (a dict, or a Recipe: its non-default fields): every candidate
+                has them, and the search varies the rest (``memfit train`` plans so around its flags).
+                A math-changing value named here is the user's choice, as if allowed.
+
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
     from memfit.estimator.estimate import resolve_target
@@ -95,7 +99,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
             raise MemfitError(f"{name} must be a callable or None, got {type(value).__name__} {shown(value, 40)}")
     if cache is not None and not isinstance(cache, EngineCache):
         raise MemfitError(f"cache must be a memfit.planner.cache.EngineCache, got {type(cache).__name__}")
+    fixed = check_fixed(fixed)
     custom = custom_optimizer(optimizer)
+    if "optimizer" in fixed and not custom:
+        optimizer = fixed["optimizer"]
     if not custom:
         Recipe(optimizer=optimizer)  # an unknown name is one line naming the choices
     device = device or "cuda"
@@ -140,6 +147,8 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         if world.gpus > MAX_SHARD:
             raise MemfitError(f"plan across GPUs takes at most {MAX_SHARD} GPUs per node, got gpus={world.gpus}: a "
                               "node's GPUs share its fast links (NVL72 has 72); give the rest as nodes=")
+        if fixed:
+            raise MemfitError("plan across GPUs searches its own recipes: drop fixed= (or gpus=)")
         if batch is not None or allowed:
             raise MemfitError("plan across GPUs searches exact recipes of catalog or config models: drop "
                               + ("batch=" if batch is not None else "allow=") + " (or gpus=)")
@@ -153,7 +162,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
                           progress=progress)
     cache = EngineCache() if cache is None else cache
     engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
-    space = search_space(engine, allowed, optimizer)
+    space = search_space(engine, allowed, optimizer, fixed)
     engine.prepare(space, refusable=True)
     space = [r for r in space if engine.offered(r)]  # what a trace refused, the full estimate would too
     predicted = [engine.predict(r, budget_bytes if target is not None else None) for r in space]
@@ -247,7 +256,8 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     rest = [p for p in fitting
             if p.recipe != chosen.recipe and _rank(p) >= first and p.recipe not in passed_over]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
-                "optimizer": _optimizer_setting(optimizer), "allow": sorted(allowed), "traces": engine.traces,
+                "optimizer": _optimizer_setting(optimizer), "allow": sorted(allowed), "fixed": fixed,
+                "traces": engine.traces,
                 "speed": engine.speed.name}
     return Plans([exact] + rest, budget=budget_bytes, device="cpu" if target is None else "cuda",
                  gpu=None if target is None else target.name, candidates=len(predicted),

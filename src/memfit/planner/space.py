@@ -80,18 +80,29 @@ def search_context(engine, allowed: set[str], optimizer) -> SearchContext:
                          has_blocks=engine.has_blocks, causal_lm=engine.causal_lm)
 
 
-def search_space(engine, allowed: set[str], optimizer) -> list[Recipe]:
+def search_space(engine, allowed: set[str], optimizer, fixed: dict | None = None) -> list[Recipe]:
     """Every candidate recipe; combinations ``Recipe`` rejects are skipped, and with a custom
-    optimizer (a callable) those that would rebuild it by name (``by_name``)."""
+    optimizer (a callable) those that would rebuild it by name (``by_name``). ``fixed``: Recipe
+    fields the user set (``check_fixed``), the same in every candidate: a technique's axis keeps the
+    values that agree with them (its only value where none does: a value the user chose is theirs,
+    allowed or searched or not), and a field no search varies is set on every candidate."""
     ctx = search_context(engine, allowed, optimizer)
     searched = techniques()
-    axes = [list(t.search(ctx)) if t.search is not None else [{}] for t in searched]
+    fixed = dict(fixed or {})
+    axes = []
+    for t in searched:
+        values = list(t.search(ctx)) if t.search is not None else [{}]
+        mine = {f.name: fixed.pop(f.name) for f in t.fields if f.name in fixed}
+        if mine:
+            agree = [{**v, **mine} for v in values if all(v.get(k, mine[k]) == mine[k] for k in mine)]
+            values = list({tuple(sorted(v.items(), key=str)): v for v in agree}.values()) or [mine]
+        axes.append(values)
     keep = [t.searchable for t in searched if t.searchable is not None]
     if custom_optimizer(optimizer):
         keep.append(by_name)
     out = []
     for choice in itertools.product(*axes):
-        values = {}
+        values = dict(fixed)  # the fields no technique's search varies
         for part in choice:
             values.update(part)
         try:
@@ -101,3 +112,22 @@ def search_space(engine, allowed: set[str], optimizer) -> list[Recipe]:
         if all(ok(recipe) for ok in keep):
             out.append(recipe)
     return out
+
+
+def check_fixed(fixed) -> dict:
+    """``plan(fixed=...)``: a mapping of Recipe field names to values (or a Recipe: its fields that
+    differ from the defaults), each checked as ``Recipe`` checks it."""
+    if fixed is None:
+        return {}
+    if isinstance(fixed, Recipe):
+        default = Recipe()
+        return {k: v for k, v in fixed.to_dict().items() if getattr(default, k) != v}
+    if not isinstance(fixed, dict):
+        raise MemfitError(f"fixed takes a dict of Recipe fields (e.g. {{'precision': 'bf16-mixed'}}), got "
+                          f"{type(fixed).__name__} {shown(fixed, 40)}")
+    unknown = sorted(str(k) for k in fixed if k not in Recipe.fields())
+    if unknown:
+        raise MemfitError(f"fixed names no Recipe field {', '.join(shown(u, 30) for u in unknown)}: the fields are "
+                          f"{', '.join(Recipe.fields())}")
+    Recipe(**fixed)  # a bad value, or fixed values that conflict, is Recipe's one line
+    return dict(fixed)

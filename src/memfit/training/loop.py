@@ -49,7 +49,7 @@ from memfit.training.checkpoint import latest_checkpoint, load_checkpoint, rng_s
 from memfit.training.data import Order, open_data
 from memfit.training.global_step import one_step
 from memfit.training.lockstep import Lockstep
-from memfit.training.predict import ShapeBudget, meta_copy
+from memfit.training.predict import ShapeBudget, meta_copy, model_identity
 from memfit.training.progress import Progress, tensorboard_writer
 from memfit.training.ranks import join
 from memfit.training.reader import Reader
@@ -59,6 +59,10 @@ from memfit.units import parse_size
 __all__ = ["train", "TrainResult"]
 
 SCHEDULES = ("constant", "cosine")
+
+#: ``out_dir``'s file of the micro-batch estimates (``predict.ShapeBudget``): a resumed or repeated run
+#: with the same model, recipe and budget reads them instead of estimating again
+ESTIMATES = "estimates.json"
 
 
 @dataclass
@@ -200,7 +204,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         most = global_batch_size or max(1, global_tokens // max(1, int(min(lengths))))
         shapes = ShapeBudget(lambda: copy.deepcopy(template), recipe, cap, longest=longest, max_rows=most,
                              gpu=(gpu or "h100-sxm") if device.type == "cuda" else None, pad_id=pad_id,
-                             packed=packed)
+                             packed=packed, store=Path(out_dir) / ESTIMATES, identity=model_identity(model))
 
     torch.manual_seed(seed)
     if ranks is None:

@@ -32,8 +32,12 @@ Lightning's finder and Hugging Face's ``auto_find_batch_size`` search by crashin
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
+import json
 import math
+import os
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -42,7 +46,7 @@ from memfit.errors import MemfitError
 from memfit.models.lengths import direct, shape_batch
 from memfit.training.data import collate
 
-__all__ = ["ShapeBudget", "bucket_step", "bucket_length", "meta_copy"]
+__all__ = ["ShapeBudget", "bucket_step", "bucket_length", "meta_copy", "model_identity"]
 
 BUCKETS = 16  # lengths per run that are estimated at most
 MIN_STEP = 32  # tokens: padding this many costs next to nothing, and short data needs fewer estimates
@@ -57,6 +61,33 @@ def bucket_length(length: int, step: int, longest: int) -> int:
     """The padded length of a micro-batch whose longest row has ``length`` tokens: the next multiple
     of ``step``, never past ``longest``."""
     return min(longest, max(step, math.ceil(length / step) * step))
+
+
+def model_identity(model) -> str:
+    """What a stored estimate of ``model`` depends on: its config where it has one, its parameters' and
+    buffers' names, shapes and dtypes (a LoRA or a changed layer is another model), and the versions."""
+    import torch
+
+    config = getattr(model, "config", None)
+    parts = [config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__qualname__,
+             torch.__version__]
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        parts.append(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}")
+    try:
+        from importlib import metadata
+
+        parts.append(metadata.version("memfit"))
+    except Exception:  # noqa: BLE001 - a source tree: its code is the version
+        pass
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _key(identity: str, recipe, budget: int, gpu, longest: int, max_rows: int, pad_id: int, packed: bool, parts: int,
+         loss_fn) -> str:
+    gpu_name = getattr(gpu, "name", gpu)
+    body = json.dumps([identity, recipe.to_dict(), budget, gpu_name, longest, max_rows, pad_id, packed, parts,
+                       loss_fn is not None], sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 
 def meta_copy(model):
@@ -79,7 +110,7 @@ class ShapeBudget:
     """
 
     def __init__(self, model, recipe, budget: int, *, longest: int, max_rows: int, gpu=None, pad_id: int = 0,
-                 loss_fn=None, packed: bool = False):
+                 loss_fn=None, packed: bool = False, store=None, identity: str = ""):
         self.model, self.budget, self.gpu, self.pad_id, self.loss_fn = model, int(budget), gpu, pad_id, loss_fn
         self.step = bucket_step(longest)
         self.longest = int(longest)  # the last bucket: never past the data's (or model's) longest
@@ -92,6 +123,11 @@ class ShapeBudget:
         self._rows: dict[int, int] = {}
         self._line = None  # (bucket, fixed bytes, bytes a row adds) of the first bucket searched
         self.estimates = 0
+        # estimates kept in a file (the run's out_dir), so a resumed or repeated run starts without them
+        self.store = None if store is None else Path(store)
+        self.key = _key(identity, recipe, self.budget, gpu, self.longest, self.max_rows, pad_id, packed, self.parts,
+                        loss_fn)
+        self.reused = self._load()
 
     def bucket(self, length: int) -> int:
         """The padded length a micro-batch whose longest row is ``length`` is collated to."""
@@ -119,7 +155,35 @@ class ShapeBudget:
             report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, gpu=self.gpu,
                               device="cpu" if self.gpu is None else "cuda", fast=False)
         self.estimates += 1
-        return report.reserved_bytes if report.reserved_bytes is not None else report.peak_bytes
+        peak = report.reserved_bytes if report.reserved_bytes is not None else report.peak_bytes
+        self._save((rows, length), peak)
+        return peak
+
+    def _load(self) -> int:
+        """Peaks a run with the same key stored; how many."""
+        if self.store is None:
+            return 0
+        try:
+            data = json.loads(self.store.read_text(encoding="utf-8"))
+            if data.get("key") != self.key:
+                return 0
+            self._peaks.update({(int(r), int(n)): int(b) for r, n, b in data["peaks"]})
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0  # none, another run's, or unreadable: estimated afresh
+        return len(self._peaks)
+
+    def _save(self, key: tuple[int, int], peak: int) -> None:
+        self._peaks[key] = peak
+        if self.store is None or self.loss_fn is not None:  # a caller's loss function is not part of the key
+            return
+        body = json.dumps({"key": self.key, "peaks": [[r, n, b] for (r, n), b in sorted(self._peaks.items())]})
+        try:
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.store.with_suffix(".tmp")
+            tmp.write_text(body, encoding="utf-8")
+            os.replace(tmp, self.store)
+        except OSError:
+            pass  # a run never fails for its cache
 
     def max_rows_at(self, length: int) -> int:
         """The most rows of ``length``'s bucket whose predicted peak is within the budget (at least 1:

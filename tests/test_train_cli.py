@@ -1,0 +1,93 @@
+"""memfit train plans for speed by default (issue 34 items 2 and 4): with a budget and no recipe file
+the fastest recipe that fits is planned around the recipe flags given, said in the first line, stored,
+and a rerun reads the stored plan and the run's stored micro-batch estimates instead of estimating."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "examples" / "tiny-llama" / "config.json")
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "tokens.bin"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_tokens.py"), str(path)], check=True,
+                   capture_output=True)
+    return str(path)
+
+
+def _train(tokens, out, *extra):
+    return ["train", CONFIG, "--data", tokens, "--seq-len", "64", "--global-batch-size", "4", "--steps", "2",
+            "--out-dir", str(out), "--json", *extra]
+
+
+def _first_line(err: str) -> str:
+    return next(line for line in err.splitlines() if line.startswith("memfit train:"))
+
+
+def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed")) == 0
+    captured = capsys.readouterr()
+    line = _first_line(captured.err)
+    assert "fastest recipe that fits" in line and "planned in" in line and "tokens/s" in line
+    assert "kept as given: precision=bf16-mixed" in line
+    summary = json.loads(captured.out)
+    assert summary["recipe"]["precision"] == "bf16-mixed" and summary["steps"] == 2
+    assert summary["peak_bytes"] <= 96 * 2**20
+    first = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert first[0]["estimate_seconds"] > 0 and (out / "estimates.json").is_file()
+    stored = list((tmp_path / "cache" / "plans").glob("*.json"))
+    assert len(stored) == 1
+
+    # the same question again: the stored plan, and the run's stored estimates (nothing estimated)
+    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-resume")) == 0
+    captured = capsys.readouterr()
+    assert "the stored plan" in _first_line(captured.err)
+    assert json.loads(captured.out)["recipe"] == summary["recipe"]
+    again = [json.loads(x) for x in open(out / "metrics.jsonl")][len(first):]
+    assert again and all(line["estimate_seconds"] == 0 for line in again)
+
+
+
+def test_a_plan_is_stored_under_everything_its_answer_depends_on(tmp_path, monkeypatch):
+    from memfit.models.source import resolve
+    from memfit.planner.stored import load_plan, plan_key
+
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    source = resolve(CONFIG)
+    question = dict(budget=2**27, gpu=None, device="cpu", global_batch_size=4, seq_len=64, fixed={"precision": "bf16"})
+    key = plan_key(source, **question)
+    assert key == plan_key(source, **dict(question))
+    for change in ({"budget": 2**28}, {"fixed": {"precision": "bf16", "checkpointing": "blocks"}}, {"seq_len": 128},
+                   {"gpu": "h100-sxm", "device": "cuda"}):
+        assert plan_key(source, **{**question, **change}) != key
+    config = tmp_path / "deeper" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(json.loads(open(CONFIG).read()) | {"num_hidden_layers": 3}))
+    other = resolve(str(config))
+    assert plan_key(other, **question) != key
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / f"{key}.json").write_text("{not json")
+    assert load_plan(key) is None  # a damaged file is a miss, never an error
+
+
+def test_no_plan_and_a_recipe_file_train_as_given(tokens, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
+    assert main(_train(tokens, tmp_path / "a", "--budget", "96MiB", "--no-plan")) == 0
+    captured = capsys.readouterr()
+    assert "memfit train:" not in captured.err and json.loads(captured.out)["recipe"]["precision"] == "fp32"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("precision: bf16-mixed\n")
+    assert main(_train(tokens, tmp_path / "b", "--budget", "96MiB", "--recipe", str(recipe))) == 0
+    captured = capsys.readouterr()
+    assert "memfit train:" not in captured.err and json.loads(captured.out)["recipe"]["precision"] == "bf16-mixed"
+    assert not (tmp_path / "cache").exists()
