@@ -36,9 +36,10 @@ train-demo-2: setup
 	$(BIN)/memfit train examples/tiny-llama/config.json --config examples/train-tiny.yaml --no-resume \
 		--nproc-per-node 2 --parallel fsdp --out-dir memfit-run/tiny-2
 
-# one pytest worker per core (pytest-xdist): most tests are single-threaded Python tracing
+# one pytest worker per core (pytest-xdist): most tests are single-threaded Python tracing; a module's
+# tests stay on one worker (loadscope), so its module fixtures (shared traces, sweeps) are made once
 test: setup
-	$(BIN)/python -m pytest tests -n auto --durations=10
+	$(BIN)/python -m pytest tests -n auto --dist loadscope --durations=10
 
 bench: setup
 	$(BIN)/python bench/accuracy.py

@@ -3,6 +3,7 @@
     python bench/train_ranks.py faults [--runs 100]   OOMs injected on a random rank, step, micro-batch, phase
     python bench/train_ranks.py kills [--runs 30]     kill -9 of a random rank at a random moment
     python bench/train_ranks.py speed                 the trainer vs a hand-written FSDP2 loop, same recipe
+    python bench/train_ranks.py exits [--runs 200]    `memfit train --nproc-per-node 2`: every run exits 0, no abort
     python bench/train_ranks.py all
 
 Faults: each run is a 2-rank FSDP2 (or, every fourth, DDP) training of a tiny Llama (4 steps of 8
@@ -24,6 +25,10 @@ Speed: a Llama of width 256, 4 blocks, rows of 256 tokens, 8 rows a step in micr
 (``fully_shard`` per block then the root, ``set_requires_gradient_sync`` on the last micro-batch,
 ``opt.step``); the trainer's is ``memfit.train`` with ``parallel=fsdp``. Median step time over
 steps 3..N of each, each rank's slowest.
+
+Exits: `memfit train` of the repository's tiny Llama, 2 steps on 2 processes (FSDP2 over gloo), the
+command a user types, run ``--runs`` times; counted: exit codes other than 0 and "terminate called" (the
+C++ abort at interpreter exit of issue 34 item 6) anywhere in the output.
 
 Results go to ``bench/results/train-ranks-cpu.json``.
 """
@@ -278,12 +283,41 @@ def speed() -> dict:
             "memfit_plain_step_over_hand": round(best["memfit (plain optimizer step)"] / best["hand"] - 1, 4)}
 
 
+def exits(runs: int) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    work = Path(tempfile.mkdtemp(prefix="memfit-exits-"))
+    data = work / "tokens.bin"
+    subprocess.run([sys.executable, str(root / "examples" / "make_tokens.py"), str(data)], check=True,
+                   capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    codes, aborts, seconds = {}, 0, []
+    for i in range(runs):
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "memfit.cli", "train", str(root / "examples" / "tiny-llama" /
+                               "config.json"), "--data", str(data), "--seq-len", "64", "--global-batch-size", "4",
+                               "--steps", "2", "--out-dir", str(work / f"run-{i}"), "--nproc-per-node", "2",
+                               "--parallel", "fsdp", "--no-tensorboard"], capture_output=True, text=True,
+                              timeout=300, env=env)
+        seconds.append(time.perf_counter() - start)
+        codes[done.returncode] = codes.get(done.returncode, 0) + 1
+        aborted = "terminate called" in done.stdout + done.stderr
+        aborts += aborted
+        if done.returncode or aborted:
+            print(f"run {i}: exit {done.returncode}{', abort' if aborted else ''}: {done.stderr[-400:]}", flush=True)
+        shutil.rmtree(work / f"run-{i}", ignore_errors=True)
+        if (i + 1) % 20 == 0:
+            print(f"{i + 1} runs: exit codes {codes}, aborts {aborts}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"runs": runs, "exit_codes": {str(k): v for k, v in codes.items()}, "aborts": aborts,
+            "median_seconds": round(sorted(seconds)[len(seconds) // 2], 1)}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "speed-worker":
         _speed_worker(sys.argv[2], sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("faults", "kills", "speed", "all"))
+    parser.add_argument("what", choices=("faults", "kills", "speed", "exits", "all"))
     parser.add_argument("--runs", type=int, default=None)
     args = parser.parse_args()
     import torch
@@ -297,6 +331,8 @@ def main() -> None:
         results["kills"] = kills(args.runs or 30)
     if args.what in ("speed", "all"):
         results["speed"] = speed()
+    if args.what in ("exits", "all"):
+        results["exits"] = exits(args.runs or 200)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "rows"} if isinstance(v, dict) else v

@@ -80,14 +80,29 @@ def test_a_plan_is_stored_under_everything_its_answer_depends_on(tmp_path, monke
     assert load_plan(key) is None  # a damaged file is a miss, never an error
 
 
-def test_no_plan_and_a_recipe_file_train_as_given(tokens, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("recipe, flags, device, budget, gpu, plans", [
+    (None, {}, "cpu", 2**26, None, True),            # a budget: planned
+    (None, {}, "cpu", None, None, False),            # CPU, nothing to fit: the default recipe
+    (None, {}, "cuda", None, None, True),            # the GPU it trains on
+    (None, {}, "cpu", None, "h100-sxm", True),       # a card named
+    ("r.yaml", {}, "cpu", 2**26, None, False),       # a recipe file is the user's recipe
+    ("auto", {}, "cpu", 2**26, None, True),
+    (None, {"no_plan": True}, "cpu", 2**26, None, False),
+    (None, {"parallel": "fsdp"}, "cpu", 2**26, None, False),  # many processes: plan --gpus N plans those
+])
+def test_when_train_plans(recipe, flags, device, budget, gpu, plans):
+    import argparse
+
+    from memfit.cli.train import _plans
+
+    args = argparse.Namespace(no_plan=flags.get("no_plan", False))
+    changes = {k: v for k, v in flags.items() if k != "no_plan"}
+    assert _plans(args, {"gpu": gpu}, recipe, device, budget, changes) is plans
+
+
+def test_no_plan_trains_the_flags_as_given(tokens, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
-    assert main(_train(tokens, tmp_path / "a", "--budget", "96MiB", "--no-plan")) == 0
-    captured = capsys.readouterr()
-    assert "memfit train:" not in captured.err and json.loads(captured.out)["recipe"]["precision"] == "fp32"
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("precision: bf16-mixed\n")
-    assert main(_train(tokens, tmp_path / "b", "--budget", "96MiB", "--recipe", str(recipe))) == 0
+    assert main(_train(tokens, tmp_path / "a", "--budget", "96MiB", "--no-plan", "--precision", "bf16-mixed")) == 0
     captured = capsys.readouterr()
     assert "memfit train:" not in captured.err and json.loads(captured.out)["recipe"]["precision"] == "bf16-mixed"
     assert not (tmp_path / "cache").exists()

@@ -266,7 +266,7 @@ def run(args) -> int:
                    keep=int(s["keep"]), workers=int(s["workers"]), gpu=s["gpu"], tensorboard=s["tensorboard"],
                    packed=bool(s["packed"]), progress=True)
     if rank != 0:  # rank 0 speaks for the run
-        return 0
+        return _done(0)
     summary = {"steps": result.steps, "resumed_from": result.resumed_from,
                "final_loss": result.losses[-1] if result.losses else None, "ooms": result.ooms,
                "peak_bytes": result.peak_bytes, "tokens_per_second": round(result.tokens_per_second, 1),
@@ -279,4 +279,22 @@ def run(args) -> int:
         print(f"trained {result.steps} steps{on} (resumed at {result.resumed_from}); loss {loss}; "
               f"{result.tokens_per_second:,.0f} tokens/s; peak {format_size(result.peak_bytes)}; "
               f"{len(result.ooms)} out-of-memory errors survived; checkpoints in {result.out_dir}", file=sys.stdout)
-    return 0
+    return _done(0)
+
+
+def _done(code: int) -> int:
+    """The exit of a training process. Under torchrun, once train() has returned (every checkpoint
+    committed, the process group destroyed, the DataLoader workers and TensorBoard writer closed) and this
+    rank's output is flushed, the process ends here with ``os._exit``: about one 2-rank run in a hundred
+    otherwise aborted in C++ static teardown at interpreter exit ("terminate called without an active
+    exception", gloo's threads; seen in a hand-written FSDP2 loop with no memfit code too), which torchrun
+    reports as a failed rank after the work was done. Nothing is left for that teardown to do."""
+    from memfit.training.ranks import under_torchrun
+
+    if not under_torchrun():
+        return code
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -62,10 +62,10 @@ def _version() -> str:
 
     try:
         return metadata.version("memfit")
-    except metadata.PackageNotFoundError:  # a source tree on sys.path
-        import memfit
+    except metadata.PackageNotFoundError:  # a source tree on sys.path: memfit is loaded already
+        import sys
 
-        return getattr(memfit, "__version__", "unknown")
+        return getattr(sys.modules.get("memfit"), "__version__", "unknown")
 
 
 def load_plan(key: str) -> dict | None:

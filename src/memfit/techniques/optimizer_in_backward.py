@@ -11,6 +11,9 @@ must see every gradient first), offload_optimizer.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 from memfit.techniques.spec import Field, Technique
@@ -32,7 +35,10 @@ class InBackward(torch.optim.Optimizer):
     def __init__(self, params, make):
         params = [p for p in params if p.requires_grad]
         self.optimizers = {p: make([p]) for p in params}
-        self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in params]
+        # the hooks hold this wrapper weakly: a parameter -> hook -> wrapper -> parameter cycle would keep a
+        # finished run's model alive until the garbage collector's next full pass
+        this = weakref.ref(self)
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(_hook, this)) for p in params]
         first = next(iter(self.optimizers.values()), None)
         defaults = dict(first.defaults) if first is not None else {}
         super().__init__(params, defaults)
@@ -74,6 +80,12 @@ class InBackward(torch.optim.Optimizer):
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+def _hook(this, param) -> None:
+    wrapper = this()
+    if wrapper is not None:
+        wrapper._step(param)
 
 
 def _apply(build) -> None:
