@@ -1,7 +1,7 @@
 """How close `memfit train`'s own choice comes to the fastest hand-written loop that fits the same budget.
 
-For a model and a few budgets: memfit plans (``plan``, nothing fixed: what ``memfit train --budget B``
-does by default) and trains with its recipe; a grid of plain PyTorch loops (micro-batch x accumulation,
+For a model and a few budgets: memfit plans (``plan``, nothing fixed) and times its few most promising
+recipes (``training/calibrate.py``), what ``memfit train --budget B`` does by default, then trains; a grid of plain PyTorch loops (micro-batch x accumulation,
 activation checkpointing through transformers' ``gradient_checkpointing_enable``, bf16 autocast or fp32,
 fused or foreach AdamW) each runs the same global batch of full-length rows under the same budget; the
 best loop that did not run out of memory is the bar. Every run is its own fresh model. On the CPU the
@@ -143,17 +143,24 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
     plans = plan(config, budget=cap, gpu=gpu, global_batch_size=batch, seq_len=seq,
                  device="cpu" if device == "cpu" else "cuda", cache=cache)
     planned = time.perf_counter() - start
+    from memfit.models.source import resolve
+    from memfit.training.calibrate import calibrate
+
+    source = resolve(config)
+    timing = calibrate(plans, lambda: _build(config, device), source.make_batch(batch, seq), device=device, budget=cap)
+    chosen = next(p for p in plans if p.recipe == timing.recipe)
     model = _build(config, device)
     with tempfile.TemporaryDirectory() as out:
-        result = train(model, FullRows(batch * steps, seq, config.vocab_size), recipe=plans.best.recipe, budget=cap,
+        result = train(model, FullRows(batch * steps, seq, config.vocab_size), recipe=chosen.recipe, budget=cap,
                        global_batch_size=batch, seq_len=seq, steps=steps, out_dir=out, progress=False,
                        gpu=gpu if device != "cpu" else None, tensorboard=False)
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     seconds = statistics.median(line["seconds"] for line in lines[1:])
-    return {"recipe": plans.best.recipe.describe(), "predicted_tokens_per_second": plans.best.tokens_per_second,
-            "predicted_step_seconds": plans.best.step_seconds, "measured_step_seconds": seconds,
+    return {"recipe": chosen.recipe.describe(), "predicted_tokens_per_second": chosen.tokens_per_second,
+            "plan_first": plans.best.recipe.describe(), "timed": timing.to_dict(),
+            "predicted_step_seconds": chosen.step_seconds, "measured_step_seconds": seconds,
             "tokens_per_second": batch * seq / seconds, "peak_bytes": result.peak_bytes, "ooms": len(result.ooms),
-            "plan_seconds": round(planned, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
+            "plan_seconds": round(planned, 1), "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
 
 
 def grid(batch: int, cuda: bool) -> list[dict]:

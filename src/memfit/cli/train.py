@@ -62,6 +62,8 @@ def build(train) -> None:
                        "--gpu or a GPU to train on (the recipe flags given stay fixed)")
     train.add_argument("--no-plan", action="store_true", help="do not plan: train the default recipe and the "
                        "recipe flags given (micro-batches still sized by estimates within --budget)")
+    train.add_argument("--no-calibrate", action="store_true", help="keep the plan's predicted fastest instead of "
+                       "timing the few most promising recipes on this device first (<= 20 s)")
     train.add_argument("--replan", action="store_true", help="plan again even if a plan for the same question is "
                        "stored (under $MEMFIT_CACHE or ~/.cache/memfit)")
     launch = train.add_argument_group("many processes (torchrun; the recipe's --parallel fsdp or ddp)")
@@ -163,26 +165,43 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
 
         card = target("cuda", s["gpu"]).gpu
     question = {"budget": budget, "gpu": card.name if card is not None else None, "device": "cuda" if on_gpu else "cpu",
-                "global_batch_size": rows, "seq_len": s["seq_len"], "fixed": changes}
+                "global_batch_size": rows, "seq_len": s["seq_len"], "fixed": changes, "timed": not args.no_calibrate}
     key = plan_key(source, **question)
     stored = None if args.replan else load_plan(key)
     start = time.perf_counter()
+    measured = None
     if stored is not None:
         recipe, speed, need, whence = (stored["recipe"], stored.get("tokens_per_second"), stored.get("device_bytes"),
                                        "the stored plan (--replan plans again)")
+        measured = stored.get("measured_tokens_per_second")
     else:
         with _args.progress("planning the fastest recipe that fits") as update:
             plans = plan(source.config if source.config is not None else _args.model_of(args), budget=budget,
                          gpu=card, global_batch_size=rows, seq_len=s["seq_len"], device="cuda" if on_gpu else "cpu",
                          fixed=changes, progress=update)
-        best = plans.best
-        recipe, speed, need = best.recipe, best.tokens_per_second, best.device_bytes
-        save_plan(key, best, question=question, planned_seconds=round(time.perf_counter() - start, 1))
+        chosen, timing = plans.best, None
+        if not args.no_calibrate:
+            from memfit.training.calibrate import calibrate
+
+            cap = budget if budget is not None else card.usable_bytes() if card is not None else None
+            with _args.progress(f"timing the {min(4, len(plans))} most promising recipes on this device"):
+                timing = calibrate(plans, source.build, source.make_batch(rows, s["seq_len"]), device=device,
+                                   budget=cap)
+            chosen = next(p for p in plans if p.recipe == timing.recipe)
+            if timing.measured_step_seconds:
+                measured = rows * s["seq_len"] / timing.measured_step_seconds
+        recipe, speed, need = chosen.recipe, chosen.tokens_per_second, chosen.device_bytes
+        save_plan(key, chosen, question=question, planned_seconds=round(time.perf_counter() - start, 1),
+                  measured_tokens_per_second=measured, timed=timing.to_dict() if timing is not None else None)
         whence = f"planned in {time.perf_counter() - start:.0f} s"
+        if timing is not None:
+            whence += f", the fastest of {sum(r['measured_step_seconds'] is not None for r in timing.rows)} timed"
     if not quiet:
         cap = budget if budget is not None else card.memory_bytes if card is not None else None
         room = f"{format_size(need)} of {format_size(cap)}" if need is not None and cap is not None else ""
         rate = f"predicted {speed:,.0f} tokens/s" if speed else "speed not predicted"
+        if measured:
+            rate += f", {measured:,.0f} timed here"
         fixed = f"; kept as given: {', '.join(f'{k}={v}' for k, v in changes.items())}" if changes else ""
         print(f"memfit train: fastest recipe that fits{' on the ' + card.name if card is not None else ''}: "
               f"{recipe.describe() or 'the default recipe'} ({rate}, {room}; {whence}{fixed})", file=sys.stderr)

@@ -1,0 +1,48 @@
+"""memfit train's own choice against hand-written loops under the same virtual budget (issue 34 item 5).
+
+The CPU half of ``bench/train_speed.py`` on a smaller model: for three budgets (one where only
+checkpointing or accumulation fits, one in between, one roomy), memfit plans and trains as ``memfit train
+--budget`` does, and a grid of plain loops (micro-batch x checkpointing x bf16 autocast, fused AdamW) runs
+the same global batch. memfit must stay within the budget with no out-of-memory error and come within 80%
+of the fastest loop that fit. (The bench's full run is the 90% figure in the README; here two busy cores
+shared with another test worker make single timings noisier, and the point is the choice: a wrong choice
+— a slower technique than needed, a smaller micro-batch than fits — costs far more than 20%.)
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import train_speed  # noqa: E402
+
+MiB = 2**20
+
+
+CONFIG = train_speed.tiny_config(layers=2, hidden=96)
+SHAPE = dict(batch=8, seq=128, steps=6)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return train_speed.compare(CONFIG, "cpu", [18 * MiB, 24 * MiB, 48 * MiB], **SHAPE, log=lambda line: None)
+
+
+def test_memfit_trains_within_the_budget_without_an_oom(rows):
+    for row in rows:
+        assert row["memfit_within_budget"], row["memfit"]
+
+
+def test_the_budgets_need_different_loops(rows):
+    bests = [tuple(row["best_loop"][k] for k in ("micro", "checkpointing", "bf16")) for row in rows]
+    assert len(set(bests)) >= 2, bests
+    assert rows[0]["loops_that_fit"] < rows[-1]["loops_that_fit"]
+
+
+def test_memfit_comes_close_to_the_fastest_loop_that_fits(rows):
+    for row in rows:
+        assert row["best_loop"] is not None
+        if row["ratio"] < 0.8:  # one noisy timing on shared cores is not a wrong choice: measure that budget again
+            row = train_speed.compare(CONFIG, "cpu", [row["budget"]], **SHAPE, log=lambda line: None)[0]
+        assert row["ratio"] >= 0.8, (row["budget_text"], row["memfit"]["recipe"], row["best_loop"], row["ratio"])
