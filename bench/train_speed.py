@@ -163,21 +163,22 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
             "plan_seconds": round(planned, 1), "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
 
 
-def grid(batch: int, cuda: bool) -> list[dict]:
-    micros = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= batch and batch % m == 0]
+def grid(batch: int, cuda: bool, smallest: int = 1) -> list[dict]:
+    micros = [m for m in (1, 2, 4, 8, 16, 32, 64) if smallest <= m <= batch and batch % m == 0]
     return [dict(micro=m, checkpointing=c, bf16=b, fused=f)
             for m in micros for c in (False, True) for b in (False, True) for f in ((False, True) if cuda else (True,))]
 
 
 def compare(config, device: str, budgets: list[int], *, batch: int, seq: int, steps: int = 3,
-            gpu: str | None = None, log=print) -> list[dict]:
+            gpu: str | None = None, log=print, smallest: int = 1) -> list[dict]:
+    """memfit against the loops, budget by budget; ``smallest``: the smallest micro-batch of the grid."""
     from memfit.planner.cache import EngineCache
 
     rows, cache = [], EngineCache()
     for cap in budgets:
         ours = memfit_run(config, device, cap, batch=batch, seq=seq, steps=steps, gpu=gpu, cache=cache)
         loops = []
-        for setting in grid(batch, device != "cpu"):
+        for setting in grid(batch, device != "cpu", smallest):
             got = hand_loop(config, device, cap, batch=batch, seq=seq, steps=steps, **setting)
             loops.append({**setting, **got})
         fitting = [x for x in loops if x["fits"]]

@@ -45,6 +45,8 @@ def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp
     assert summary["peak_bytes"] <= 96 * 2**20
     first = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert first[0]["estimate_seconds"] > 0 and (out / "estimates.json").is_file()
+    # the plan's predicted step time beside each measured one
+    assert all(line["predicted_step_seconds"] > 0 and line["seconds"] > 0 for line in first)
     stored = list((tmp_path / "cache" / "plans").glob("*.json"))
     assert len(stored) == 1
 
@@ -55,6 +57,7 @@ def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp
     assert json.loads(captured.out)["recipe"] == summary["recipe"]
     again = [json.loads(x) for x in open(out / "metrics.jsonl")][len(first):]
     assert again and all(line["estimate_seconds"] == 0 for line in again)
+    assert [line["predicted_step_seconds"] for line in again] == [line["predicted_step_seconds"] for line in first]
 
 
 

@@ -148,7 +148,7 @@ def _plans(args, s, recipe_arg, device: str, budget, changes: dict) -> bool:
 
 
 def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = False):
-    """The fastest recipe that fits, with ``changes`` (the recipe flags given) fixed: from the plan
+    """The fastest recipe that fits (its ``Plan``), with ``changes`` (the recipe flags given) fixed: from the plan
     stored for the same question (``planner/stored.py``) unless ``--replan``, else planned now and
     stored. Says in one line on stderr what it chose, from where, and the predicted speed."""
     import time
@@ -171,6 +171,7 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
     start = time.perf_counter()
     measured = None
     if stored is not None:
+        chosen = stored["plan"]
         recipe, speed, need, whence = (stored["recipe"], stored.get("tokens_per_second"), stored.get("device_bytes"),
                                        "the stored plan (--replan plans again)")
         measured = stored.get("measured_tokens_per_second")
@@ -205,7 +206,7 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
         fixed = f"; kept as given: {', '.join(f'{k}={v}' for k, v in changes.items())}" if changes else ""
         print(f"memfit train: fastest recipe that fits{' on the ' + card.name if card is not None else ''}: "
               f"{recipe.describe() or 'the default recipe'} ({rate}, {room}; {whence}{fixed})", file=sys.stderr)
-    return recipe
+    return chosen
 
 
 def _settings(args) -> dict:
@@ -268,8 +269,10 @@ def run(args) -> int:
     source = resolve(_args.model_of(args))
     if recipe_arg == "auto" and budget is None and s["gpu"] is None and device == "cpu":
         raise MemfitError("--recipe auto plans for a budget: pass --budget (or train on a GPU)")
+    planned = None
     if _plans(args, s, recipe_arg, device, budget, changes):
-        base = _planned(args, s, source, device, budget, changes, quiet=rank != 0)
+        planned = _planned(args, s, source, device, budget, changes, quiet=rank != 0)
+        base = planned.recipe
     else:
         base = Recipe.load(recipe_arg) if recipe_arg not in (None, "auto") else Recipe()
     recipe = base.replace(**changes) if changes else base
@@ -283,7 +286,8 @@ def run(args) -> int:
                    lr=float(s["lr"]), schedule=s["schedule"], warmup=int(s["warmup"]), out_dir=s["out_dir"],
                    resume=bool(s["resume"]), seed=int(s["seed"]), checkpoint_every=int(s["checkpoint_every"]),
                    keep=int(s["keep"]), workers=int(s["workers"]), gpu=s["gpu"], tensorboard=s["tensorboard"],
-                   packed=bool(s["packed"]), progress=True)
+                   packed=bool(s["packed"]), progress=True, plan=planned if planned is not None and
+                   planned.recipe == recipe else None)
     if rank != 0:  # rank 0 speaks for the run
         return _done(0)
     summary = {"steps": result.steps, "resumed_from": result.resumed_from,

@@ -21,12 +21,15 @@ import os
 import tempfile
 from pathlib import Path
 
+from memfit.planner.result import Plan
 from memfit.techniques.recipe import Recipe
 
 __all__ = ["CACHE_ENV", "cache_dir", "plan_key", "load_plan", "save_plan"]
 
 CACHE_ENV = "MEMFIT_CACHE"
-FORMAT = 1  # bumped when the stored fields change
+FORMAT = 2  # bumped when the stored fields change
+_PLAN_FIELDS = ("allocated_bytes", "reserved_bytes", "device_bytes", "step_seconds", "samples_per_second",
+                "tokens_per_second", "verified", "verdict")
 
 
 def cache_dir() -> Path:
@@ -69,12 +72,13 @@ def _version() -> str:
 
 
 def load_plan(key: str) -> dict | None:
-    """The stored plan of ``key`` ({"recipe": Recipe, ...}), or None."""
+    """The stored plan of ``key`` ({"recipe": Recipe, "plan": Plan, ...}), or None."""
     path = cache_dir() / f"{key}.json"
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         data["recipe"] = Recipe.from_dict(data["recipe"])
+        data["plan"] = Plan(recipe=data["recipe"], **{k: data[k] for k in _PLAN_FIELDS})
         return data
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -86,8 +90,7 @@ def save_plan(key: str, plan, **extra) -> str | None:
     """Store ``plan`` (a ``Plan``) under ``key``; the path, or None where it could not be written."""
     folder = cache_dir()
     data = {"recipe": plan.recipe.to_dict(), "describe": plan.recipe.describe(),
-            "device_bytes": plan.device_bytes, "tokens_per_second": plan.tokens_per_second,
-            "step_seconds": plan.step_seconds, "verified": plan.verified, **extra}
+            **{k: getattr(plan, k) for k in _PLAN_FIELDS}, **extra}
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")

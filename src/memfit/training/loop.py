@@ -113,7 +113,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
           micro_tokens: int | None = None, batching: str = "tokens", grow_after: int = 20,
           chunks: int | None = TRAIN_CHUNKS, tokenizer=None, pad_id: int = 0, device=None, gpu=None, workers: int = 0,
           tensorboard: bool | None = None, packed: bool = False, inject=(), progress: bool = True,
-          export: bool = True) -> TrainResult:
+          export: bool = True, plan=None) -> TrainResult:
     """Train ``model`` on ``data`` with ``recipe`` inside ``budget``; see the module docstring.
 
     model          an ``nn.Module`` (trained in place)
@@ -140,13 +140,19 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     inject         faults for tests: ``(step, micro_batch, phase[, nth])`` (``budget.VirtualBudget``)
     export         a data-parallel run also writes the final weights as one ``model.safetensors`` in its
                    last checkpoint (a one-process checkpoint is one already)
+    plan           the ``Plan`` this run follows (``memfit.plan``'s choice; ``memfit train`` passes its own):
+                   its recipe is the run's when ``recipe`` is None, and its predicted step time (a global batch
+                   of full-length rows) is written beside each step's measured ``seconds`` in metrics.jsonl
+                   (``predicted_step_seconds``)
 
     Under torchrun (or inside an initialised process group) with ``parallel=fsdp`` or ``ddp``, every
     rank runs this with the same arguments: each takes its share of every global batch, an
     out-of-memory error on any rank is redone by all (``lockstep.py``), checkpoints are
     sharded (``sharded.py``) and rank 0 writes the metrics and the progress bar.
     """
-    recipe = recipe or Recipe()
+    if plan is not None and not hasattr(plan, "step_seconds"):
+        raise MemfitError(f"plan must be a memfit Plan (memfit.plan(...)[0]), got {type(plan).__name__}")
+    recipe = recipe or (plan.recipe if plan is not None else Recipe())
     if not isinstance(recipe, Recipe):
         raise MemfitError(f"recipe must be a memfit.Recipe, got {type(recipe).__name__}: plan one with memfit.plan")
     if recipe.safe_step is None and chunks is not None:
@@ -302,6 +308,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                     "tokens_per_second": round(tokens / elapsed, 2), "examples": ids,
                     "memory_now": now, "memory_peak": memory, "predicted": predicted,
                     "estimate_seconds": round(estimating, 3), "micro_batches": parts, "lr": _number(step_lr),
+                    "predicted_step_seconds": None if plan is None else round(plan.step_seconds, 6),
                     "micro_token_cap": None if shapes is not None else int(micro_tokens * scale),
                     "ooms": events}
             if ranks is not None:  # one all-gather: the world's loss, each rank's memory and time
