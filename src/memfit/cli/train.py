@@ -60,6 +60,8 @@ def build(train) -> None:
     train.add_argument("--recipe", default=None, help="a recipe .yaml/.json (flags below override its fields), or "
                        "auto: plan the fastest recipe that fits first, what happens by default with a --budget, a "
                        "--gpu or a GPU to train on (the recipe flags given stay fixed)")
+    train.add_argument("--allow", default="", help="when it plans: techniques that change the math, allowed by "
+                       f"name: {', '.join(_args.allowable())} (comma-separated; never chosen otherwise)")
     train.add_argument("--no-plan", action="store_true", help="do not plan: train the default recipe and the "
                        "recipe flags given (micro-batches still sized by estimates within --budget)")
     train.add_argument("--no-calibrate", action="store_true", help="keep the plan's predicted fastest instead of "
@@ -165,7 +167,8 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
 
         card = target("cuda", s["gpu"]).gpu
     question = {"budget": budget, "gpu": card.name if card is not None else None, "device": "cuda" if on_gpu else "cpu",
-                "global_batch_size": rows, "seq_len": s["seq_len"], "fixed": changes, "timed": not args.no_calibrate}
+                "global_batch_size": rows, "seq_len": s["seq_len"], "fixed": changes, "timed": not args.no_calibrate,
+                "allow": sorted(a.strip() for a in args.allow.split(",") if a.strip())}
     key = plan_key(source, **question)
     stored = None if args.replan else load_plan(key)
     start = time.perf_counter()
@@ -179,7 +182,7 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
         with _args.progress("planning the fastest recipe that fits") as update:
             plans = plan(source.config if source.config is not None else _args.model_of(args), budget=budget,
                          gpu=card, global_batch_size=rows, seq_len=s["seq_len"], device="cuda" if on_gpu else "cpu",
-                         fixed=changes, progress=update)
+                         fixed=changes, allow=args.allow, progress=update)
         chosen, timing = plans.best, None
         if not args.no_calibrate:
             from memfit.training.calibrate import calibrate
