@@ -279,6 +279,11 @@ def run(args) -> int:
     else:
         base = Recipe.load(recipe_arg) if recipe_arg not in (None, "auto") else Recipe()
     recipe = base.replace(**changes) if changes else base
+    card = s["gpu"]
+    if card is None and device.startswith("cuda"):  # the card it trains on: its memory, its CUDA semantics
+        from memfit.hardware.gpus import target
+
+        card = target("cuda", None).gpu
     torch.manual_seed(s["seed"])
     model = source.build().to(device)
     from memfit.training.data import open_data
@@ -288,7 +293,7 @@ def run(args) -> int:
                    global_tokens=s["global_tokens"], seq_len=s["seq_len"], steps=s["steps"], epochs=s["epochs"],
                    lr=float(s["lr"]), schedule=s["schedule"], warmup=int(s["warmup"]), out_dir=s["out_dir"],
                    resume=bool(s["resume"]), seed=int(s["seed"]), checkpoint_every=int(s["checkpoint_every"]),
-                   keep=int(s["keep"]), workers=int(s["workers"]), gpu=s["gpu"], tensorboard=s["tensorboard"],
+                   keep=int(s["keep"]), workers=int(s["workers"]), gpu=card, tensorboard=s["tensorboard"],
                    packed=bool(s["packed"]), progress=True, plan=planned if planned is not None and
                    planned.recipe == recipe else None)
     if rank != 0:  # rank 0 speaks for the run
