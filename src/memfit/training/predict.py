@@ -19,10 +19,12 @@ For a length, the largest row count that fits is searched by estimates: a first 
 two rows of the first bucket searched (the bytes a row adds, scaled to the bucket's tokens), then
 up or down from it until the answer is bracketed (typically two estimates: the count fits, one
 more does not). Answers are monotone (a longer bucket never takes more rows); estimates are cached
-per (rows, bucket).
+per (rows, bucket), and kept in a file (``store``: ``train`` passes ``OUT_DIR/estimates.json``) under a key
+of the model (config, parameter shapes, versions), recipe, budget, card and shapes, so a resumed or
+repeated run reads them back instead of estimating.
 
-Cost: about a second an estimate on a small model, two to four per bucket seen, once per run; a
-resumed run estimates again. Estimates run with the budget's dispatch mode set aside, so
+Cost: about a second an estimate on a small model, two to four per bucket seen, once per run (and
+key). Estimates run with the budget's dispatch mode set aside, so
 their fake tensors are not counted.
 
 Why by hand: no trainer sizes micro-batches from a prediction (Composer halves after an OOM,
