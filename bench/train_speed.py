@@ -143,6 +143,11 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
     plans = plan(config, budget=cap, gpu=gpu, global_batch_size=batch, seq_len=seq,
                  device="cpu" if device == "cpu" else "cuda", cache=cache)
     planned = time.perf_counter() - start
+    conf = None
+    if device == "cuda":  # as memfit train does: the allocator setting the plan fits with (the loops keep it)
+        from memfit.training.loop import use_alloc_conf
+
+        conf = use_alloc_conf(plans[:4])
     from memfit.models.source import resolve
     from memfit.training.calibrate import calibrate
 
@@ -160,7 +165,7 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
             "plan_first": plans.best.recipe.describe(), "timed": timing.to_dict(),
             "predicted_step_seconds": chosen.step_seconds, "measured_step_seconds": seconds,
             "tokens_per_second": batch * seq / seconds, "peak_bytes": result.peak_bytes, "ooms": len(result.ooms),
-            "plan_seconds": round(planned, 1), "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
+            "alloc_conf": conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "plan_seconds": round(planned, 1), "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
 
 
 def grid(batch: int, cuda: bool, smallest: int = 1) -> list[dict]:
@@ -169,18 +174,42 @@ def grid(batch: int, cuda: bool, smallest: int = 1) -> list[dict]:
             for m in micros for c in (False, True) for b in (False, True) for f in ((False, True) if cuda else (True,))]
 
 
+def loops_on_cuda(run, batch: int, smallest: int = 1) -> list[dict]:
+    """The grid a GPU can afford in minutes: bf16 autocast and fused AdamW (on a tensor-core GPU fp32 and foreach
+    are slower at every micro-batch, so they cannot be the best loop), with and without checkpointing; micro-
+    batches from the largest down, stopping one below the first that fits (a smaller one is slower still: it
+    only lowers the GPU's occupancy). ``run(setting) -> result``."""
+    micros = sorted({x["micro"] for x in grid(batch, True, smallest)}, reverse=True)
+    loops = []
+    for checkpointing in (False, True):
+        fitted = 0
+        for m in micros:
+            setting = dict(micro=m, checkpointing=checkpointing, bf16=True, fused=True)
+            got = run(setting)
+            loops.append({**setting, **got})
+            fitted += got["fits"]
+            if fitted == 2:
+                break
+    return loops
+
+
 def compare(config, device: str, budgets: list[int], *, batch: int, seq: int, steps: int = 3,
-            gpu: str | None = None, log=print, smallest: int = 1) -> list[dict]:
-    """memfit against the loops, budget by budget; ``smallest``: the smallest micro-batch of the grid."""
+            gpu: str | None = None, log=print, smallest: int = 1, on_row=None) -> list[dict]:
+    """memfit against the loops, budget by budget; ``smallest``: the smallest micro-batch of the grid;
+    ``on_row(rows)`` after each budget (a long GPU run keeps what it has)."""
     from memfit.planner.cache import EngineCache
 
     rows, cache = [], EngineCache()
     for cap in budgets:
         ours = memfit_run(config, device, cap, batch=batch, seq=seq, steps=steps, gpu=gpu, cache=cache)
-        loops = []
-        for setting in grid(batch, device != "cpu", smallest):
-            got = hand_loop(config, device, cap, batch=batch, seq=seq, steps=steps, **setting)
-            loops.append({**setting, **got})
+
+        def run(setting):
+            return hand_loop(config, device, cap, batch=batch, seq=seq, steps=steps, **setting)
+
+        if device == "cpu":
+            loops = [{**setting, **run(setting)} for setting in grid(batch, False, smallest)]
+        else:
+            loops = loops_on_cuda(run, batch, smallest)
         fitting = [x for x in loops if x["fits"]]
         best = max(fitting, key=lambda x: x["tokens_per_second"], default=None)
         row = {"budget": cap, "budget_text": format_size(cap), "memfit": ours, "best_loop": best,
@@ -192,6 +221,8 @@ def compare(config, device: str, budgets: list[int], *, batch: int, seq: int, st
             f"{'-' if best is None else format(best['tokens_per_second'], ',.0f')} tok/s "
             f"({'' if best is None else {k: best[k] for k in ('micro', 'checkpointing', 'bf16', 'fused')}}), "
             f"ratio {row['ratio']}, {len(fitting)}/{len(loops)} loops fit")
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 

@@ -172,18 +172,26 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
     key = plan_key(source, **question)
     stored = None if args.replan else load_plan(key)
     start = time.perf_counter()
-    measured = None
+    measured = conf = None
     if stored is not None:
         chosen = stored["plan"]
         recipe, speed, need, whence = (stored["recipe"], stored.get("tokens_per_second"), stored.get("device_bytes"),
                                        "the stored plan (--replan plans again)")
         measured = stored.get("measured_tokens_per_second")
+        if on_gpu:
+            from memfit.training.loop import use_alloc_conf
+
+            conf = use_alloc_conf([chosen])
     else:
         with _args.progress("planning the fastest recipe that fits") as update:
             plans = plan(source.config if source.config is not None else _args.model_of(args), budget=budget,
                          gpu=card, global_batch_size=rows, seq_len=s["seq_len"], device="cuda" if on_gpu else "cpu",
                          fixed=changes, allow=args.allow, progress=update)
         chosen, timing = plans.best, None
+        if on_gpu:
+            from memfit.training.loop import use_alloc_conf
+
+            conf = use_alloc_conf(plans[:4])
         if not args.no_calibrate:
             from memfit.training.calibrate import calibrate
 
@@ -207,6 +215,8 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
         if measured:
             rate += f", {measured:,.0f} timed here"
         fixed = f"; kept as given: {', '.join(f'{k}={v}' for k, v in changes.items())}" if changes else ""
+        if conf:
+            fixed += f"; PYTORCH_CUDA_ALLOC_CONF={conf} (the plan fits with it)"
         print(f"memfit train: fastest recipe that fits{' on the ' + card.name if card is not None else ''}: "
               f"{recipe.describe() or 'the default recipe'} ({rate}, {room}; {whence}{fixed})", file=sys.stderr)
     return chosen
@@ -285,7 +295,8 @@ def run(args) -> int:
 
         card = target("cuda", None).gpu
     torch.manual_seed(s["seed"])
-    model = source.build().to(device)
+    with torch.device(device):  # initialised where it trains: a 1B model's random init takes seconds on a CPU
+        model = source.build().to(device)
     from memfit.training.data import open_data
 
     data = open_data(s["data"], seq_len=s["seq_len"], tokenizer=s["tokenizer"], dtype=s["dtype"])

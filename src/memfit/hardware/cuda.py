@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import warnings
 
 import torch
@@ -228,9 +229,21 @@ def _last_dim_stride_after_cast(tensor: torch.Tensor, dtype) -> int:
 
 
 def _dense(tensor: torch.Tensor) -> bool:
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-    return bool(is_non_overlapping_and_dense_or_false(tensor))
+    """Whether some order of ``tensor``'s dimensions is contiguous (``is_non_overlapping_and_dense``). By hand:
+    torch's ``_prims_common.is_non_overlapping_and_dense_or_false`` defines a class as it runs, which dynamo
+    (torch 2.11) cannot trace, so under ``compile=true`` every attention call broke the estimate's graph
+    where the GPU's stays whole (Qwen3-0.6B: 20 graphs against 1 on the H200, allocated 2.97 % low)."""
+    sizes, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if math.prod(sizes) < 2:
+        return True
+    expected = 1
+    for stride, size in sorted(zip(strides, sizes)):  # by stride; a size-1 dimension's stride is free
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def cuda_attention_kernel(query, key, attn_mask, enable_gqa: bool, value=None) -> str:

@@ -244,7 +244,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         notes.append(f"{len(refused)} candidate(s) passed over: their full estimate refused them (the first, "
                      f"{refused[0][0].describe()}: {refused[0][1]})")
     exact = Plan(chosen.recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, chosen.step_seconds,
-                 chosen.samples_per_second, chosen.tokens_per_second, verified=True, verdict=report.verdict)
+                 chosen.samples_per_second, chosen.tokens_per_second, verified=True, verdict=report.verdict, seq_len=seq_len)
     reasons = _reasons(exact, chosen, predicted, budget_bytes, engine) + _caveats(report)
     if custom:
         reasons.append(CUSTOM_OPTIMIZER)
@@ -253,7 +253,7 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
     exact = Plan(**{**exact.__dict__, "reasons": tuple(reasons)})
     passed_over = {r for r, _ in refused}
     first = _rank(chosen)
-    rest = [p for p in fitting
+    rest = [dataclasses.replace(p, seq_len=seq_len) for p in fitting
             if p.recipe != chosen.recipe and _rank(p) >= first and p.recipe not in passed_over]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": _optimizer_setting(optimizer), "allow": sorted(allowed), "fixed": fixed,

@@ -226,7 +226,7 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                + "), overlapped")
     chosen = Plan(best.recipe, checked.peak_bytes, checked.reserved_bytes, checked.device_bytes, best.step_seconds,
                   best.samples_per_second, best.tokens_per_second, verified=True, reasons=reasons,
-                  verdict=checked.verdict)
+                  verdict=checked.verdict, seq_len=seq_len)
     rest = [plan for plan, *_ in results[1:]]
     notes.append(f"{len(results)} of {len(shapes)} structures fit; {traces[0]} per-rank traces")
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,

@@ -45,6 +45,7 @@ class Plan:
     verified: bool = False
     reasons: tuple[str, ...] = ()
     verdict: str | None = None  # on a GPU, the full estimate's (``fit.py``): fits, or only with expandable segments
+    seq_len: int | None = None  # the rows' length the plan's micro-batch was estimated at (None: not a token model)
 
     @property
     def alloc_conf(self) -> str | None:
@@ -60,7 +61,7 @@ class Plan:
                 "samples_per_second": round(self.samples_per_second, 3),
                 "tokens_per_second": None if self.tokens_per_second is None else round(self.tokens_per_second, 1),
                 "verified": self.verified, "reasons": list(self.reasons), "verdict": self.verdict,
-                "alloc_conf": self.alloc_conf}
+                "alloc_conf": self.alloc_conf, "seq_len": self.seq_len}
 
     def __str__(self) -> str:
         speed = (f"{self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second is not None

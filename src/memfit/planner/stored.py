@@ -27,9 +27,9 @@ from memfit.techniques.recipe import Recipe
 __all__ = ["CACHE_ENV", "cache_dir", "plan_key", "load_plan", "save_plan"]
 
 CACHE_ENV = "MEMFIT_CACHE"
-FORMAT = 2  # bumped when the stored fields change
+FORMAT = 3  # bumped when the stored fields change
 _PLAN_FIELDS = ("allocated_bytes", "reserved_bytes", "device_bytes", "step_seconds", "samples_per_second",
-                "tokens_per_second", "verified", "verdict")
+                "tokens_per_second", "verified", "verdict", "seq_len")
 
 
 def cache_dir() -> Path:

@@ -185,7 +185,10 @@ class Order:
 
 def collate(examples: list[dict], pad_id: int = 0, length: int | None = None) -> dict:
     """Pad ``examples`` to the longest (or ``length``): ``input_ids``, ``attention_mask`` and ``labels``
-    (``IGNORE`` on padding)."""
+    (``IGNORE`` on padding). Rows with no padding carry no ``attention_mask``: one of all ones is no mask
+    to a causal model, and transformers drops it only after checking every value on the device (a sync
+    per step), while an estimate on fake tensors cannot check and keeps it (a materialised mask, the
+    masked attention kernel: on Llama-3.2-1B 1 GiB over what the run holds and the plan estimated)."""
     longest = max(len(e["input_ids"]) for e in examples) if length is None else length
     ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), longest), dtype=torch.long)
@@ -194,6 +197,8 @@ def collate(examples: list[dict], pad_id: int = 0, length: int | None = None) ->
         ids[row, :n] = e["input_ids"]
         mask[row, :n] = 1
     labels = ids.masked_fill(mask == 0, IGNORE)
+    if all(len(e["input_ids"]) == longest for e in examples):
+        return {"input_ids": ids, "labels": labels}
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 

@@ -85,10 +85,10 @@ def model_identity(model) -> str:
 
 
 def _key(identity: str, recipe, budget: int, gpu, longest: int, max_rows: int, pad_id: int, packed: bool, parts: int,
-         loss_fn) -> str:
+         loss_fn, uniform: bool = False) -> str:
     gpu_name = getattr(gpu, "name", gpu)
     body = json.dumps([identity, recipe.to_dict(), budget, gpu_name, longest, max_rows, pad_id, packed, parts,
-                       loss_fn is not None], sort_keys=True, default=str)
+                       loss_fn is not None] + ([True] if uniform else []), sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 
@@ -112,7 +112,7 @@ class ShapeBudget:
     """
 
     def __init__(self, model, recipe, budget: int, *, longest: int, max_rows: int, gpu=None, pad_id: int = 0,
-                 loss_fn=None, packed: bool = False, store=None, identity: str = ""):
+                 loss_fn=None, packed: bool = False, store=None, identity: str = "", uniform: bool = False):
         self.model, self.budget, self.gpu, self.pad_id, self.loss_fn = model, int(budget), gpu, pad_id, loss_fn
         self.step = bucket_step(longest)
         self.longest = int(longest)  # the last bucket: never past the data's (or model's) longest
@@ -121,6 +121,9 @@ class ShapeBudget:
         # one where the optimizer steps in backward (nothing accumulates)
         self.parts = 1 if recipe.optimizer_in_backward else 2
         self.recipe, self.packed = recipe, packed
+        # every row of the data is ``longest`` tokens (a token file cut into rows): no micro-batch has padding,
+        # so none is estimated (a padded one materialises an attention mask: on a 1B model 1 GiB more)
+        self.uniform = bool(uniform)
         self._peaks: dict[tuple[int, int], int] = {}
         self._rows: dict[int, int] = {}
         self._line = None  # (bucket, fixed bytes, bytes a row adds) of the first bucket searched
@@ -128,7 +131,7 @@ class ShapeBudget:
         # estimates kept in a file (the run's out_dir), so a resumed or repeated run starts without them
         self.store = None if store is None else Path(store)
         self.key = _key(identity, recipe, self.budget, gpu, self.longest, self.max_rows, pad_id, packed, self.parts,
-                        loss_fn)
+                        loss_fn, self.uniform)
         self.reused = self._load()
 
     def bucket(self, length: int) -> int:
@@ -148,7 +151,7 @@ class ShapeBudget:
         if self.packed:  # rows of two documents, as estimate_micro_batch(packed=True) makes them
             batch = shape_batch(direct(rows, length, True, True), self.parts)
         else:
-            sizes = [length] + [length - 1] * (rows - 1) if length > 1 else [1] * rows
+            sizes = [length] * rows if self.uniform or length <= 1 else [length] + [length - 1] * (rows - 1)
             examples = [{"input_ids": torch.zeros(n, dtype=torch.long)} for n in sizes]
             micro = collate(examples, self.pad_id, length=length)
             batch = {k: torch.cat([v] * self.parts) for k, v in micro.items()}
@@ -186,6 +189,14 @@ class ShapeBudget:
             os.replace(tmp, self.store)
         except OSError:
             pass  # a run never fails for its cache
+
+    def known(self, length: int, rows: int, peak: int) -> None:
+        """Micro-batches of ``length``'s bucket take at most ``rows`` rows, whose peak is ``peak`` bytes: a plan's
+        micro-batch and its full estimate (``memfit.plan``'s, made within the budget with the CUDA context
+        counted, stricter than this class's own test), so the run follows the plan and needs no estimate."""
+        bucket = self.bucket(length)
+        self._rows[bucket] = max(1, min(int(rows), self.max_rows))
+        self._peaks.setdefault((self._rows[bucket], bucket), int(peak))
 
     def max_rows_at(self, length: int) -> int:
         """The most rows of ``length``'s bucket whose predicted peak is within the budget (at least 1:

@@ -1,0 +1,141 @@
+"""What `memfit train` on an H200 showed (issue 34, bench/train_gpu.py): a run that follows a plan must hold what
+the plan estimated. Calibration's timed models are gone before the run's is built; rows of one length take the
+plan's micro-batch without estimates of their own; a fused optimizer runs without the safe step's copies; and
+the CUDA attention choice of an estimate traces into one compiled graph."""
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import memfit
+from memfit.planner.result import Plan
+from memfit.training.calibrate import calibrate
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "examples" / "tiny-llama" / "config.json")
+
+
+def _source():
+    from memfit.models.source import resolve
+
+    return resolve(CONFIG)
+
+
+def _plan(recipe, seq_len=None, device_bytes=0, reserved=None):
+    return Plan(recipe, device_bytes, reserved, device_bytes, 0.01, 100.0, 6400.0, verified=True, seq_len=seq_len)
+
+
+def test_calibration_leaves_no_timed_model_alive():
+    """Each timed model, its optimizer state and its step's closures go before calibrate returns (on CUDA its
+    allocator blocks too): the run then starts on an empty device, not beside the leftovers."""
+    source = _source()
+    built = []
+
+    def build():
+        model = source.build()
+        built.append(weakref.ref(model))
+        return model
+
+    plans = [_plan(memfit.Recipe(micro_batch_size=2)), _plan(memfit.Recipe(micro_batch_size=2, checkpointing="blocks"))]
+    gc.disable()  # only calibrate's own collection may free what cycles hold
+    try:
+        timing = calibrate(plans, build, source.make_batch(2, 32), device="cpu", steps=2)
+        alive = [ref for ref in built if ref() is not None]
+    finally:
+        gc.enable()
+    assert timing.measured_step_seconds is not None and len(built) == 2
+    assert not alive
+
+
+def test_rows_of_one_length_follow_the_plan_without_estimating(tmp_path):
+    from memfit.training.predict import ShapeBudget, meta_copy
+
+    source = _source()
+    model = meta_copy(source.build())
+    recipe = memfit.Recipe(micro_batch_size=2)
+    padded = ShapeBudget(lambda: meta_copy(model), recipe, 2**30, longest=64, max_rows=4)
+    full = ShapeBudget(lambda: meta_copy(model), recipe, 2**30, longest=64, max_rows=4, uniform=True)
+    assert full.key != padded.key
+    # rows of one length are estimated as the run reads them: full rows, no padding (two micro-batches)
+    from memfit.training.data import collate
+
+    rows = collate([{"input_ids": torch.ones(64, dtype=torch.long)}] * 2)
+    batch = {k: torch.cat([v, v]) for k, v in rows.items()}
+    alone = memfit.estimate(lambda: meta_copy(model), batch=batch, recipe=recipe.replace(grad_accum_steps=2), device="cpu", fast=False)
+    assert full.peak(2, 64) == alone.peak_bytes
+    assert padded.peak(2, 64) >= full.peak(2, 64)
+    known = ShapeBudget(lambda: meta_copy(model), recipe, 2**30, longest=64, max_rows=4, uniform=True)
+    known.known(64, 2, 12345)
+    assert known.max_rows_at(64) == 2 and known.bound(2, 64) == 12345 and known.estimates == 0
+
+
+def test_a_run_following_a_plan_takes_its_micro_batch_and_a_fused_step_has_no_copies(tmp_path, monkeypatch):
+    from memfit.techniques import safe_step
+    from memfit.training.data import open_data
+    from memfit.training.loop import train
+
+    chunked = []
+    original = safe_step.SafeStep.__init__
+
+    def init(self, optimizer, chunks=8):
+        chunked.append(chunks)
+        original(self, optimizer, chunks)
+
+    monkeypatch.setattr(safe_step.SafeStep, "__init__", init)
+
+    tokens = tmp_path / "tokens.bin"
+    import numpy as np
+
+    np.random.default_rng(0).integers(1, 200, 64 * 8 + 1, dtype=np.uint16).tofile(tokens)
+    data = open_data(str(tokens), seq_len=64)
+    recipe = memfit.Recipe(micro_batch_size=2, grad_accum_steps=2, optimizer_impl="fused")
+    plan = _plan(recipe, seq_len=64, device_bytes=40 * 2**20)
+    torch.manual_seed(0)
+    result = train(_source().build(), data, plan=plan, budget="64MiB", global_batch_size=4, seq_len=64, steps=2,
+                   out_dir=tmp_path / "run", progress=False, tensorboard=False)
+    import json
+
+    lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert all(line["estimate_seconds"] == 0 and line["micro_batches"] == 2 for line in lines)
+    assert result.steps == 2 and chunked == []  # fused: no rolled-back copies on top of the plan's peak
+    train(_source().build(), data, recipe=recipe.replace(optimizer_impl="foreach"), budget="64MiB",
+                    global_batch_size=4, seq_len=64, steps=1, out_dir=tmp_path / "run2", progress=False,
+                    tensorboard=False)
+    assert chunked and set(chunked) == {8}  # the SafeStep of the run (and of its estimates)
+
+
+def test_dense_matches_torch():
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    from memfit.hardware.cuda import _dense
+
+    base = torch.empty(4, 5, 6)
+    cases = [base, base.transpose(0, 2), base[:, :, ::2], torch.empty(1, 5, 1).expand(3, 5, 2), torch.empty(6)[::2],
+             torch.empty(2, 3, 4, 5).permute(0, 2, 1, 3), torch.empty(8, 8)[:4], torch.empty(8, 8)[:, :4],
+             torch.empty(0, 3), torch.empty(()), torch.empty(1, 1, 7), torch.empty(3, 1, 4).transpose(0, 1)]
+    assert [_dense(t) for t in cases] == [bool(is_non_overlapping_and_dense_or_false(t)) for t in cases]
+
+
+def test_cuda_attention_choice_compiles_as_one_graph():
+    """Under CUDA semantics an estimate's SDPA goes through memfit's kernel choice; dynamo must trace it without
+    a break (torch 2.11 broke on torch's own density check: 20 graphs where the GPU compiled one)."""
+    from memfit.hardware.cuda import cuda_semantics
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q.float().to(torch.bfloat16), k, v, is_causal=True)
+
+    q = k = v = torch.randn(2, 4, 16, 8, dtype=torch.bfloat16)
+    with cuda_semantics():
+        compiled = torch.compile(attend, fullgraph=True, backend="eager")
+        try:
+            out = compiled(q, k, v)
+        finally:
+            torch._dynamo.reset()
+    assert out.shape == (2, 4, 16, 8)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
