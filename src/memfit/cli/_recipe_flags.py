@@ -68,6 +68,8 @@ FLAGS = (
      'fsdp over several nodes: node shards within a node and replicates between (HSDP, the default); world shards over every rank (less memory, all-gathers cross the network)'),
     ('construction', 'str', ('meta', 'host', 'device'),
      "fsdp: how the model was built before sharding: meta (torchtitan: never whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then sharded: its peak counts)"),
+    ('tp', 'int', (),
+     "tensor parallel degree: the model's own plan (colwise / rowwise linears) over N GPUs of a node, each holding 1/N of those weights and their heads' activations; the other GPUs are data parallel (parallel=fsdp shards over them)"),
 )
 
 # what `memfit plan --allow` takes

@@ -97,6 +97,29 @@ def _settled(collective):
     return call
 
 
+def _settled_wait(wait):
+    """Functional collectives' ``wait_tensor`` (DTensor's: tensor parallelism) that returns once gloo's worker
+    has let go of the result: it holds a reference for a moment after the wait, as with ``_settled``, and a
+    free that should come at once came at a random later point of the step."""
+    import time
+
+    import torch
+
+    def count(tensor):
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+    def call(tensor, *args, **kwargs):
+        out = wait(tensor, *args, **kwargs)
+        deadline, last, steady = time.monotonic() + 0.05, count(out), 0
+        while steady < 3 and time.monotonic() < deadline:  # the count unchanged over three looks
+            time.sleep(0.0005)
+            now = count(out)
+            steady, last = (steady + 1, now) if now == last else (0, now)
+        return out
+
+    return call
+
+
 def _phases():
     """A watch for ``apply`` that marks each phase in the profile (``memfit::forward:0``) and labels
     nothing (``Quiet``: the step runs as with nobody watching): the truth's only bookkeeping is where
@@ -138,11 +161,15 @@ def _run(case: dict) -> dict:
     for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                  "all_reduce"):
         setattr(dist, name, _settled(getattr(dist, name)))
+    import torch.distributed._functional_collectives as funcol
+
+    funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     recipe = Recipe.from_dict(case.get("recipe", {}))
     source = resolve(case["model"])
-    per_rank = case["batch_size"] // size
+    tp = recipe.tp  # tensor-parallel peers read the same rows; the data-parallel ranks split them
+    per_rank = case["batch_size"] // (size // tp)
     gc.collect()
     try:
         # every rank builds the same weights (seed 0), so DDP's start-up broadcast is skipped: its
@@ -153,7 +180,7 @@ def _run(case: dict) -> dict:
             model = source.build()
             if recipe.precision == "bf16":
                 model.to(torch.bfloat16)
-            torch.manual_seed(1 + rank)
+            torch.manual_seed(1 + rank // tp)
             batch = source.make_batch(per_rank, case.get("seq_len"), None)
             model, _, step = apply(model, recipe, watch=_phases())
             gc.collect()

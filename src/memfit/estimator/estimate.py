@@ -156,7 +156,8 @@ def _estimate_resolved(source, batch, *, recipe, factory, loss_fn, steps, batch_
     target = resolve_target(device, gpu)
     check_gpu(recipe.precision, target)
     budget = _budget(budget, target)
-    batch_size = step_batch(batch_size, recipe, world.size if world else 1)
+    # the data-parallel ranks split the batch; tensor-parallel peers read the same rows
+    batch_size = step_batch(batch_size, recipe, world.size // recipe.tp if world else 1)
     if world is not None:
         return _estimate_ranks(source, batch, world, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast,
@@ -245,6 +246,14 @@ def _world(recipe: Recipe, gpus, nodes):
     from memfit.hardware.cluster import World, world_of
 
     world = world_of(gpus, nodes)
+    if recipe.tp > 1:
+        if world is None or world.gpus % recipe.tp:
+            raise MemfitError(f"tp={recipe.tp} needs GPUs it divides: pass gpus= (--gpus N) with N a multiple of "
+                              f"{recipe.tp} per node")
+        if recipe.parallel == "none" and world.size != recipe.tp:
+            raise MemfitError(f"tp={recipe.tp} over {world.describe()} leaves {world.size // recipe.tp} data-parallel "
+                              f"ranks: set parallel=fsdp (--parallel fsdp) or ddp, or tp={world.size}")
+        return world
     if recipe.parallel == "none":
         if world is not None and world.size > 1:
             raise MemfitError(f"gpus={world.size} needs a way to use them: parallel=ddp or parallel=fsdp "
@@ -261,9 +270,10 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
-    if recipe.parallel != "fsdp" or recipe.offload != "none":
-        # DDP's gradient buckets and an offloaded step's host side are not per block: traced in full
-        what = f"parallel={recipe.parallel}" if recipe.parallel != "fsdp" else f"offload={recipe.offload}"
+    if recipe.parallel != "fsdp" or recipe.offload != "none" or recipe.tp > 1:
+        # DDP's gradient buckets, an offloaded step's host side and TP's collectives: traced in full
+        what = (f"tp={recipe.tp}" if recipe.tp > 1 else f"parallel={recipe.parallel}" if recipe.parallel != "fsdp"
+                else f"offload={recipe.offload}")
         if fast:
             raise MemfitError(f"fast=True and {what} conflict: that step is traced in full (its memory is not laid "
                               "out block by block for the depth fast path); leave fast unset")
@@ -286,7 +296,8 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
-    notes = [f"rank {top_rank} of {world.describe()} ({recipe.parallel}): one rank's step under PyTorch's fake "
+    layout = recipe.parallel if recipe.tp == 1 else f"tp={recipe.tp} x {recipe.parallel} over {world.size // recipe.tp}"
+    notes = [f"rank {top_rank} of {world.describe()} ({layout}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
     if recipe.parallel == "fsdp":
         notes.append({"meta": "construction=meta: built on the meta device, sharded, then materialised (to_empty), "
@@ -297,7 +308,7 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
                                 "traced with the step and its peak counts"}[recipe.construction])
     if uneven:
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
-    info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel,
+    info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel, "tp": recipe.tp,
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)
 

@@ -1,0 +1,78 @@
+"""Tensor parallelism (issue 35, item 1's first slice): ``Recipe(tp=N)`` shards a Hugging Face model by its own
+plan with DTensor's ``parallelize_module``, alone or on FSDP2's 2-D mesh, per rank under the fake process group,
+against real ``torchrun`` runs over gloo graded by each rank's allocator events (``memfit.distributed.truth``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import memfit
+from memfit.distributed.truth import launch
+from memfit.errors import MemfitError
+from memfit.techniques.recipe import Recipe
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _estimate(path, recipe, gpus, batch=2):
+    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, device="cpu")
+
+
+def test_tensor_parallel_matches_torchrun(tiny):
+    recipe = {"tp": 2}
+    report = _estimate(tiny, recipe, 2)
+    truths = launch({"model": tiny, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2}, 2)
+    assert truths[0]["peak_bytes"] == truths[1]["peak_bytes"]  # TP peers hold the same
+    truth = truths[0]
+    # the backward and the optimizer step to within bytes
+    assert abs(report.phase_peaks["backward"] - truth["phase_peaks"]["backward:1"]) <= 64
+    assert abs(report.phase_peaks["optimizer"] - truth["phase_peaks"]["optimizer:1"]) <= 64
+    # the forward holds one gathered logits tensor (2 x 32 x 256 fp32) more than the real run: not yet found,
+    # on the safe side; the peak is within 2.5 % here and above the truth
+    assert 0 <= report.peak_bytes - truth["peak_bytes"] <= 0.025 * truth["peak_bytes"]
+
+
+def test_tensor_parallel_divides_the_sharded_weights(tiny):
+    one = _estimate(tiny, {}, None)
+    tp = _estimate(tiny, {"tp": 2}, 2)
+    both = _estimate(tiny, {"tp": 2, "parallel": "fsdp"}, 4, batch=4)
+    # every linear of the layers and the embedding split in two; norms replicated
+    assert tp.by_category["parameters"] < 0.75 * one.by_category["parameters"]
+    assert tp.by_category["optimizer_state"] < 0.75 * one.by_category["optimizer_state"]
+    # FSDP2 then shards the TP shards over the other two ranks (2-D mesh, dp_shard x tp)
+    assert abs(both.by_category["parameters"] - tp.by_category["parameters"] / 2) <= 0.02 * tp.by_category["parameters"]
+    assert both.world["tp"] == 2 and both.world["size"] == 4
+
+
+@pytest.mark.parametrize("recipe, gpus, words", [
+    ({"tp": 3}, 3, "num_attention_heads=4"),
+    ({"tp": 2}, 4, "parallel=fsdp"),
+    ({"tp": 2}, None, "gpus="),
+    ({"tp": 4}, 2, "gpus="),
+    ({"tp": 2, "chunked_loss": 4}, 2, "chunked_loss"),
+    ({"tp": 0}, 2, "tp must be"),
+])
+def test_bad_tensor_parallel_is_one_line(tiny, recipe, gpus, words):
+    with pytest.raises(MemfitError) as err:
+        _estimate(tiny, recipe, gpus, batch=4 if gpus == 4 else 2)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_model_without_a_plan_is_refused():
+    import torch
+
+    from memfit.techniques.parallel import tp_plan
+
+    with pytest.raises(MemfitError, match="has none"):
+        tp_plan(torch.nn.Linear(4, 4), 2)
