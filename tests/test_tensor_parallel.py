@@ -35,12 +35,11 @@ def test_tensor_parallel_matches_torchrun(tiny):
     truths = launch({"model": tiny, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2}, 2)
     assert truths[0]["peak_bytes"] == truths[1]["peak_bytes"]  # TP peers hold the same
     truth = truths[0]
-    # the backward and the optimizer step to within bytes
-    assert abs(report.phase_peaks["backward"] - truth["phase_peaks"]["backward:1"]) <= 64
-    assert abs(report.phase_peaks["optimizer"] - truth["phase_peaks"]["optimizer:1"]) <= 64
-    # the forward holds one gathered logits tensor (2 x 32 x 256 fp32) more than the real run: not yet found,
-    # on the safe side; the peak is within 2.5 % here and above the truth
-    assert 0 <= report.peak_bytes - truth["peak_bytes"] <= 0.025 * truth["peak_bytes"]
+    # every phase to within bytes (the forward was one gathered logits tensor high while FakeTensorMode's
+    # wait_tensor made a new tensor of each collective's result)
+    for phase in ("forward", "backward", "optimizer"):
+        assert abs(report.phase_peaks[phase] - truth["phase_peaks"][f"{phase}:1"]) <= 64, phase
+    assert abs(report.peak_bytes - truth["peak_bytes"]) <= 64
 
 
 def test_tensor_parallel_divides_the_sharded_weights(tiny):

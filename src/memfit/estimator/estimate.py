@@ -296,7 +296,8 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
-    layout = recipe.parallel if recipe.tp == 1 else f"tp={recipe.tp} x {recipe.parallel} over {world.size // recipe.tp}"
+    layout = (recipe.parallel if recipe.tp == 1 else f"tp={recipe.tp}" if recipe.parallel == "none"
+              else f"tp={recipe.tp} x {recipe.parallel} over {world.size // recipe.tp}")
     notes = [f"rank {top_rank} of {world.describe()} ({layout}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
     if recipe.parallel == "fsdp":

@@ -100,6 +100,10 @@ def fake_batch(batch, mode: FakeTensorMode):
     return tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
 
 
+_WAIT = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT = getattr(_WAIT, "default", None) if _WAIT is not None else None
+
+
 class ScalarReads(TorchDispatchMode):
     """Answers ``tensor.item()`` on a fake tensor that has no value with zero.
 
@@ -110,6 +114,10 @@ class ScalarReads(TorchDispatchMode):
     ``any`` and True for ``all`` (no padding: Hugging Face skips building a 4-D attention mask
     only after ``(mask == 1).all()`` reads True; LLaVA checks its image-token count with
     ``torch._check_tensor_all``). ``reads`` counts how often it answered.
+
+    Also: a functional collective's ``wait_tensor`` gives back its input, as it does on a real process group
+    (FakeTensorMode makes a new tensor of it, which counted each DTensor redistribution's result twice:
+    one gathered logits tensor too many at tensor parallelism's peak).
     """
 
     def __init__(self):
@@ -122,6 +130,8 @@ class ScalarReads(TorchDispatchMode):
         return True  # a compiled step runs under it; compiling is not part of the step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _WAIT and args:
+            return args[0]
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             if getattr(tensor, "constant", None) is None:

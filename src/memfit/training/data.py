@@ -187,8 +187,9 @@ def collate(examples: list[dict], pad_id: int = 0, length: int | None = None) ->
     """Pad ``examples`` to the longest (or ``length``): ``input_ids``, ``attention_mask`` and ``labels``
     (``IGNORE`` on padding). Rows with no padding carry no ``attention_mask``: one of all ones is no mask
     to a causal model, and transformers drops it only after checking every value on the device (a sync
-    per step), while an estimate on fake tensors cannot check and keeps it (a materialised mask, the
-    masked attention kernel: on Llama-3.2-1B 1 GiB over what the run holds and the plan estimated)."""
+    per step), while an estimate on fake tensors cannot check and keeps it (a materialised mask and the
+    masked attention kernel; the planner's batches have none: Llama-3.2-1B at 2 x 2048, 24.66 GiB
+    reserved with the mask against 24.59 without)."""
     longest = max(len(e["input_ids"]) for e in examples) if length is None else length
     ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), longest), dtype=torch.long)

@@ -12,8 +12,8 @@ longest example). The step is ``apply()``'s (what was estimated is what runs): f
 backward of each micro-batch with losses weighted by tokens, then the optimizer through
 ``SafeStep`` (the recipe's ``safe_step``, 8 chunks unless it says otherwise; a fused optimizer needs none:
 its step allocates before its one kernel writes, so an OOM in it has changed nothing, and the copies
-would cost the step's peak 1/8 of the parameters and states, measured on Llama-3.2-1B: 1 GiB over the
-plan's 23.7 GiB). Batches are read by a
+would add to the step's peak the largest chunk's parameters and AdamW state, which the plan does not
+count: on Llama-3.2-1B the tied embedding alone, 3 GiB). Batches are read by a
 ``DataLoader`` (``workers`` processes; on CUDA pinned and copied with ``non_blocking``).
 
 An out-of-memory error in forward or backward drops the gradients, halves the micro-batches'
@@ -86,8 +86,8 @@ class TrainResult:
 def use_alloc_conf(plans) -> str | None:
     """The CUDA allocator setting the plans need (``Plan.alloc_conf``: a plan that fits only with expandable
     segments, the planner's verdict), applied to this process unless the user set ``PYTORCH_CUDA_ALLOC_CONF``
-    (theirs wins); returns what was applied. Without it the plan's recipe runs out of memory on the card it
-    was planned for (Llama-3.2-1B at 24 GiB on an H200: 24.6 GiB reserved by default, 23.7 with them)."""
+    (theirs wins); returns what was applied. Without it such a plan's recipe runs out of memory on the card it
+    was planned for: the planner counted on segments that grow in place instead of new cached blocks.""" 
     import os
 
     wanted = next((p.alloc_conf for p in plans if p is not None and getattr(p, "alloc_conf", None)), None)

@@ -122,7 +122,7 @@ class ShapeBudget:
         self.parts = 1 if recipe.optimizer_in_backward else 2
         self.recipe, self.packed = recipe, packed
         # every row of the data is ``longest`` tokens (a token file cut into rows): no micro-batch has padding,
-        # so none is estimated (a padded one materialises an attention mask: on a 1B model 1 GiB more)
+        # so none is estimated (a padded one carries an attention mask the run's batches do not)
         self.uniform = bool(uniform)
         self._peaks: dict[tuple[int, int], int] = {}
         self._rows: dict[int, int] = {}
