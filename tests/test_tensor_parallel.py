@@ -29,11 +29,14 @@ def _estimate(path, recipe, gpus, batch=2):
     return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, device="cpu")
 
 
-def test_tensor_parallel_matches_torchrun(tiny):
-    recipe = {"tp": 2}
-    report = _estimate(tiny, recipe, 2)
-    truths = launch({"model": tiny, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2}, 2)
-    assert truths[0]["peak_bytes"] == truths[1]["peak_bytes"]  # TP peers hold the same
+@pytest.mark.parametrize("recipe, gpus, batch", [
+    ({"tp": 2}, 2, 2),
+    ({"tp": 2, "parallel": "fsdp"}, 4, 4),  # FSDP2 over the other 2 ranks of the (dp_shard x tp) mesh
+])
+def test_tensor_parallel_matches_torchrun(tiny, recipe, gpus, batch):
+    report = _estimate(tiny, recipe, gpus, batch)
+    truths = launch({"model": tiny, "recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2}, gpus)
+    assert len({t["peak_bytes"] for t in truths}) == 1  # every rank holds the same
     truth = truths[0]
     # every phase to within bytes (the forward was one gathered logits tensor high while FakeTensorMode's
     # wait_tensor made a new tensor of each collective's result)
