@@ -156,8 +156,8 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
     chosen = next(p for p in plans if p.recipe == timing.recipe)
     model = _build(config, device)
     with tempfile.TemporaryDirectory() as out:
-        result = train(model, FullRows(batch * steps, seq, config.vocab_size), recipe=chosen.recipe, budget=cap,
-                       global_batch_size=batch, seq_len=seq, steps=steps, out_dir=out, progress=False,
+        result = train(model, FullRows(batch * steps, seq, config.vocab_size), recipe=chosen.recipe, plan=chosen,
+                       budget=cap, global_batch_size=batch, seq_len=seq, steps=steps, out_dir=out, progress=False,
                        gpu=gpu if device != "cpu" else None, tensorboard=False)
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     seconds = statistics.median(line["seconds"] for line in lines[1:])
