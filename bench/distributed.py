@@ -5,7 +5,7 @@ rank's peak from its own CPU allocator events) and is estimated by ``memfit.esti
 under PyTorch's fake process group. Prints one row per case and rank and writes
 ``bench/results/distributed-cpu.json``.
 
-    python bench/distributed.py [--only NAME ...]
+    python bench/distributed.py [--only NAME ...]          # --only writes nothing unless --out is given
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ CASES = [
     ("fsdp-over-2-nodes", TINY, 4, {"parallel": "fsdp", "shard_over": "world"}, 4, 2),
     ("fsdp-partial-reshard-4", TINY, 4, {"parallel": "fsdp", "reshard_after_forward": "2"}, 4, 1),
     ("fsdp-built-on-device-4", DEEP, 4, {"parallel": "fsdp", "construction": "device", "optimizer": "sgd"}, 4, 1),
+    # tensor parallel (``techniques/tensor_parallel.py``); TP peers read the same rows
+    ("tp-2", TINY, 2, {"tp": 2}, 2, 1),
+    ("tp-2-autocast", TINY, 2, {"tp": 2, "precision": "bf16-mixed"}, 2, 1),
+    ("fsdp-tp-2x2", TINY, 4, {"tp": 2, "parallel": "fsdp"}, 4, 1),
+    ("fsdp-tp-2x2-bf16-checkpointing", TINY, 4, {"tp": 2, "parallel": "fsdp", "mixed_precision": "bf16",
+                                                 "checkpointing": "blocks"}, 4, 1),
 ]
 SEQ = 64
 
@@ -103,7 +109,7 @@ def run_case(name, config, ranks, recipe, batch, nodes, folder) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="case names to run")
-    parser.add_argument("--out", default=str(HERE / "results" / "distributed-cpu.json"))
+    parser.add_argument("--out", default=None, help="default results/distributed-cpu.json (a full run only)")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -113,8 +119,8 @@ def main(argv=None) -> int:
             rows.extend(run_case(name, config, ranks, recipe, batch, nodes, folder))
     worst = max(abs(r["error"]) for r in rows)
     print(f"{len(rows)} rank(s) of {len({r['case'] for r in rows})} case(s): worst |error| {100 * worst:.3f}%")
-    if not args.only:
-        Path(args.out).write_text(json.dumps({
+    if not args.only or args.out:
+        Path(args.out or HERE / "results" / "distributed-cpu.json").write_text(json.dumps({
             "device": f"cpu ({platform.processor() or platform.machine()}), gloo", "torch": torch.__version__,
             "date": datetime.date.today().isoformat(), "seq_len": SEQ, "rows": rows}, indent=1))
     return 0

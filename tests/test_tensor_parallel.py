@@ -74,7 +74,7 @@ def test_bad_tensor_parallel_is_one_line(tiny, recipe, gpus, words):
 def test_a_model_without_a_plan_is_refused():
     import torch
 
-    from memfit.techniques.parallel import tp_plan
+    from memfit.techniques.tensor_parallel import tp_plan
 
     with pytest.raises(MemfitError, match="has none"):
         tp_plan(torch.nn.Linear(4, 4), 2)

@@ -46,3 +46,17 @@ def test_memfit_comes_close_to_the_fastest_loop_that_fits(rows):
         if row["ratio"] < 0.8:  # one noisy timing on shared cores is not a wrong choice: measure that budget again
             row = train_speed.compare(CONFIG, "cpu", [row["budget"]], **SHAPE, log=lambda line: None)[0]
         assert row["ratio"] >= 0.8, (row["budget_text"], row["memfit"]["recipe"], row["best_loop"], row["ratio"])
+
+
+def test_the_gpu_grid_stops_one_below_the_first_micro_batch_that_fits():
+    """bench/train_speed's CUDA grid (bf16, fused): largest micro-batch first, one more below the first fit."""
+    ran = []
+
+    def run(setting):
+        ran.append((setting["micro"], setting["checkpointing"]))
+        return {"fits": setting["micro"] <= (8 if setting["checkpointing"] else 2)}
+
+    loops = train_speed.loops_on_cuda(run, 32)
+    assert ran == [(32, False), (16, False), (8, False), (4, False), (2, False), (1, False),
+                   (32, True), (16, True), (8, True), (4, True)]
+    assert all(x["bf16"] and x["fused"] for x in loops)

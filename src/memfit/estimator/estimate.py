@@ -311,10 +311,9 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
     if recipe.tp > 1 and (recipe.precision.endswith("-mixed") or recipe.checkpointing != "off"
                           or recipe.mixed_precision != "none"):
-        notes.append("tp with autocast, FSDP2's mixed precision or checkpointing is not yet exact: against real "
-                     "torchrun runs of a 2-layer Llama the estimate was high (bf16-mixed +3.4 %; FSDP2 x TP with "
-                     "mixed_precision=bf16 and checkpointing +13.5 %); tp alone and FSDP2 x TP in fp32 matched "
-                     "to the byte")
+        notes.append("tp with autocast, FSDP2's mixed precision or checkpointing is not yet exact: estimated high "
+                     "against real torchrun runs of small Llamas (bench/distributed.py's tp cases, "
+                     "results/distributed-tp-cpu.json); tp alone and FSDP2 x TP in fp32 matched them to the byte")
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel, "tp": recipe.tp,
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)

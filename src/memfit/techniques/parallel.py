@@ -37,14 +37,8 @@ rank while it is sharded (``host_bytes``); ``device`` built whole on the GPU (``
 sharded: the construction is traced with the step, and its peak (the whole model plus the shards made
 so far) counts.
 
-``tp=N`` is tensor parallelism, DTensor's ``parallelize_module`` over a mesh dimension of N ranks within a
-node, with the model's own plan (a Hugging Face model's ``_tp_plan``, what ``from_pretrained(tp_plan="auto")``
-applies: ``colwise`` / ``rowwise`` linears, the embedding sharded over its rows, the head gathered): each
-rank holds 1/N of the attention and MLP weights, their gradients and optimizer state, and the activations of
-its heads. The data-parallel ranks are the rest of the world (``gpus / tp`` per node): FSDP2 shards over them
-on the 2-D mesh (dp_shard x tp, torchtitan's), HSDP across nodes on the 3-D one; ``parallel=none`` then
-needs ``tp`` = every GPU. Each TP rank reads the same micro-batch. Not yet: sequence parallel, loss
-parallel, MoE experts (a plan naming them is one error).
+``tp=N`` is tensor parallelism (``tensor_parallel.py``): the model split over N ranks of a node first, then
+FSDP2 or DDP over the rest of the world.
 
 Does not combine with (yet, each one error): chunked_loss (its head runs outside the root's
 forward, on resharded weights), compile, qlora and 8/4-bit optimizers (bitsandbytes does not take
@@ -59,8 +53,9 @@ import warnings
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
+from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
 
-__all__ = ["TECHNIQUE", "tp_plan", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "CONSTRUCTION", "host_records"]
+__all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "CONSTRUCTION", "host_records"]
 
 PARALLEL = ("none", "ddp", "fsdp")
 OFFLOAD = ("none", "cpu", "cpu-unpinned")
@@ -109,21 +104,12 @@ _INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
                  ("optimizer", lambda r: any(k in str(r.optimizer) for k in ("8bit", "4bit", "paged"))))
 
 
-#: what tensor parallelism has not been checked with against real runs (each an error naming it)
-_TP_INCOMPATIBLE = (("parallel", lambda r: r.parallel == "ddp"), ("chunked_loss", lambda r: r.chunked_loss),
-                    ("compile", lambda r: r.compile), ("lora", lambda r: r.lora != "off"),
-                    ("offload", lambda r: r.offload != "none"), ("offload_optimizer", lambda r: r.offload_optimizer),
-                    ("optimizer_in_backward", lambda r: r.optimizer_in_backward),
-                    ("optimizer", lambda r: any(k in str(r.optimizer) for k in ("8bit", "4bit", "paged"))))
-
-
 def _conflicts(recipe):
     if recipe.tp > 1:
-        for name, clashes in _TP_INCOMPATIBLE:
-            if clashes(recipe):
-                yield (f"tp={recipe.tp} and {name}={getattr(recipe, name)} conflict: memfit has not checked that pair "
-                       f"against real runs yet; drop one")
-                return
+        clash = tp_conflict(recipe)
+        if clash:
+            yield clash
+            return
     if recipe.offload != "none":
         if recipe.parallel != "fsdp":
             yield (f"offload={recipe.offload} and parallel={recipe.parallel} conflict: offload is FSDP2's "
@@ -161,122 +147,6 @@ def _conflicts(recipe):
                "casts the gathered parameters itself; keep precision=fp32")
 
 
-def _check_tp(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-        raise MemfitError(f"tp must be a number of GPUs from 1 to 1024 (1: no tensor parallelism), got {shown(value)}")
-
-
-def tp_plan(model, tp: int) -> dict:
-    """The model's tensor-parallel plan as torch's parallel styles, checked against ``tp`` (one error naming
-    the fix otherwise)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = dict(getattr(model, "_tp_plan", None) or {})
-    config = getattr(model, "config", None)
-    if not plan and config is not None and getattr(config, "base_model_tp_plan", None):
-        prefix = getattr(model, "base_model_prefix", "")
-        inner = prefix and hasattr(model, prefix)
-        plan = {(f"{prefix}." if inner else "") + k: v for k, v in config.base_model_tp_plan.items()}
-    if not plan:
-        raise MemfitError(f"tp={tp} needs the model's tensor-parallel plan and {type(model).__name__} has none "
-                          "(a transformers model's config.base_model_tp_plan): use tp=1")
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
-    kept = ("replicated_with_grad_allreduce", "replicate")  # a replicated weight: nothing to shard
-    unknown = sorted({v for v in plan.values() if v not in styles and v not in kept})
-    if unknown:
-        raise MemfitError(f"tp={tp}: the model's plan uses {', '.join(unknown)}, which memfit does not model yet "
-                          "(MoE experts, packed or sequence-parallel styles): use tp=1")
-    if config is not None:
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            value = getattr(config, name, None)
-            if isinstance(value, int) and value % tp:
-                raise MemfitError(f"tp={tp} does not divide the model's {name}={value}: each rank takes whole "
-                                  f"heads and an equal share; use a tp that divides it")
-    return {name: styles[v]() for name, v in plan.items() if v in styles}
-
-
-def _tensor_parallel(build, place):
-    """Shard the model over the TP dimension of a (replicate x) shard x tp mesh; the placement returned is
-    the data-parallel one FSDP2 or DDP then uses (its world: the ranks holding the other parts)."""
-    import dataclasses
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from memfit.hardware.cluster import World
-
-    tp, world = build.recipe.tp, place.world
-    if world.gpus % tp:
-        raise MemfitError(f"tp={tp} does not divide the {world.gpus} GPUs per node: tensor parallelism stays within a "
-                          "node; use a divisor of --gpus")
-    dp = World(world.gpus // tp, world.nodes)
-    if dp.size > 1 and build.recipe.parallel == "none":
-        raise MemfitError(f"tp={tp} over {world.describe()} leaves {dp.size} data-parallel ranks: set parallel=fsdp "
-                          f"or ddp, or tp={world.gpus}")
-    device = place.mesh.device_type
-    with unset_fake_temporarily():  # the mesh's rank tensor is real
-        if world.nodes == 1:
-            mesh = init_device_mesh(device, (dp.gpus, tp), mesh_dim_names=("shard", "tp"))
-            shard = flat = mesh["shard"]
-        else:
-            mesh = init_device_mesh(device, (world.nodes, dp.gpus, tp), mesh_dim_names=("replicate", "shard", "tp"))
-            shard = mesh["replicate", "shard"]
-            flat = shard._flatten("dp")
-    # every rank built the same weights (or sharding follows on meta): each cuts its own part, no scatter from
-    # rank 0 (whose send buffers gloo keeps for a while: a rank-0-only excess in the truth, not the step's)
-    parallelize_module(build.model, mesh["tp"], tp_plan(build.model, tp), src_data_rank=None)
-    _retie(build.model)
-    _replicate_rest(build.model, mesh["tp"])
-    return dataclasses.replace(place, world=dp, mesh=shard, flat=flat)
-
-
-def _retie(model) -> None:
-    """A tied head is one weight again: ``parallelize_module`` made the embedding's and the head's shards two
-    parameters (each style distributes its own), which doubles that matrix and its optimizer state and
-    trains two matrices where the model has one. Both are sharded over the vocabulary (rows), so the
-    embedding's DTensor serves the head, as transformers' own TP loading re-ties them."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "tie_word_embeddings", False) or not hasattr(model, "get_output_embeddings"):
-        return
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or embed is None or head.weight.shape != embed.weight.shape:
-        return
-    if getattr(head.weight, "placements", None) == getattr(embed.weight, "placements", None):
-        head.weight = embed.weight
-
-
-def _replicate_rest(model, mesh) -> None:
-    """Every parameter the plan left whole (norms, an embedding outside the plan) as a DTensor replicated over
-    the TP group, its module taking and giving plain tensors (torchtitan's ``NoParallel``): an optimizer's
-    foreach step cannot mix DTensors and tensors. The same bytes; the gradient is the full one on each rank."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-
-    def inputs(_module, args, device_mesh):
-        return tuple(DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
-                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
-
-    def output(_module, out, _device_mesh):
-        return out.to_local() if isinstance(out, DTensor) else out
-
-    def replicate(_name, module, device_mesh):
-        for key, param in list(module._parameters.items()):
-            if param is not None and not isinstance(param, DTensor):
-                module.register_parameter(key, torch.nn.Parameter(
-                    DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False),
-                    requires_grad=param.requires_grad))
-
-    for module in list(model.modules()):
-        if any(p is not None and not isinstance(p, DTensor) for p in module._parameters.values()):
-            distribute_module(module, mesh, partition_fn=replicate, input_fn=inputs, output_fn=output)
-
-
 def _apply(build) -> None:
     recipe = build.recipe
     if recipe.parallel == "none" and recipe.tp == 1:
@@ -285,7 +155,7 @@ def _apply(build) -> None:
 
     place = placement()
     if recipe.tp > 1:
-        place = _tensor_parallel(build, place)
+        place = tensor_parallel(build, place)
         if recipe.parallel == "none":
             build.watch.settle()
             return
@@ -616,7 +486,7 @@ TECHNIQUE = Technique(
                   choices=("last", "every")),
             Field("tp", 1, "tensor parallel degree: the model's own plan (colwise / rowwise linears) over N GPUs "
                   "of a node, each holding 1/N of those weights and their heads' activations; the other GPUs are "
-                  "data parallel (parallel=fsdp shards over them)", slot=127, kind="int", check=_check_tp),
+                  "data parallel (parallel=fsdp shards over them)", slot=127, kind="int", check=check_tp),
             Field("construction", "meta", "fsdp: how the model was built before sharding: meta (torchtitan: never "
                   "whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then "
                   "sharded: its peak counts)", slot=126, choices=CONSTRUCTION)),
