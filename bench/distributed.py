@@ -65,6 +65,13 @@ CASES = [
     ("fsdp-tp-2x2", TINY, 4, {"tp": 2, "parallel": "fsdp"}, 4, 1),
     ("fsdp-tp-2x2-bf16-checkpointing", TINY, 4, {"tp": 2, "parallel": "fsdp", "mixed_precision": "bf16",
                                                  "checkpointing": "blocks"}, 4, 1),
+    # sequence and loss parallel (torchtitan's layout over the model's plan)
+    ("tp-2-sequence-loss", TINY, 2, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, 2, 1),
+    ("tp-2-sequence-loss-autocast", TINY, 2, {"tp": 2, "sequence_parallel": True, "loss_parallel": True,
+                                              "precision": "bf16-mixed"}, 2, 1),
+    ("fsdp-tp-2x2-sequence-loss-bf16-checkpointing", TINY, 4, {"tp": 2, "parallel": "fsdp", "mixed_precision": "bf16",
+                                                              "checkpointing": "blocks", "sequence_parallel": True,
+                                                              "loss_parallel": True}, 4, 1),
 ]
 SEQ = 64
 

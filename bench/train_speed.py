@@ -6,8 +6,9 @@ activation checkpointing through transformers' ``gradient_checkpointing_enable``
 fused or foreach AdamW) each runs the same global batch of full-length rows under the same budget; the
 best loop that did not run out of memory is the bar. Every run is its own fresh model. On the CPU the
 budget is virtual (``VirtualBudget``: the live tensor bytes, an out-of-memory error past it, the model's
-own bytes counted); on CUDA it is the process's memory fraction (``set_per_process_memory_fraction``)
-and the figures are ``max_memory_allocated``.
+own bytes counted); on CUDA it is the process's memory, its CUDA context included as memfit's plan counts
+it (the allocator gets the budget less the card's context: ``set_per_process_memory_fraction``), and the
+figures are ``max_memory_allocated``.
 
     python bench/train_speed.py                       # CPU, a small Llama, 3 virtual budgets -> results/train-speed-cpu.json
     python bench/train_speed.py --device cuda --model qwen3-0.6b --budgets 16GiB,24GiB,40GiB --seq-len 1024 --batch 32
@@ -91,7 +92,11 @@ def _budget(device, cap: int, model):
         with VirtualBudget(cap, resident=resident) as vb:
             yield lambda: vb.peak + resident
         return
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    from memfit.hardware.gpus import target
+
+    # the process's budget, its CUDA context included, as memfit's run keeps to it: the allocator gets the rest
+    limit = target("cuda", None).gpu.allowed_bytes(cap)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(0).total_memory))
     torch.cuda.reset_peak_memory_stats()
     try:
         yield torch.cuda.max_memory_allocated
@@ -152,7 +157,8 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
     from memfit.training.calibrate import calibrate
 
     source = resolve(config)
-    timing = calibrate(plans, lambda: _build(config, device), source.make_batch(batch, seq), device=device, budget=cap)
+    timing = calibrate(plans, lambda: _build(config, device), source.make_batch(batch, seq), device=device, budget=cap,
+                       gpu=gpu)
     chosen = next(p for p in plans if p.recipe == timing.recipe)
     model = _build(config, device)
     with tempfile.TemporaryDirectory() as out:

@@ -1,5 +1,6 @@
-"""Tensor parallelism (issue 35, item 1's first slice): ``Recipe(tp=N)`` shards a Hugging Face model by its own
-plan with DTensor's ``parallelize_module``, alone or on FSDP2's 2-D mesh, per rank under the fake process group,
+"""Tensor parallelism (issue 35, item 1): ``Recipe(tp=N)`` shards a Hugging Face model by its own plan with DTensor's
+``parallelize_module`` (``sequence_parallel`` / ``loss_parallel`` as torchtitan adds them), alone or on FSDP2's 2-D
+mesh, per rank under the fake process group,
 against real ``torchrun`` runs over gloo graded by each rank's allocator events (``memfit.distributed.truth``)."""
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ def _estimate(path, recipe, gpus, batch=2):
 
 @pytest.mark.parametrize("recipe, gpus, batch", [
     ({"tp": 2}, 2, 2),
-    ({"tp": 2, "parallel": "fsdp"}, 4, 4),  # FSDP2 over the other 2 ranks of the (dp_shard x tp) mesh
+    # bf16 autocast: its matmuls' oneDNN scratch is probed on the local shards (the whole weight's shape: +3.4 %)
+    ({"tp": 2, "precision": "bf16-mixed"}, 2, 2),
+    # sequence and loss parallel: the residual stream sharded over the sequence, the logits over the vocabulary
+    # (loss_parallel's cross-entropy runs in DTensor's own handlers: their inner ops recorded, Ledger._handled)
+    ({"tp": 2, "sequence_parallel": True, "loss_parallel": True}, 2, 2),
+    # FSDP2 over the other 2 ranks of the (dp_shard x tp) mesh, its bf16 mixed precision, checkpointed blocks,
+    # sequence and loss parallel
+    ({"tp": 2, "parallel": "fsdp", "mixed_precision": "bf16", "checkpointing": "blocks", "sequence_parallel": True,
+      "loss_parallel": True}, 4, 4),
 ])
 def test_tensor_parallel_matches_torchrun(tiny, recipe, gpus, batch):
     report = _estimate(tiny, recipe, gpus, batch)
@@ -57,6 +66,16 @@ def test_tensor_parallel_divides_the_sharded_weights(tiny):
     assert both.world["tp"] == 2 and both.world["size"] == 4
 
 
+def test_sequence_and_loss_parallel_shard_the_activations(tiny):
+    tp = _estimate(tiny, {"tp": 2}, 2)
+    sp = _estimate(tiny, {"tp": 2, "sequence_parallel": True}, 2)
+    both = _estimate(tiny, {"tp": 2, "sequence_parallel": True, "loss_parallel": True}, 2)
+    # the norms' inputs and the residual stream 1/2 per rank; then the head's logits 1/2 (vocabulary shards)
+    assert sp.by_category["activations"] < tp.by_category["activations"]
+    assert both.peak_bytes < sp.peak_bytes < tp.peak_bytes
+    assert tp.by_category["parameters"] == sp.by_category["parameters"] == both.by_category["parameters"]
+
+
 @pytest.mark.parametrize("recipe, gpus, words", [
     ({"tp": 3}, 3, "num_attention_heads=4"),
     ({"tp": 2}, 4, "parallel=fsdp"),
@@ -64,6 +83,8 @@ def test_tensor_parallel_divides_the_sharded_weights(tiny):
     ({"tp": 4}, 2, "gpus="),
     ({"tp": 2, "chunked_loss": 4}, 2, "chunked_loss"),
     ({"tp": 0}, 2, "tp must be"),
+    ({"sequence_parallel": True}, 2, "needs tensor parallelism"),
+    ({"loss_parallel": True, "parallel": "fsdp"}, 2, "needs tensor parallelism"),
 ])
 def test_bad_tensor_parallel_is_one_line(tiny, recipe, gpus, words):
     with pytest.raises(MemfitError) as err:

@@ -72,6 +72,42 @@ def test_rows_of_one_length_follow_the_plan_without_estimating(tmp_path):
     assert known.max_rows_at(64) == 2 and known.bound(2, 64) == 12345 and known.estimates == 0
 
 
+def test_cuda_shapes_are_judged_as_the_planner_judges_them():
+    """On an H200 the run cut the plan's 2-row micro-batch to 1: it compared the allocator's *uncapped* reserved
+    peak with the budget, where the planner's verdict replays the allocator under the budget's limit (torch frees
+    its cache and retries before it fails). A shape whose uncapped reserved peak is just past the allocator's
+    limit still fits; a little less room and it does not, as the verdict says."""
+    from memfit.hardware.gpus import gpu
+    from memfit.training.data import collate
+    from memfit.training.predict import ShapeBudget, meta_copy
+
+    model = meta_copy(_source().build())
+    card = gpu("h100-sxm")
+    recipe = memfit.Recipe(micro_batch_size=4, grad_accum_steps=2, optimizer_impl="fused")
+    rows = collate([{"input_ids": torch.ones(256, dtype=torch.long)}] * 4)
+    batch = {k: torch.cat([v, v]) for k, v in rows.items()}
+    free = memfit.estimate(lambda: meta_copy(model), batch=batch, recipe=recipe, device="cuda", gpu=card, fast=False)
+    for share, fits in ((0.99, True), (0.97, False)):
+        budget = card.cuda_context_bytes + int(free.reserved_bytes * share)
+        assert card.allowed_bytes(budget) < free.reserved_bytes  # more than the allocator may hold, uncapped
+        capped = memfit.estimate(lambda: meta_copy(model), batch=batch, recipe=recipe, device="cuda", gpu=card,
+                                 fast=False, budget=budget)
+        assert (capped.verdict == "fits") is fits
+        shapes = ShapeBudget(lambda: meta_copy(model), recipe, budget, longest=256, max_rows=4, gpu=card, uniform=True)
+        assert (shapes.peak(4, 256) <= budget) is fits
+        assert shapes.peak(4, 256) == (capped.device_bytes if fits else budget + capped.missing_bytes)
+
+
+def test_a_budget_is_the_process_s_the_allocator_gets_it_less_the_context():
+    from memfit.hardware.gpus import gpu
+
+    card = gpu("h200")
+    assert card.allowed_bytes(None) == card.usable_bytes()
+    assert card.allowed_bytes(24 * 2**30) == 24 * 2**30 - card.cuda_context_bytes
+    assert card.allowed_bytes(card.cuda_context_bytes // 2) == 0  # a budget below the context: nothing fits
+    assert card.allowed_bytes(2 * card.memory_bytes) == card.usable_bytes()
+
+
 def test_a_run_following_a_plan_takes_its_micro_batch_and_a_fused_step_has_no_copies(tmp_path, monkeypatch):
     from memfit.techniques import safe_step
     from memfit.training.data import open_data

@@ -25,13 +25,13 @@ import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
-from memfit.accounting.events import (ALLOC, FREE, KEPT, MANAGED, MARK, RENAME, SPIKE, Record, Site, managed_peak,
-                                      plain, storage_events)
+from memfit.accounting.events import (ALLOC, FREE, KEPT, MANAGED, MARK, RENAME, SPIKE, Record, Site, _DTensor,
+                                      managed_peak, plain, storage_events)
 from memfit.categories import PRIORITY, Category
 from memfit.scoped import patched, rng_hop_rules
 
@@ -56,6 +56,21 @@ _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.ate
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
 _MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
     "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
+
+
+def _dtensor_handler(func, args, kwargs):
+    """DTensor's own Python handler of ``func`` on DTensor arguments (``loss_parallel``'s cross-entropy, a
+    convolution, the GradScaler's inf check), or None. Called below this mode, a handler's inner ops would
+    allocate where the ledger cannot see them (its temporaries: the loss-parallel step was 4 % low); run
+    with the ledger pushed back, each of them is recorded like any other op."""
+    if _DTensor is None or not any(isinstance(a, _DTensor) for a in tree_flatten((args, kwargs))[0]):
+        return None
+    return _DTensor._op_dispatcher._custom_op_handlers.get(func)
+
+
+def _local(value):
+    """A DTensor's local shard (what its kernels run on); anything else as it is."""
+    return plain(value)[0] if isinstance(value, torch.Tensor) else value
 
 
 def _probe_worthy(func, tensors) -> bool:
@@ -104,6 +119,7 @@ class Ledger(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._modules = ModuleStack(model)
         self._open = True
+        self._handlers = 0  # DTensor handlers running under this mode (``_handled``)
         self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
         self.offloaded_bytes = 0  # saved activations moved off the device (activation offload)
         self.offloaded_scaled = 0  # with ``prime``: the part of it that scales with the batch
@@ -350,7 +366,11 @@ class Ledger(TorchDispatchMode):
             func = _IN_PLACE_IN_BACKWARD.get((node.name() if node is not None else "", func), func)
         if self.cublas_workspace is not None:
             self._workspace(func, args, kwargs)
-        out = func(*args, **kwargs)
+        handler = _dtensor_handler(func, args, kwargs)
+        if handler is None:
+            out = func(*args, **kwargs)
+        else:  # its own ops seen here, as the allocator sees theirs (loss_parallel's cross-entropy)
+            out = self._handled(handler, func, args, kwargs)
         if self.counter is not None:
             self.counter.record(func, args, kwargs, out)
         returns = func._schema.returns
@@ -362,6 +382,8 @@ class Ledger(TorchDispatchMode):
         for position, value in enumerate(flat_out):
             fresh = born or position >= len(returns) or returns[position].alias_info is None
             for tensor in (local for t in _tensors(value) for local in plain(t)):
+                if tensor.device.type == "meta":  # no memory (a DTensor handler's shape propagation makes some)
+                    continue
                 storage = tensor.untyped_storage()
                 if fresh:
                     index = self._track(storage, Category.TEMPORARIES)
@@ -382,10 +404,36 @@ class Ledger(TorchDispatchMode):
             self.records[out_records[0]].donor = donor
             self.records[donor].donated = True
         if self.device.type == "cpu" and self.cublas_workspace is None:
+            # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
+            # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
+            args, kwargs = tree_map(_local, (args, kwargs))
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if tensors and (_probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
                 self._add_site(func, args, kwargs, out_records, out_metas)
         return out
+
+    def _handled(self, handler, func, args, kwargs):
+        """``handler(func, args, kwargs)`` with this mode pushed back, so its inner ops are recorded; but not
+        the global-shape fake run DTensor's sharding propagation makes to learn the output's shape (in a real
+        run those are fake tensors, no memory)."""
+        propagator = _DTensor._op_dispatcher.sharding_propagator
+        shapes = propagator._propagate_tensor_meta
+
+        def unseen(*a, **k):
+            mode = _pop_mode()
+            try:
+                return shapes(*a, **k)
+            finally:
+                _push_mode(mode)
+
+        _push_mode(self)
+        self._handlers += 1
+        try:
+            with patched(propagator, "_propagate_tensor_meta", unseen):
+                return handler(func, args, kwargs)
+        finally:
+            self._handlers -= 1
+            _pop_mode()
 
     def _note_attention(self, out: torch.Tensor) -> None:
         """A softmax over a square last pair of dims of a 4-D tensor is an attention matrix."""
@@ -427,6 +475,8 @@ class Ledger(TorchDispatchMode):
         """
         if func is not torch.ops.aten.add.Tensor or self.phase != "backward" or kwargs or len(args) != 2:
             return None
+        if self._handlers:
+            return None  # a DTensor handler's own add (loss_parallel's backward), out of place in a real run too
         if torch.is_grad_enabled() or self._modules.stack:
             return None  # a checkpoint recomputing a forward (a residual add), not the engine
         a, b = args

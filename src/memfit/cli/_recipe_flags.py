@@ -70,6 +70,14 @@ FLAGS = (
      "fsdp: how the model was built before sharding: meta (torchtitan: never whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then sharded: its peak counts)"),
     ('tp', 'int', (),
      "tensor parallel degree: the model's own plan (colwise / rowwise linears) over N GPUs of a node, each holding 1/N of those weights and their heads' activations; the other GPUs are data parallel (parallel=fsdp shards over them)"),
+    ('sequence_parallel', 'bool', (),
+     "with tp: the residual stream between the blocks sharded over the sequence (torch's SequenceParallel norms, as torchtitan applies it): its activations 1/tp per rank; each block all-gathers its input and reduce-scatters its output"),
+    ('loss_parallel', 'bool', (),
+     "with tp: the head's logits stay sharded over the vocabulary and the cross-entropy runs on the shards (torch's loss_parallel): no rank holds the whole logits"),
+    ('pp', 'int', (),
+     "pipeline parallel degree: the model's blocks cut into N stages, one per GPU (torch.distributed.pipelining); each rank holds its stage and the activations of the micro-batches in flight (grad_accum_steps micro-batches a step)"),
+    ('pp_schedule', 'str', ('gpipe', '1f1b'),
+     "with pp: gpipe (every forward, then every backward: all micro-batches' activations live) or 1f1b (backward starts once the pipeline is full: stage i of N holds N - i)"),
 )
 
 # what `memfit plan --allow` takes

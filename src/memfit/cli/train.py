@@ -195,10 +195,10 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
         if not args.no_calibrate:
             from memfit.training.calibrate import calibrate
 
-            cap = budget if budget is not None else card.usable_bytes() if card is not None else None
+            cap = budget if budget is not None else card.memory_bytes if card is not None else None
             with _args.progress(f"timing the {min(4, len(plans))} most promising recipes on this device"):
                 timing = calibrate(plans, source.build, source.make_batch(rows, s["seq_len"]), device=device,
-                                   budget=cap)
+                                   budget=cap, gpu=card)
             chosen = next(p for p in plans if p.recipe == timing.recipe)
             if timing.measured_step_seconds:
                 measured = rows * s["seq_len"] / timing.measured_step_seconds

@@ -168,8 +168,9 @@ def _run(case: dict) -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     recipe = Recipe.from_dict(case.get("recipe", {}))
     source = resolve(case["model"])
-    tp = recipe.tp  # tensor-parallel peers read the same rows; the data-parallel ranks split them
-    per_rank = case["batch_size"] // (size // tp)
+    # tensor-parallel peers and pipeline stages read the same rows; the data-parallel ranks split them
+    tp, pp = recipe.tp, recipe.pp
+    per_rank = case["batch_size"] // (size // (tp * pp))
     gc.collect()
     try:
         # every rank builds the same weights (seed 0), so DDP's start-up broadcast is skipped: its
@@ -180,7 +181,7 @@ def _run(case: dict) -> dict:
             model = source.build()
             if recipe.precision == "bf16":
                 model.to(torch.bfloat16)
-            torch.manual_seed(1 + rank // tp)
+            torch.manual_seed(1 + (rank % (size // pp)) // tp)  # the data-parallel rank's rows
             batch = source.make_batch(per_rank, case.get("seq_len"), None)
             model, _, step = apply(model, recipe, watch=_phases())
             gc.collect()

@@ -133,7 +133,8 @@ def _estimate_resolved(source, batch, *, recipe, factory, loss_fn, steps, batch_
     off the line through 2 and 3 micro-batches (``_accumulation_line``)."""
     k = recipe.grad_accum_steps
     if line and fast is not False and batch is None and workload == "train" and k > LINE_FROM \
-            and recipe.parallel == "none" and device_map is None and lengths is None and not packed:
+            and recipe.parallel == "none" and recipe.pp == 1 and device_map is None and lengths is None and not packed:
+        # (a pipeline's micro-batches are its schedule's: they are all traced)
         args = dict(source=source, batch=batch, factory=factory, loss_fn=loss_fn, steps=steps, seq_len=seq_len,
                     device=device, gpu=gpu, fast=fast, progress=progress, lengths=lengths, packed=packed, gpus=gpus,
                     nodes=nodes, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder,
@@ -156,8 +157,8 @@ def _estimate_resolved(source, batch, *, recipe, factory, loss_fn, steps, batch_
     target = resolve_target(device, gpu)
     check_gpu(recipe.precision, target)
     budget = _budget(budget, target)
-    # the data-parallel ranks split the batch; tensor-parallel peers read the same rows
-    batch_size = step_batch(batch_size, recipe, world.size // recipe.tp if world else 1)
+    # the data-parallel ranks split the batch; tensor-parallel peers and pipeline stages read the same rows
+    batch_size = step_batch(batch_size, recipe, world.size // (recipe.tp * recipe.pp) if world else 1)
     if world is not None:
         return _estimate_ranks(source, batch, world, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast,
@@ -246,6 +247,11 @@ def _world(recipe: Recipe, gpus, nodes):
     from memfit.hardware.cluster import World, world_of
 
     world = world_of(gpus, nodes)
+    if recipe.pp > 1:
+        if world is None or world.size != recipe.pp:
+            raise MemfitError(f"pp={recipe.pp} needs a GPU per stage: pass gpus={recipe.pp} (--gpus {recipe.pp}); "
+                              "pipeline with data or tensor parallelism is not modelled yet")
+        return world
     if recipe.tp > 1:
         if world is None or world.gpus % recipe.tp:
             raise MemfitError(f"tp={recipe.tp} needs GPUs it divides: pass gpus= (--gpus N) with N a multiple of "
@@ -270,22 +276,29 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
-    if recipe.parallel != "fsdp" or recipe.offload != "none" or recipe.tp > 1:
-        # DDP's gradient buckets, an offloaded step's host side and TP's collectives: traced in full
-        what = (f"tp={recipe.tp}" if recipe.tp > 1 else f"parallel={recipe.parallel}" if recipe.parallel != "fsdp"
-                else f"offload={recipe.offload}")
+    if recipe.parallel != "fsdp" or recipe.offload != "none" or recipe.tp > 1 or recipe.pp > 1:
+        # DDP's gradient buckets, an offloaded step's host side, TP's collectives and a stage's schedule: in full
+        what = (f"pp={recipe.pp}" if recipe.pp > 1 else f"tp={recipe.tp}" if recipe.tp > 1
+                else f"parallel={recipe.parallel}" if recipe.parallel != "fsdp" else f"offload={recipe.offload}")
         if fast:
             raise MemfitError(f"fast=True and {what} conflict: that step is traced in full (its memory is not laid "
                               "out block by block for the depth fast path); leave fast unset")
         fast = False
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
     reports, rank = [], 0
+    # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight)
+    stages = [s * (world.size // recipe.pp) for s in range(recipe.pp)] if recipe.pp > 1 else None
     while True:
         with fake_world(world, rank) as place:
             tick = _ticker(progress, phases(recipe, kwargs["steps"]))
             report = _estimate(source, batch, recipe=recipe, fast=fast, tick=tick, layout=None, **kwargs)
             reports.append((rank, report))
             uneven = place.notes.get("uneven")
+        if stages:
+            if len(reports) == len(stages):
+                break
+            rank = stages[len(reports)]
+            continue
         if not uneven or rank == world.size - 1:
             break
         rank = world.size - 1
@@ -296,8 +309,9 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
         host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
-    layout = (recipe.parallel if recipe.tp == 1 else f"tp={recipe.tp}" if recipe.parallel == "none"
-              else f"tp={recipe.tp} x {recipe.parallel} over {world.size // recipe.tp}")
+    layout = (f"pp={recipe.pp}, {recipe.pp_schedule}, {recipe.grad_accum_steps} micro-batches"
+              if recipe.pp > 1 else recipe.parallel if recipe.tp == 1 else f"tp={recipe.tp}"
+              if recipe.parallel == "none" else f"tp={recipe.tp} x {recipe.parallel} over {world.size // recipe.tp}")
     notes = [f"rank {top_rank} of {world.describe()} ({layout}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
     if recipe.parallel == "fsdp":
@@ -309,12 +323,8 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
                                 "traced with the step and its peak counts"}[recipe.construction])
     if uneven:
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
-    if recipe.tp > 1 and (recipe.precision.endswith("-mixed") or recipe.checkpointing != "off"
-                          or recipe.mixed_precision != "none"):
-        notes.append("tp with autocast, FSDP2's mixed precision or checkpointing is not yet exact: estimated high "
-                     "against real torchrun runs of small Llamas (bench/distributed.py's tp cases, "
-                     "results/distributed-tp-cpu.json); tp alone and FSDP2 x TP in fp32 matched them to the byte")
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel, "tp": recipe.tp,
+            "pp": recipe.pp,
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)
 

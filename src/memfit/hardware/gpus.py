@@ -95,6 +95,15 @@ class GPU:
         """What torch's allocator can get: total memory less the CUDA context."""
         return self.memory_bytes - self.cuda_context_bytes
 
+    def allowed_bytes(self, budget: int | None = None) -> int:
+        """What torch's allocator may hold under a process ``budget`` (bytes, CUDA context included; None:
+        the whole card): the budget less the context, never more than the card's usable bytes. A run keeps
+        to a budget with ``set_per_process_memory_fraction(allowed_bytes(budget) / total_memory)``, and
+        ``estimator/verdict.py`` replays the step under the same limit."""
+        if budget is None:
+            return self.usable_bytes()
+        return min(self.usable_bytes(), max(int(budget) - self.cuda_context_bytes, 0))
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["compute_capability"] = list(self.compute_capability)

@@ -127,6 +127,8 @@ class _Step:
         self.set_to_none = build.set_to_none
         self.before_micro = list(build.before_micro)
         self.step_contexts = list(build.step_contexts)
+        self.micro_contexts = list(build.micro_contexts)
+        self.pipeline = build.pipeline
         self.stepper = build.wrap_step(opt) if build.wrap_step is not None else None  # safe_step's SafeStep
         self.count = 0
         self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
@@ -179,7 +181,7 @@ class _Step:
         self.model.eval()
         try:
             with contextlib.ExitStack() as stack:
-                for context in self.step_contexts:
+                for context in self.step_contexts + self.micro_contexts:
                     stack.enter_context(context())
                 self.watch.begin("forward", index)
                 with torch.no_grad():
@@ -198,12 +200,20 @@ class _Step:
         around   ``around(number, last)``: a context manager around each micro-batch (a data-parallel
                  trainer's gradient sync and agreement, ``training/lockstep.py``)"""
         index = self.count
+        if self.pipeline is not None:  # the stage's schedule runs every micro-batch (pipeline_parallel.py)
+            self.watch.begin("forward", index)
+            total = self.pipeline(micro, self.watch, index)
+            self._mark_gradients()
+            return total
         if weights is None:
             weights = token_weights(self.model, micro) if len(micro) > 1 else [None] * len(micro)
         total = None
         for number, (part, weight) in enumerate(zip(micro, weights)):
             last = number == len(micro) - 1
-            with around(number, last) if around is not None else contextlib.nullcontext():
+            with around(number, last) if around is not None else contextlib.nullcontext(), \
+                    contextlib.ExitStack() as stack:
+                for context in self.micro_contexts:
+                    stack.enter_context(context())
                 for hook in self.before_micro:  # gradient sync only on the last micro-batch (parallel.py)
                     hook(self.model, last)
                 self.watch.begin("forward", index)
@@ -215,10 +225,13 @@ class _Step:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 del loss
+        self._mark_gradients()
+        return total
+
+    def _mark_gradients(self) -> None:
         for param in self.model.parameters():
             if param.grad is not None:
                 self.watch.mark(param.grad, Category.GRADIENTS)
-        return total
 
     def update(self, step=None) -> None:
         """The optimizer step (``step()`` instead of the recipe's step if given), then gradients zeroed.

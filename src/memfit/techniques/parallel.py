@@ -54,6 +54,7 @@ import warnings
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
+from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, pipeline_conflict
 
 __all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "CONSTRUCTION", "host_records"]
 
@@ -105,6 +106,14 @@ _INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
 
 
 def _conflicts(recipe):
+    clash = pipeline_conflict(recipe)
+    if clash:
+        yield clash
+        return
+    for name in ("sequence_parallel", "loss_parallel"):
+        if getattr(recipe, name) and recipe.tp == 1:
+            yield f"{name}=true needs tensor parallelism: set tp to 2 or more (or drop {name})"
+            return
     if recipe.tp > 1:
         clash = tp_conflict(recipe)
         if clash:
@@ -149,11 +158,15 @@ def _conflicts(recipe):
 
 def _apply(build) -> None:
     recipe = build.recipe
-    if recipe.parallel == "none" and recipe.tp == 1:
+    if recipe.parallel == "none" and recipe.tp == 1 and recipe.pp == 1:
         return
     from memfit.hardware.cluster import placement
 
     place = placement()
+    if recipe.pp > 1:
+        pipeline(build, place)
+        build.watch.settle()
+        return
     if recipe.tp > 1:
         place = tensor_parallel(build, place)
         if recipe.parallel == "none":
@@ -487,6 +500,19 @@ TECHNIQUE = Technique(
             Field("tp", 1, "tensor parallel degree: the model's own plan (colwise / rowwise linears) over N GPUs "
                   "of a node, each holding 1/N of those weights and their heads' activations; the other GPUs are "
                   "data parallel (parallel=fsdp shards over them)", slot=127, kind="int", check=check_tp),
+            Field("sequence_parallel", False, "with tp: the residual stream between the blocks sharded over the "
+                  "sequence (torch's SequenceParallel norms, as torchtitan applies it): its activations 1/tp per "
+                  "rank; each block all-gathers its input and reduce-scatters its output", slot=128, kind="bool"),
+            Field("pp", 1, "pipeline parallel degree: the model's blocks cut into N stages, one per GPU "
+                  "(torch.distributed.pipelining); each rank holds its stage and the activations of the "
+                  "micro-batches in flight (grad_accum_steps micro-batches a step)", slot=130, kind="int",
+                  check=check_pp),
+            Field("pp_schedule", "1f1b", "with pp: gpipe (every forward, then every backward: all micro-batches' "
+                  "activations live) or 1f1b (backward starts once the pipeline is full: stage i of N holds N - i)",
+                  slot=131, choices=tuple(SCHEDULES)),
+            Field("loss_parallel", False, "with tp: the head's logits stay sharded over the vocabulary and the "
+                  "cross-entropy runs on the shards (torch's loss_parallel): no rank holds the whole logits",
+                  slot=129, kind="bool"),
             Field("construction", "meta", "fsdp: how the model was built before sharding: meta (torchtitan: never "
                   "whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then "
                   "sharded: its peak counts)", slot=126, choices=CONSTRUCTION)),

@@ -99,6 +99,10 @@ class Build:
     wrap_step: Callable | None = None  # optimizer -> the callable the step runs instead of optimizer.step
     before_micro: list = field(default_factory=list)  # (model, last: bool) -> None, before each micro-batch
     step_contexts: list = field(default_factory=list)  # () -> context manager, around each whole step
+    pipeline: Callable | None = None  # (micro-batches, watch, step) -> loss: a pipeline stage's schedule runs
+    #                                   them all (forward, loss and backward), in place of the step's own loop
+    micro_contexts: list = field(default_factory=list)  # () -> context manager, around each micro-batch's
+    #                                                     forward and backward (loss parallel)
 
 
 @dataclass(frozen=True)

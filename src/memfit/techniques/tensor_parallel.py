@@ -7,9 +7,11 @@ state, and the activations of its heads. A tied head is re-tied to the embedding
 leaves whole is replicated as DTensors (torchtitan's ``NoParallel``). The data-parallel ranks are the rest of
 the world (``gpus / tp`` per node): ``parallel.py`` then runs FSDP2 over them on the 2-D mesh (dp_shard x tp,
 torchtitan's), HSDP across nodes on the 3-D one; ``parallel=none`` needs ``tp`` = every GPU. Each TP rank
-reads the same micro-batch. Not yet: sequence parallel, loss parallel, MoE experts (a plan naming them is
-one error). Written here rather than taken from transformers' own TP loading (``apply_tensor_parallelism``):
-that path loads checkpoints and its API moved between 5.17 and 5.24; torch's styles are stable.
+reads the same micro-batch. ``sequence_parallel`` and ``loss_parallel`` add torchtitan's sequence sharding of
+the residual stream and its vocabulary-sharded cross-entropy over the same plan (``_sequence_plan``). Not
+yet: MoE experts (a plan naming them is one error). Written here rather than taken from transformers' own TP
+loading (``apply_tensor_parallelism``): that path loads checkpoints and its API moved between 5.17 and 5.24;
+torch's styles are stable.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ def check_tp(value) -> None:
         raise MemfitError(f"tp must be a number of GPUs from 1 to 1024 (1: no tensor parallelism), got {shown(value)}")
 
 
-def tp_plan(model, tp: int) -> dict:
+def tp_plan(model, tp: int, *, sequence: bool = False, loss: bool = False) -> dict:
     """The model's tensor-parallel plan as torch's parallel styles, checked against ``tp`` (one error naming
-    the fix otherwise)."""
+    the fix otherwise); with ``sequence`` and ``loss``, sequence and loss parallel as torchtitan lays them
+    over the same plan (``_sequence_plan``)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -71,7 +74,96 @@ def tp_plan(model, tp: int) -> dict:
             if isinstance(value, int) and value % tp:
                 raise MemfitError(f"tp={tp} does not divide the model's {name}={value}: each rank takes whole "
                                   f"heads and an equal share; use a tp that divides it")
+    if sequence or loss:
+        return _sequence_plan(model, {name: v for name, v in plan.items() if v in styles}, tp, sequence, loss)
     return {name: styles[v]() for name, v in plan.items() if v in styles}
+
+
+def _sequence_plan(model, plan: dict, tp: int, sequence: bool, loss: bool) -> dict:
+    """torchtitan's Llama plan (``parallelize_llama.apply_tp``) laid over a model's own: with ``sequence`` the
+    residual stream between the blocks is a DTensor sharded over the sequence (``Shard(1)``): the embedding's
+    and each block's row-wise outputs reduce-scatter to it, the norms on it run per shard
+    (``SequenceParallel``), and each attention and MLP all-gathers its input (``_gather_sequence``); with
+    ``loss`` the head's logits stay sharded over the vocabulary and the cross-entropy runs on the shards under
+    ``loss_parallel`` (``_apply`` enters it around each micro-batch)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    seq = Shard(1)
+    out, layers, heads = {}, set(), []
+    for name, style in plan.items():
+        if "*" in name and style in ("colwise", "rowwise"):  # a linear of every block
+            layers.add(name.split(".*.")[0])
+            parent = name.rsplit(".", 1)[0]
+            if sequence:
+                out[parent] = _gather_sequence()
+            if style.startswith("rowwise"):
+                out[name] = RowwiseParallel(output_layouts=seq, use_local_output=False) if sequence \
+                    else RowwiseParallel()
+            else:
+                out[name] = ColwiseParallel()
+        elif style == "embedding_rowwise":
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence else Replicate(),
+                                        use_local_output=not sequence)
+        elif style.startswith("colwise"):  # the head
+            heads.append(name)
+            out[name] = ColwiseParallel(input_layouts=seq if sequence else Replicate(),
+                                        output_layouts=Shard(-1) if loss else Replicate(), use_local_output=not loss)
+        else:
+            raise MemfitError(f"tp={tp} with sequence or loss parallel: memfit does not lay {style!r} ({name}) over "
+                              "the sequence yet; use sequence_parallel=false and loss_parallel=false")
+    if loss and not heads:
+        raise MemfitError(f"loss_parallel needs the model's output head in its tensor-parallel plan and "
+                          f"{type(model).__name__}'s has none: use loss_parallel=false")
+    if sequence:
+        if len(layers) != 1:
+            raise MemfitError(f"sequence_parallel needs one stack of blocks in the model's plan, found "
+                              f"{len(layers) or 'none'}: use sequence_parallel=false")
+        stack = next(iter(layers))
+        base = stack.rsplit(".", 1)[0] if "." in stack else ""
+        for prefix, module in ((f"{stack}.*", model.get_submodule(stack)[0]),
+                               (base, model.get_submodule(base) if base else model)):
+            for child, sub in module.named_children():
+                if _is_norm(sub):  # a norm of the residual stream: per sequence shard
+                    out[f"{prefix}.{child}" if prefix else child] = SequenceParallel()
+    return out
+
+
+def _is_norm(module) -> bool:
+    return "norm" in type(module).__name__.lower() and not any(True for _ in module.children())
+
+
+def _gather_sequence():
+    """A parallel style for a block's attention or MLP: its input, the residual stream's sequence shard
+    (``Shard(1)``), all-gathered to the whole sequence as a plain tensor, which its column-wise linears then take
+    as the replicated input. torch's ``PrepareModuleInput`` names an input by position or by keyword, and
+    transformers passes the attention's ``hidden_states`` by keyword and the MLP's by position: this takes the
+    first tensor either way."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class GatherSequence(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            module.register_forward_pre_hook(lambda _m, args, kwargs: _gathered(args, kwargs, device_mesh),
+                                             with_kwargs=True)
+            return module
+
+    return GatherSequence()
+
+
+def _gathered(args, kwargs, mesh):
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def whole(value):
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, mesh, (Shard(1),), run_check=False)
+        return value.redistribute(placements=(Replicate(),)).to_local()
+
+    if args and isinstance(args[0], torch.Tensor):
+        return (whole(args[0]),) + tuple(args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+    return args, kwargs
 
 
 def tensor_parallel(build, place):
@@ -104,9 +196,15 @@ def tensor_parallel(build, place):
             flat = shard._flatten("dp")
     # every rank built the same weights (or sharding follows on meta): each cuts its own part, no scatter from
     # rank 0 (whose send buffers gloo keeps for a while: a rank-0-only excess in the truth, not the step's)
-    parallelize_module(build.model, mesh["tp"], tp_plan(build.model, tp), src_data_rank=None)
+    recipe = build.recipe
+    parallelize_module(build.model, mesh["tp"], tp_plan(build.model, tp, sequence=recipe.sequence_parallel,
+                                                         loss=recipe.loss_parallel), src_data_rank=None)
     _retie(build.model)
     _replicate_rest(build.model, mesh["tp"])
+    if recipe.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        build.micro_contexts.append(loss_parallel)
     return dataclasses.replace(place, world=dp, mesh=shard, flat=flat)
 
 

@@ -156,11 +156,18 @@ def _release(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def calibrate(plans, build, batch: dict, *, device, budget: int | None = None, most: int = MOST,
+def calibrate(plans, build, batch: dict, *, device, budget: int | None = None, gpu=None, most: int = MOST,
               seconds: float = SECONDS, steps: int = 4, log=None) -> Calibration:
     """Time ``candidates(plans, most)`` (``build()``: a fresh model; ``batch``: the global batch, dim 0
-    split as each recipe says) and return the fastest measured; see the module docstring."""
+    split as each recipe says) and return the fastest measured; see the module docstring. On CUDA ``budget``
+    is the process's (its CUDA context included, as ``plan`` counts it) and ``gpu`` the catalog card whose
+    context that is (default: the one torch sees); the allocator gets ``gpu.allowed_bytes(budget)``."""
     device = torch.device(device)
+    if device.type == "cuda" and budget is not None:
+        from memfit.hardware.gpus import gpu as catalog_gpu, target
+
+        card = target("cuda", None).gpu if gpu is None else catalog_gpu(gpu) if isinstance(gpu, str) else gpu
+        budget = card.allowed_bytes(budget)  # from here on, the limit of torch's allocator
     batch = {k: v.to(device) for k, v in batch.items()}
     start, rows, best, first = time.perf_counter(), [], None, plans[0]
     for i, plan in enumerate(candidates(plans, most)):

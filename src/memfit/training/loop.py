@@ -141,10 +141,12 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     batching       ``tokens``: micro-batches by padded tokens, rows sorted by length (the default);
                    ``rows``: micro_batch_size rows in data order, each padded to its longest (the plain
                    loop, for comparison; an OOM halves the rows)
-    budget         bytes or a size: on the CPU a virtual budget, on CUDA the process's memory fraction;
-                   micro-batches are then sized by their estimated peak (``predict.ShapeBudget``)
+    budget         bytes or a size: on the CPU a virtual budget; on CUDA the process's memory, its CUDA
+                   context included, as ``plan`` and the verdict count it (torch's allocator gets the budget
+                   less the card's context: ``set_per_process_memory_fraction``); micro-batches are then sized
+                   by their estimated peak (``predict.ShapeBudget``)
     gpu            on CUDA, the catalog GPU the estimates follow (``memfit.estimate``'s ``gpu``); with no
-                   budget, its memory less its context is the budget
+                   budget, its memory is the budget
     chunks         the optimizer step in this many chunks, rolled back on OOM (``Recipe.safe_step``; the
                    recipe's own value wins; not added to a fused optimizer, see above; None: the plain step,
                    an OOM inside it is fatal)
@@ -221,23 +223,29 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     total_steps = steps if steps is not None else max(1, math.ceil(epochs * per_epoch))
 
     cap = None if budget is None else parse_size(budget)
-    if cap is None and gpu is not None and device.type == "cuda":
+    card = None
+    if device.type == "cuda":  # the budget is the process's, its CUDA context included, as the planner counts it
         from memfit.hardware.gpus import gpu as catalog_gpu
 
-        cap = (catalog_gpu(gpu) if isinstance(gpu, str) else gpu).usable_bytes()
+        card = gpu or "h100-sxm"
+        card = catalog_gpu(card) if isinstance(card, str) else card
+        if cap is None and gpu is not None:
+            cap = card.memory_bytes
+        use_alloc_conf([plan])  # before the estimates: a plan that needs expandable segments is judged with them
     shapes = None
     if cap is not None and by_estimate:
         template = meta_copy(model)  # apply changes the model in place; estimates start from this
         most = global_batch_size or max(1, global_tokens // max(1, int(min(lengths))))
         uniform = not packed and int(min(lengths)) == int(max(lengths)) == longest  # a token file's rows
         shapes = ShapeBudget(lambda: copy.deepcopy(template), recipe, cap, longest=longest, max_rows=most,
-                             gpu=(gpu or "h100-sxm") if device.type == "cuda" else None, pad_id=pad_id,
+                             gpu=card, pad_id=pad_id,
                              packed=packed, store=Path(out_dir) / ESTIMATES, identity=model_identity(model),
                              uniform=uniform)
         if uniform and plan is not None and plan.seq_len == longest and \
                 plan.recipe.micro_batch_size and plan.recipe == recipe and plan.device_bytes <= cap:
             # the plan's full estimate is this run's micro-batch: no estimate before the first step
-            shapes.known(longest, plan.recipe.micro_batch_size, plan.reserved_bytes or plan.allocated_bytes)
+            shapes.known(longest, plan.recipe.micro_batch_size,
+                         plan.device_bytes if card is not None else plan.allocated_bytes)
 
     torch.manual_seed(seed)
     if ranks is None:
@@ -292,9 +300,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                        map(_local, list(model.parameters()) + list(model.buffers()))}.values())
         vb = VirtualBudget(cap, resident=resident, inject=inject)
     elif cap is not None:
-        use_alloc_conf([plan])
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, card.allowed_bytes(cap) / total), device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

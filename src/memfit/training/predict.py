@@ -8,9 +8,13 @@ fake, so nothing real is allocated); a batch of ``rows`` padded rows, one of the
 data is so the attention mask is built (with ``packed``, rows of two documents each); two such
 micro-batches a step, so the gradients of the first are live through the second's forward; and
 the step's optimizer, ``safe_step`` included. A shape fits when its peak is within the budget: on
-the CPU the allocator's peak (``peak_bytes``, the figure ``VirtualBudget`` caps); on CUDA the
-caching allocator's reserved peak (``reserved_bytes``, what ``set_per_process_memory_fraction``
-caps).
+the CPU the allocator's peak (``peak_bytes``, the figure ``VirtualBudget`` caps); on CUDA when the
+verdict of the estimate made with the budget says it fits (``estimator/verdict.py``: the caching
+allocator replayed under the limit ``train`` sets, ``set_per_process_memory_fraction`` of the budget
+less the CUDA context, freeing its cache and retrying as torch does; expandable segments count where
+``PYTORCH_CUDA_ALLOC_CONF`` has them), the peak then being ``device_bytes`` (reserved + context), as
+``plan`` decides. The uncapped reserved peak would call a shape out that the allocator runs by
+releasing cached blocks (a planned 2-row micro-batch on an H200 was cut to 1 that way).
 
 Lengths are padded up to buckets, multiples of ``step`` tokens (1/16 of the longest example
 rounded up to 8, at least 32; the longest itself is the last bucket). A micro-batch is collated to
@@ -52,6 +56,8 @@ __all__ = ["ShapeBudget", "bucket_step", "bucket_length", "meta_copy", "model_id
 
 BUCKETS = 16  # lengths per run that are estimated at most
 MIN_STEP = 32  # tokens: padding this many costs next to nothing, and short data needs fewer estimates
+#: how a CUDA shape is judged (part of a stored estimate's key: another way makes the stored peaks stale)
+VERDICT = "device_bytes under the budget's limit"
 
 
 def bucket_step(longest: int) -> int:
@@ -85,11 +91,23 @@ def model_identity(model) -> str:
 
 
 def _key(identity: str, recipe, budget: int, gpu, longest: int, max_rows: int, pad_id: int, packed: bool, parts: int,
-         loss_fn, uniform: bool = False) -> str:
+         loss_fn, uniform: bool = False, expandable: bool = False) -> str:
     gpu_name = getattr(gpu, "name", gpu)
     body = json.dumps([identity, recipe.to_dict(), budget, gpu_name, longest, max_rows, pad_id, packed, parts,
-                       loss_fn is not None] + ([True] if uniform else []), sort_keys=True, default=str)
+                       loss_fn is not None, VERDICT] + ([True] if uniform else []) + (["expandable"] if expandable else []),
+                      sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def _device_peak(report, budget: int, expandable: bool) -> int:
+    """On CUDA, the peak a shape is judged by: ``device_bytes`` (reserved under the budget's limit + context) when
+    the verdict says the step fits (with expandable segments only where the run has them), else more than
+    the budget by what the allocator would miss."""
+    from memfit.report.report import EXPANDABLE, FITS
+
+    if report.verdict == FITS or (expandable and report.verdict == EXPANDABLE):
+        return min(int(report.device_bytes), budget)  # with expandable segments torch may pass by part of a page
+    return budget + max(1, int(report.missing_bytes or 0))
 
 
 def meta_copy(model):
@@ -121,6 +139,9 @@ class ShapeBudget:
         # one where the optimizer steps in backward (nothing accumulates)
         self.parts = 1 if recipe.optimizer_in_backward else 2
         self.recipe, self.packed = recipe, packed
+        # on CUDA, whether the allocator runs with expandable segments (use_alloc_conf sets them for a plan)
+        self.expandable = gpu is not None and "expandable_segments:true" in \
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
         # every row of the data is ``longest`` tokens (a token file cut into rows): no micro-batch has padding,
         # so none is estimated (a padded one carries an attention mask the run's batches do not)
         self.uniform = bool(uniform)
@@ -131,7 +152,7 @@ class ShapeBudget:
         # estimates kept in a file (the run's out_dir), so a resumed or repeated run starts without them
         self.store = None if store is None else Path(store)
         self.key = _key(identity, recipe, self.budget, gpu, self.longest, self.max_rows, pad_id, packed, self.parts,
-                        loss_fn, self.uniform)
+                        loss_fn, self.uniform, self.expandable)
         self.reused = self._load()
 
     def bucket(self, length: int) -> int:
@@ -158,9 +179,10 @@ class ShapeBudget:
         recipe = self.recipe.replace(micro_batch_size=rows, grad_accum_steps=self.parts)
         with _disable_current_modes():  # a VirtualBudget around the caller must not count fake tensors
             report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, gpu=self.gpu,
-                              device="cpu" if self.gpu is None else "cuda", fast=False)
+                              device="cpu" if self.gpu is None else "cuda", fast=False,
+                              budget=None if self.gpu is None else self.budget)
         self.estimates += 1
-        peak = report.reserved_bytes if report.reserved_bytes is not None else report.peak_bytes
+        peak = report.peak_bytes if self.gpu is None else _device_peak(report, self.budget, self.expandable)
         self._save((rows, length), peak)
         return peak
 

@@ -1,0 +1,272 @@
+"""Pipeline parallelism (``Recipe(pp=N)``): a decoder model's blocks cut into N stages, one per rank, run by
+``torch.distributed.pipelining`` (``PipelineStage`` with the GPipe or 1F1B schedule).
+
+Each rank holds its stage's parameters, their gradients and optimizer state, and the saved activations of the
+micro-batches its schedule keeps in flight: GPipe runs every forward before any backward (all of them), 1F1B
+starts backward once the pipeline is full (stage ``i`` of N holds at most ``N - i``). So every stage is its own
+kind of rank, and ``estimate`` traces each one (``_estimate_ranks``). The micro-batches of a step are the
+recipe's ``grad_accum_steps`` of ``micro_batch_size`` rows; every pipeline rank reads the same rows (the
+data-parallel ranks split them).
+
+The cut follows torchtitan (``generate_llm_fqn_per_model_part``): the embedding and the head each count as one
+block, the blocks are spread evenly over the stages, and what is left over goes to the first stages. A stage
+module runs its part of a Hugging Face decoder (embedding on the first stage; its blocks with the model's
+rotary embedding; final norm and head on the last) inside the recipe's forward contexts (autocast), and the
+last stage's loss is the model's own ``loss_function``. Each ``PipelineStage`` is given its micro-batch's input
+and output as static shapes, so no shape inference runs (it sends real tensors and reads them back, which a
+fake process group cannot answer).
+
+Written here, not taken from a library: torchtitan's cut and stage split live in a training repository, not a
+package, and they split torchtitan's own model classes. Not yet (each an error naming it): interleaved and
+zero-bubble schedules (several stages a rank), pipeline with tensor or data parallelism, a caller's own loss.
+A tied head on the last stage keeps its own copy of the embedding matrix (nothing in torch's pipelining keeps
+tied weights across stages equal): its memory is counted, as a real run holds it.
+"""
+
+from __future__ import annotations
+
+from memfit.errors import MemfitError, shown
+
+__all__ = ["SCHEDULES", "check_pp", "cut", "pipeline_conflict", "pipeline"]
+
+#: schedules of one stage per rank, by their torch class
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def check_pp(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+        raise MemfitError(f"pp must be a number of pipeline stages from 1 to 1024 (1: no pipeline), got {shown(value)}")
+
+
+def pipeline_conflict(recipe) -> str | None:
+    """The first technique ``recipe`` pairs with pipeline parallelism that memfit does not model yet, as one line."""
+    if recipe.pp == 1:
+        if recipe.pp_schedule != "1f1b":
+            return f"pp_schedule={recipe.pp_schedule} needs pipeline parallelism: set pp to 2 or more"
+        return None
+    clashes = (("tp", recipe.tp > 1), ("parallel", recipe.parallel != "none"), ("compile", bool(recipe.compile)),
+               ("chunked_loss", bool(recipe.chunked_loss)), ("lora", recipe.lora != "off"),
+               ("optimizer_in_backward", bool(recipe.optimizer_in_backward)),
+               ("offload_optimizer", bool(recipe.offload_optimizer)))
+    for name, clash in clashes:
+        if clash:
+            return (f"pp={recipe.pp} and {name}={getattr(recipe, name)} conflict: memfit does not model that pair "
+                    "yet; drop one")
+    return None
+
+
+def cut(layers: int, stages: int, input_weight: int = 1, output_weight: int = 1) -> list[range]:
+    """The blocks of each stage, torchtitan's way: the embedding counts as ``input_weight`` blocks on the first
+    stage, the norm and head as ``output_weight`` on the last; the remainder goes to the first stages."""
+    effective = layers + input_weight + output_weight
+    per, extra = divmod(effective, stages)
+    if stages > layers or per <= max(input_weight, output_weight) - 1 or per == 0:
+        raise MemfitError(f"pp={stages} is more stages than the model's {layers} blocks can fill (the embedding and "
+                          f"the head count as a block each): use pp of at most {max(1, effective // 2)}")
+    out, start = [], 0
+    for stage in range(stages):
+        count = per + (stage < extra) - (input_weight if stage == 0 else 0) - \
+            (output_weight if stage == stages - 1 else 0)
+        out.append(range(start, min(layers, start + max(count, 0))))
+        start = out[-1].stop
+    if start != layers or any(len(r) == 0 for r in out):
+        raise MemfitError(f"pp={stages} leaves a stage without blocks for the model's {layers}: use a smaller pp")
+    return out
+
+
+def _parts(model):
+    """(embedding, blocks, rotary embedding or None, final norm, head) of a Hugging Face decoder LM."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    norm = getattr(base, "norm", None)
+    if base is None or layers is None or embed is None or head is None or norm is None:
+        raise MemfitError(f"pp needs a decoder language model with its blocks in model.layers, a final norm and an "
+                          f"output head; {type(model).__name__} is not laid out so: use pp=1")
+    return embed, layers, getattr(base, "rotary_emb", None), norm, head
+
+
+def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list):
+    import contextlib
+
+    import torch
+
+    embed, layers, rotary, norm, head = _parts(model)
+
+    class Stage(torch.nn.Module):
+        """One pipeline stage of a Hugging Face decoder: a micro-batch's token ids (first stage) or hidden states
+        in, hidden states (or the last stage's logits) out."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = embed if first else None
+            self.layers = torch.nn.ModuleList(layers[i] for i in blocks)
+            self.rotary = rotary
+            self.norm, self.head = (norm, head) if last else (None, None)
+
+        def forward(self, x):
+            with contextlib.ExitStack() as stack:
+                for context in contexts:  # the recipe's (autocast), around the forward only
+                    stack.enter_context(context())
+                if self.embed is not None:
+                    x = self.embed(x)
+                position_ids = torch.arange(x.shape[1], device=x.device)[None]
+                extra = {"position_ids": position_ids}
+                if self.rotary is not None:
+                    extra["position_embeddings"] = self.rotary(x, position_ids)
+                for layer in self.layers:
+                    x = layer(x, **extra)
+                if self.head is not None:
+                    x = self.head(self.norm(x))
+            return x
+
+    stage = Stage()
+    stage.config = getattr(model, "config", None)  # what the techniques after this one read (use_cache)
+    return stage
+
+
+def pipeline(build, place) -> None:
+    """Cut ``build.model`` into ``recipe.pp`` stages, keep this rank's, and make the step run the schedule: the
+    build's model becomes the stage, and ``build.pipeline`` runs one optimizer step's micro-batches through it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    recipe, model = build.recipe, build.model
+    if build.user_loss:
+        raise MemfitError(f"pp={recipe.pp} and a loss_fn conflict: the last stage computes the model's own loss "
+                          "(its loss_function on the logits); drop loss_fn")
+    world = place.world
+    if world.size != recipe.pp:
+        raise MemfitError(f"pp={recipe.pp} over {world.describe()}: without tensor or data parallelism every GPU "
+                          f"is a stage; use pp={world.size}")
+    embed, layers, _, _, head = _parts(model)
+    stages = cut(len(layers), recipe.pp)
+    index = dist.get_rank()
+    first, last = index == 0, index == recipe.pp - 1
+    loss_function = model.loss_function
+    vocab = head.weight.shape[0]
+    stage = _stage_module(model, stages[index], first, last, build.forward_contexts)
+    build.model = stage
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or embed.weight.shape[1]
+    build.pipeline = _Pipeline(stage, index, recipe, hidden=hidden, vocab=vocab,
+                               loss=lambda logits, labels: loss_function(logits=logits, labels=labels,
+                                                                          vocab_size=vocab),
+                               modules=(pipelining, torch))
+
+
+def _static_metadata(stages, has_backward: bool, p2p_done: bool) -> None:
+    """The schedule's warm-up, whose vote (each stage sends whether its shapes are static down the pipeline and
+    the product back) settles how stages learn their neighbours' shapes. Every stage here is given static
+    shapes and no DTensors, so each votes static and the product is known: it is set, not voted (under fake
+    tensors the received vote cannot be read, and the estimate would take the other path). A real run and the
+    estimate both skip the same few 4-byte messages."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for stage in stages:
+        if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+            raise MemfitError("a pipeline stage without static shapes: memfit gives each stage its micro-batch's "
+                              "shapes; report this model")
+        stage._inference_mode = InferenceMode.STATIC
+
+
+class _Pipeline:
+    """One optimizer step's micro-batches through this rank's stage, as the recipe's schedule orders them;
+    the stage's forward and backward of each micro-batch marked as those phases for the watch."""
+
+    def __init__(self, stage, index: int, recipe, *, hidden: int, vocab: int, loss, modules):
+        self.stage_module, self.index, self.recipe = stage, index, recipe
+        self.hidden, self.vocab, self.loss = hidden, vocab, loss
+        self.pipelining, self.torch = modules
+        self.schedule = None
+        self.first, self.last = index == 0, index == recipe.pp - 1
+
+    def _build(self, rows: int, length: int, device) -> None:
+        torch, pipelining = self.torch, self.pipelining
+        dtype = next(self.stage_module.parameters()).dtype
+        mixed = self.recipe.precision.endswith("-mixed")
+        low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.recipe.precision)
+        with torch.device("meta"):
+            inputs = torch.empty(rows, length, dtype=torch.long) if self.first else \
+                torch.empty(rows, length, self.hidden, dtype=dtype, requires_grad=True)
+            outputs = torch.empty(rows, length, self.vocab, dtype=low if mixed else dtype, requires_grad=True) \
+                if self.last else torch.empty(rows, length, self.hidden, dtype=dtype, requires_grad=True)
+        inputs, outputs = (torch.empty_like(t, device=device).requires_grad_(t.requires_grad)
+                           for t in (inputs, outputs))
+        stage = pipelining.PipelineStage(self.stage_module, self.index, self.recipe.pp, device,
+                                         input_args=(inputs,), output_args=(outputs,))
+        kind = getattr(pipelining, SCHEDULES[self.recipe.pp_schedule])
+        self.schedule = kind(stage, self.recipe.grad_accum_steps, loss_fn=self.loss)
+        self.schedule._warmup_p2p = _static_metadata
+        self.stage = stage
+
+    def __call__(self, micro: list, watch, index: int):
+        torch = self.torch
+        ids = torch.cat([part["input_ids"] for part in micro])
+        labels = torch.cat([part.get("labels", part["input_ids"]) for part in micro])
+        if self.schedule is None:
+            self._build(micro[0]["input_ids"].shape[0], ids.shape[1], ids.device)
+        stage = self.stage
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def marked(call, phase):
+            def run(*args, **kwargs):
+                watch.begin(phase, index)
+                return call(*args, **kwargs)
+            return run
+
+        stage.forward_one_chunk, stage.backward_one_chunk = marked(forward, "forward"), marked(backward, "backward")
+        losses = []
+        with _works_hold_tensors():
+            self._step(ids, labels, losses)
+        if losses:
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.zeros((), device=ids.device)
+
+    def _step(self, ids, labels, losses) -> None:
+        stage = self.stage
+        try:
+            if self.first:
+                self.schedule.step(ids)
+            elif self.last:
+                self.schedule.step(target=labels, losses=losses)
+            else:
+                self.schedule.step()
+        finally:
+            del stage.forward_one_chunk, stage.backward_one_chunk
+
+
+class _Held:
+    """A fake process group's work, holding the tensors of its sends and receives as a real backend's does."""
+
+    def __init__(self, work, tensors):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _works_hold_tensors():
+    """Under the fake process group (an estimate), each point-to-point work the schedule makes holds its tensors,
+    as gloo's and NCCL's works do until they are dropped (the schedule keeps a wait's works until its next
+    batch): without it a received gradient was freed a step early (-8 KB on a 2-stage tiny Llama's stage 0)."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from memfit.scoped import patched
+
+    if dist.get_backend() != "fake":
+        return contextlib.nullcontext()
+    batch = schedules._batch_p2p
+
+    def held(ops, desc=None):
+        return [_Held(work, [op.tensor for op in ops]) for work in batch(ops, desc=desc)]
+
+    return patched(schedules, "_batch_p2p", held)

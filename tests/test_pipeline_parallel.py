@@ -1,0 +1,85 @@
+"""Pipeline parallelism (issue 35, item 2): ``Recipe(pp=N)`` cuts a Hugging Face decoder into N stages as torchtitan
+cuts them and runs ``torch.distributed.pipelining``'s GPipe or 1F1B schedule; every stage is its own kind of rank
+(its blocks, the micro-batches it keeps in flight), each estimated under the fake process group and graded against
+a real ``torchrun`` run over gloo by that rank's own allocator events (``memfit.distributed.truth``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import memfit
+from memfit.distributed.truth import launch
+from memfit.errors import MemfitError
+from memfit.techniques.pipeline_parallel import cut
+from memfit.techniques.recipe import Recipe
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 176, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pp") / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _estimate(path, recipe, gpus, batch=4):
+    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, device="cpu")
+
+
+@pytest.mark.parametrize("recipe, gpus", [
+    # 1F1B over 4 stages: embedding + 1 block, 2, 2, 1 block + norm + head; stage i keeps 4 - i micro-batches
+    ({"pp": 4, "micro_batch_size": 1, "grad_accum_steps": 4}, 4),
+    # GPipe: every micro-batch's activations live at the turn; with autocast and checkpointed blocks
+    ({"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 1, "grad_accum_steps": 4, "precision": "bf16-mixed",
+      "checkpointing": "blocks"}, 2),
+])
+def test_pipeline_matches_torchrun_on_every_stage(tiny, recipe, gpus):
+    report = _estimate(tiny, recipe, gpus)
+    truths = launch({"model": tiny, "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}, gpus)
+    estimated = {r["rank"]: r for r in report.ranks}
+    assert sorted(estimated) == list(range(gpus))  # every stage traced: each is its own kind of rank
+    for truth in truths:
+        mine = estimated[truth["rank"]]
+        assert abs(mine["peak_bytes"] - truth["peak_bytes"]) <= 64, truth["rank"]
+        for phase in ("forward", "backward"):
+            assert abs(mine["phase_peaks"][phase] - truth["phase_peaks"][f"{phase}:1"]) <= 64, (truth["rank"], phase)
+    assert report.peak_bytes == max(r["peak_bytes"] for r in report.ranks)
+    assert report.world["pp"] == recipe["pp"]
+
+
+def test_stages_are_cut_as_torchtitan_cuts_them():
+    # torchtitan's rule (generate_llm_fqn_per_model_part): 32 blocks + embedding + head = 34 over 8 stages is 4
+    # each and 2 over, which go to the first two stages; the first and last give one to embedding and head
+    assert [len(r) for r in cut(32, 8)] == [4, 5, 4, 4, 4, 4, 4, 3]
+    assert [len(r) for r in cut(27, 4)] == [7, 7, 7, 6]
+    assert [(r.start, r.stop) for r in cut(6, 4)] == [(0, 1), (1, 3), (3, 5), (5, 6)]
+    with pytest.raises(MemfitError, match="more stages"):
+        cut(4, 8)
+
+
+def test_1f1b_keeps_fewer_micro_batches_than_gpipe(tiny):
+    recipe = {"pp": 2, "micro_batch_size": 1, "grad_accum_steps": 8}
+    one = _estimate(tiny, recipe, 2, batch=8)
+    gpipe = _estimate(tiny, {**recipe, "pp_schedule": "gpipe"}, 2, batch=8)
+    assert one.peak_bytes < gpipe.peak_bytes
+    # parameters and optimizer state as cut: the stage's own, the same whichever schedule runs them
+    assert [r["by_category"]["parameters"] for r in one.ranks] == [r["by_category"]["parameters"] for r in gpipe.ranks]
+
+
+@pytest.mark.parametrize("recipe, gpus, words", [
+    ({"pp": 2}, None, "gpus=2"),
+    ({"pp": 2}, 4, "gpus=2"),
+    ({"pp": 2, "tp": 2}, 4, "conflict"),
+    ({"pp_schedule": "gpipe"}, None, "needs pipeline parallelism"),
+    ({"pp": 0}, 2, "pp must be"),
+    ({"pp": 8, "micro_batch_size": 1, "grad_accum_steps": 8}, 8, "more stages"),
+])
+def test_bad_pipeline_is_one_line(tiny, recipe, gpus, words):
+    with pytest.raises(MemfitError) as err:
+        _estimate(tiny, recipe, gpus, batch=8 if recipe.get("grad_accum_steps") == 8 else 4)
+    assert words in str(err.value) and "\n" not in str(err.value)
