@@ -36,6 +36,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 BERT = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 128}
 UNEVEN = dict(TINY, vocab_size=1001, tie_word_embeddings=False, intermediate_size=350)
+PIPE = dict(TINY, num_hidden_layers=6)  # 4 stages: embedding + 1 block, 2, 2, 1 block + norm + head
 DEEP = dict(TINY, num_hidden_layers=16)  # the whole model outweighs a step of 1/4 of it: construction shows
 
 # (name, config, ranks, recipe, batch over all ranks, nodes)
@@ -72,6 +73,12 @@ CASES = [
     ("fsdp-tp-2x2-sequence-loss-bf16-checkpointing", TINY, 4, {"tp": 2, "parallel": "fsdp", "mixed_precision": "bf16",
                                                               "checkpointing": "blocks", "sequence_parallel": True,
                                                               "loss_parallel": True}, 4, 1),
+    # pipeline parallel (``techniques/pipeline_parallel.py``): every stage traced, 4 micro-batches a step
+    ("pp-2-1f1b", PIPE, 2, {"pp": 2, "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),
+    ("pp-2-gpipe", PIPE, 2, {"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),
+    ("pp-4-1f1b", PIPE, 4, {"pp": 4, "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),
+    ("pp-2-1f1b-autocast-checkpointing", PIPE, 2, {"pp": 2, "micro_batch_size": 1, "grad_accum_steps": 4,
+                                                   "precision": "bf16-mixed", "checkpointing": "blocks"}, 4, 1),
 ]
 SEQ = 64
 
