@@ -79,6 +79,8 @@ CASES = [
     ("pp-4-1f1b", PIPE, 4, {"pp": 4, "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),
     ("pp-2-1f1b-autocast-checkpointing", PIPE, 2, {"pp": 2, "micro_batch_size": 1, "grad_accum_steps": 4,
                                                    "precision": "bf16-mixed", "checkpointing": "blocks"}, 4, 1),
+    # FSDP2 shards each stage over its data-parallel ranks: the (pp, dp) mesh, 2 x 2
+    ("pp-2-fsdp-2-1f1b", PIPE, 4, {"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4}, 8, 1),
 ]
 SEQ = 64
 
@@ -98,8 +100,11 @@ def run_case(name, config, ranks, recipe, batch, nodes, folder) -> list[dict]:
     rows = []
     for truth in launch(case, ranks):
         rank = truth["rank"]
-        # ranks the estimate did not trace hold what rank 0 holds (full shards)
-        estimate = estimated.get(rank, estimated[0] if rank != ranks - 1 else estimated[max(estimated)])
+        # ranks the estimate did not trace hold what rank 0 holds (full shards), or with a pipeline what the first
+        # data-parallel rank of their stage holds
+        dp = ranks // recipe.get("pp", 1)
+        estimate = estimated.get(rank, estimated[rank - rank % dp] if recipe.get("pp", 1) > 1
+                                 else estimated[0] if rank != ranks - 1 else estimated[max(estimated)])
         # built on the device: the truth's peak from before the model was built
         true = truth["peak_with_construction"] if recipe.get("construction") == "device" else truth["peak_bytes"]
         error = (estimate - true) / true

@@ -37,14 +37,19 @@ def _estimate(path, recipe, gpus, batch=4):
     # GPipe: every micro-batch's activations live at the turn; with autocast and checkpointed blocks
     ({"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 1, "grad_accum_steps": 4, "precision": "bf16-mixed",
       "checkpointing": "blocks"}, 2),
+    # FSDP2 shards each stage over its 2 data-parallel ranks (the (pp, dp) mesh); 1F1B
+    ({"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4}, 4),
 ])
 def test_pipeline_matches_torchrun_on_every_stage(tiny, recipe, gpus):
-    report = _estimate(tiny, recipe, gpus)
-    truths = launch({"model": tiny, "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}, gpus)
+    batch = 4 * gpus // recipe["pp"]  # 4 rows per data-parallel rank
+    report = _estimate(tiny, recipe, gpus, batch=batch)
+    truths = launch({"model": tiny, "recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2}, gpus)
     estimated = {r["rank"]: r for r in report.ranks}
-    assert sorted(estimated) == list(range(gpus))  # every stage traced: each is its own kind of rank
+    dp = gpus // recipe["pp"]
+    # every stage traced (each is its own kind of rank), its first data-parallel rank standing for the others
+    assert sorted(estimated) == [stage * dp for stage in range(recipe["pp"])]
     for truth in truths:
-        mine = estimated[truth["rank"]]
+        mine = estimated[truth["rank"] - truth["rank"] % dp]
         assert abs(mine["peak_bytes"] - truth["peak_bytes"]) <= 64, truth["rank"]
         for phase in ("forward", "backward"):
             assert abs(mine["phase_peaks"][phase] - truth["phase_peaks"][f"{phase}:1"]) <= 64, (truth["rank"], phase)
@@ -72,9 +77,10 @@ def test_1f1b_keeps_fewer_micro_batches_than_gpipe(tiny):
 
 
 @pytest.mark.parametrize("recipe, gpus, words", [
-    ({"pp": 2}, None, "gpus=2"),
-    ({"pp": 2}, 4, "gpus=2"),
+    ({"pp": 2}, None, "a multiple of 2"),
+    ({"pp": 2}, 4, "parallel=fsdp"),
     ({"pp": 2, "tp": 2}, 4, "conflict"),
+    ({"pp": 2, "parallel": "ddp"}, 4, "conflict"),
     ({"pp_schedule": "gpipe"}, None, "needs pipeline parallelism"),
     ({"pp": 0}, 2, "pp must be"),
     ({"pp": 8, "micro_batch_size": 1, "grad_accum_steps": 8}, 8, "more stages"),

@@ -248,9 +248,12 @@ def _world(recipe: Recipe, gpus, nodes):
 
     world = world_of(gpus, nodes)
     if recipe.pp > 1:
-        if world is None or world.size != recipe.pp:
-            raise MemfitError(f"pp={recipe.pp} needs a GPU per stage: pass gpus={recipe.pp} (--gpus {recipe.pp}); "
-                              "pipeline with data or tensor parallelism is not modelled yet")
+        if world is None or world.size % recipe.pp:
+            raise MemfitError(f"pp={recipe.pp} needs a GPU per stage: pass gpus= a multiple of {recipe.pp} "
+                              f"(--gpus {recipe.pp})")
+        if recipe.parallel == "none" and world.size != recipe.pp:
+            raise MemfitError(f"pp={recipe.pp} over {world.describe()} leaves {world.size // recipe.pp} data-parallel "
+                              f"ranks a stage: set parallel=fsdp (--parallel fsdp), or pp={world.size}")
         return world
     if recipe.tp > 1:
         if world is None or world.gpus % recipe.tp:
@@ -272,7 +275,7 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
     """One rank's estimate under the fake process group: rank 0, then the last rank when a parameter
     does not split evenly (its shards, and the optimizer state on them, are smaller). The report is
     the rank with the highest peak; ``ranks`` lists each."""
-    from memfit.hardware.cluster import fake_world
+    import torch
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
@@ -285,6 +288,20 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
                               "out block by block for the depth fast path); leave fast unset")
         fast = False
     source = dataclasses.replace(resolve(model), moe_routing=check_routing(moe_routing))
+    threads = torch.get_num_threads()
+    # torchrun starts each process with OMP_NUM_THREADS=1 (its default with several per node), and the CPU's
+    # kernel scratch (oneDNN's, of a bf16 matmul) depends on the thread count: a rank is probed as one thread
+    torch.set_num_threads(1)
+    try:
+        return _each_rank(source, batch, world, recipe=recipe, progress=progress, fast=fast, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Report:
+    """``_estimate_ranks``' traces, one fake world a rank, and the report of the worst."""
+    from memfit.hardware.cluster import fake_world
+
     reports, rank = [], 0
     # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight)
     stages = [s * (world.size // recipe.pp) for s in range(recipe.pp)] if recipe.pp > 1 else None

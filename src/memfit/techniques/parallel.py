@@ -164,9 +164,10 @@ def _apply(build) -> None:
 
     place = placement()
     if recipe.pp > 1:
-        pipeline(build, place)
-        build.watch.settle()
-        return
+        place = pipeline(build, place)  # this stage's data-parallel ranks
+        if recipe.parallel == "none":
+            build.watch.settle()
+            return
     if recipe.tp > 1:
         place = tensor_parallel(build, place)
         if recipe.parallel == "none":

@@ -18,7 +18,9 @@ fake process group cannot answer).
 
 Written here, not taken from a library: torchtitan's cut and stage split live in a training repository, not a
 package, and they split torchtitan's own model classes. Not yet (each an error naming it): interleaved and
-zero-bubble schedules (several stages a rank), pipeline with tensor or data parallelism, a caller's own loss.
+zero-bubble schedules (several stages a rank), pipeline with tensor parallelism, DDP or FSDP2's offload, across
+nodes, a caller's own loss. With ``parallel=fsdp`` FSDP2 shards each stage over its data-parallel ranks (the
+inner dimension of the (pp, dp) mesh, torchtitan's order); ``PipelineStage`` drives FSDP2's gradient sync.
 A tied head on the last stage keeps its own copy of the embedding matrix (nothing in torch's pipelining keeps
 tied weights across stages equal): its memory is counted, as a real run holds it.
 """
@@ -44,7 +46,8 @@ def pipeline_conflict(recipe) -> str | None:
         if recipe.pp_schedule != "1f1b":
             return f"pp_schedule={recipe.pp_schedule} needs pipeline parallelism: set pp to 2 or more"
         return None
-    clashes = (("tp", recipe.tp > 1), ("parallel", recipe.parallel != "none"), ("compile", bool(recipe.compile)),
+    clashes = (("tp", recipe.tp > 1), ("parallel", recipe.parallel == "ddp"), ("offload", recipe.offload != "none"),
+               ("compile", bool(recipe.compile)),
                ("chunked_loss", bool(recipe.chunked_loss)), ("lora", recipe.lora != "off"),
                ("optimizer_in_backward", bool(recipe.optimizer_in_backward)),
                ("offload_optimizer", bool(recipe.offload_optimizer)))
@@ -126,9 +129,10 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
     return stage
 
 
-def pipeline(build, place) -> None:
+def pipeline(build, place):
     """Cut ``build.model`` into ``recipe.pp`` stages, keep this rank's, and make the step run the schedule: the
-    build's model becomes the stage, and ``build.pipeline`` runs one optimizer step's micro-batches through it."""
+    build's model becomes the stage, and ``build.pipeline`` runs one optimizer step's micro-batches through it.
+    Returns the placement of the stage's data-parallel ranks (the inner dimension of the (pp, dp) mesh)."""
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -137,13 +141,30 @@ def pipeline(build, place) -> None:
     if build.user_loss:
         raise MemfitError(f"pp={recipe.pp} and a loss_fn conflict: the last stage computes the model's own loss "
                           "(its loss_function on the logits); drop loss_fn")
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memfit.hardware.cluster import World
+
     world = place.world
-    if world.size != recipe.pp:
-        raise MemfitError(f"pp={recipe.pp} over {world.describe()}: without tensor or data parallelism every GPU "
-                          f"is a stage; use pp={world.size}")
+    if world.nodes > 1 or world.size % recipe.pp:
+        raise MemfitError(f"pp={recipe.pp} over {world.describe()}: memfit models a pipeline within one node, over a "
+                          "number of GPUs it divides; use --gpus a multiple of pp, one node")
+    dp = world.size // recipe.pp
+    if dp > 1 and recipe.parallel != "fsdp":
+        raise MemfitError(f"pp={recipe.pp} over {world.size} GPUs leaves {dp} data-parallel ranks a stage: set "
+                          f"parallel=fsdp, or pp={world.size}")
+    # pp outermost, as torchtitan orders it; the mesh and its slices are made of real rank tensors, outside every
+    # dispatch mode of an estimate (a slice finds this rank's row with nonzero(): under the estimate's modes
+    # that read gave row 0, and a stage past the first held empty shards)
+    with _disable_current_modes():
+        mesh = init_device_mesh(place.mesh.device_type, (recipe.pp, dp), mesh_dim_names=("pp", "shard"))
+        pipe, shard = mesh["pp"], mesh["shard"]
     embed, layers, _, _, head = _parts(model)
     stages = cut(len(layers), recipe.pp)
-    index = dist.get_rank()
+    index = pipe.get_local_rank()
     first, last = index == 0, index == recipe.pp - 1
     loss_function = model.loss_function
     vocab = head.weight.shape[0]
@@ -151,10 +172,12 @@ def pipeline(build, place) -> None:
     build.model = stage
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or embed.weight.shape[1]
-    build.pipeline = _Pipeline(stage, index, recipe, hidden=hidden, vocab=vocab,
+    build.pipeline = _Pipeline(stage, index, recipe, hidden=hidden, vocab=vocab, group=pipe.get_group(),
                                loss=lambda logits, labels: loss_function(logits=logits, labels=labels,
                                                                           vocab_size=vocab),
                                modules=(pipelining, torch))
+    # the data-parallel ranks of this stage: FSDP2 shards the stage over them (parallel.py)
+    return dataclasses.replace(place, world=World(dp, 1), mesh=shard, flat=shard)
 
 
 def _static_metadata(stages, has_backward: bool, p2p_done: bool) -> None:
@@ -176,8 +199,8 @@ class _Pipeline:
     """One optimizer step's micro-batches through this rank's stage, as the recipe's schedule orders them;
     the stage's forward and backward of each micro-batch marked as those phases for the watch."""
 
-    def __init__(self, stage, index: int, recipe, *, hidden: int, vocab: int, loss, modules):
-        self.stage_module, self.index, self.recipe = stage, index, recipe
+    def __init__(self, stage, index: int, recipe, *, hidden: int, vocab: int, group, loss, modules):
+        self.stage_module, self.index, self.recipe, self.group = stage, index, recipe, group
         self.hidden, self.vocab, self.loss = hidden, vocab, loss
         self.pipelining, self.torch = modules
         self.schedule = None
@@ -196,7 +219,7 @@ class _Pipeline:
         inputs, outputs = (torch.empty_like(t, device=device).requires_grad_(t.requires_grad)
                            for t in (inputs, outputs))
         stage = pipelining.PipelineStage(self.stage_module, self.index, self.recipe.pp, device,
-                                         input_args=(inputs,), output_args=(outputs,))
+                                         input_args=(inputs,), output_args=(outputs,), group=self.group)
         kind = getattr(pipelining, SCHEDULES[self.recipe.pp_schedule])
         self.schedule = kind(stage, self.recipe.grad_accum_steps, loss_fn=self.loss)
         self.schedule._warmup_p2p = _static_metadata

@@ -171,7 +171,7 @@ def tensor_parallel(build, place):
     the data-parallel one FSDP2 or DDP then uses (its world: the ranks holding the other parts)."""
     import dataclasses
 
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -186,7 +186,9 @@ def tensor_parallel(build, place):
         raise MemfitError(f"tp={tp} over {world.describe()} leaves {dp.size} data-parallel ranks: set parallel=fsdp "
                           f"or ddp, or tp={world.gpus}")
     device = place.mesh.device_type
-    with unset_fake_temporarily():  # the mesh's rank tensor is real
+    # the mesh and its slices are made of real rank tensors, outside every dispatch mode of an estimate (a slice
+    # finds this rank's row with nonzero(): under the estimate's modes a rank past the first read row 0)
+    with _disable_current_modes():
         if world.nodes == 1:
             mesh = init_device_mesh(device, (dp.gpus, tp), mesh_dim_names=("shard", "tp"))
             shard = flat = mesh["shard"]
@@ -194,13 +196,14 @@ def tensor_parallel(build, place):
             mesh = init_device_mesh(device, (world.nodes, dp.gpus, tp), mesh_dim_names=("replicate", "shard", "tp"))
             shard = mesh["replicate", "shard"]
             flat = shard._flatten("dp")
+        tp_mesh = mesh["tp"]
     # every rank built the same weights (or sharding follows on meta): each cuts its own part, no scatter from
     # rank 0 (whose send buffers gloo keeps for a while: a rank-0-only excess in the truth, not the step's)
     recipe = build.recipe
-    parallelize_module(build.model, mesh["tp"], tp_plan(build.model, tp, sequence=recipe.sequence_parallel,
+    parallelize_module(build.model, tp_mesh, tp_plan(build.model, tp, sequence=recipe.sequence_parallel,
                                                          loss=recipe.loss_parallel), src_data_rank=None)
     _retie(build.model)
-    _replicate_rest(build.model, mesh["tp"])
+    _replicate_rest(build.model, tp_mesh)
     if recipe.loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
