@@ -12,3 +12,15 @@ try:
     logging.set_verbosity_error()
 except ImportError:  # pragma: no cover
     pass
+
+
+# The modules that take longest on 2 cores (module fixtures included), started first: pytest-xdist's loadscope
+# hands modules out in collection order, and one of these picked up last kept a worker busy minutes after the
+# other had finished (the suite's wall time is its longest worker's).
+_LONGEST_FIRST = ("test_train_speed", "test_plan", "test_pipeline_parallel", "test_distributed", "test_tensor_parallel",
+                  "test_train_cli", "test_train_ranks", "test_compile", "test_train_plan", "test_train")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)) if item.module else len(rank))

@@ -35,7 +35,9 @@ def _first_line(err: str) -> str:
 def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed")) == 0
+    # the planner's own choice (calibration may pick another on shared cores: a predicted plan, which the run
+    # then checks with estimates of its own; tests/test_train_plan.py times candidates)
+    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-calibrate")) == 0
     captured = capsys.readouterr()
     line = _first_line(captured.err)
     assert "fastest recipe that fits" in line and "planned in" in line and "tokens/s" in line
@@ -54,7 +56,8 @@ def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp
     assert len(stored) == 1
 
     # the same question again: the stored plan (nothing estimated)
-    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-resume")) == 0
+    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-calibrate",
+                       "--no-resume")) == 0
     captured = capsys.readouterr()
     assert "the stored plan" in _first_line(captured.err)
     assert json.loads(captured.out)["recipe"] == summary["recipe"]

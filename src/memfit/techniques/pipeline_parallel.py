@@ -133,21 +133,19 @@ def pipeline(build, place):
     """Cut ``build.model`` into ``recipe.pp`` stages, keep this rank's, and make the step run the schedule: the
     build's model becomes the stage, and ``build.pipeline`` runs one optimizer step's micro-batches through it.
     Returns the placement of the stage's data-parallel ranks (the inner dimension of the (pp, dp) mesh)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import pipelining
-
-    recipe, model = build.recipe, build.model
-    if build.user_loss:
-        raise MemfitError(f"pp={recipe.pp} and a loss_fn conflict: the last stage computes the model's own loss "
-                          "(its loss_function on the logits); drop loss_fn")
     import dataclasses
 
+    import torch
+    from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.hardware.cluster import World
 
+    recipe, model = build.recipe, build.model
+    if build.user_loss:
+        raise MemfitError(f"pp={recipe.pp} and a loss_fn conflict: the last stage computes the model's own loss "
+                          "(its loss_function on the logits); drop loss_fn")
     world = place.world
     if world.nodes > 1 or world.size % recipe.pp:
         raise MemfitError(f"pp={recipe.pp} over {world.describe()}: memfit models a pipeline within one node, over a "

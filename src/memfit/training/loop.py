@@ -245,9 +245,10 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                              gpu=card, pad_id=pad_id,
                              packed=packed, store=Path(out_dir) / ESTIMATES, identity=model_identity(model),
                              uniform=uniform)
-        if uniform and plan is not None and plan.seq_len == longest and \
+        if uniform and plan is not None and plan.verified and plan.seq_len == longest and \
                 plan.recipe.micro_batch_size and plan.recipe == recipe and plan.device_bytes <= cap:
-            # the plan's full estimate is this run's micro-batch: no estimate before the first step
+            # the plan's full estimate is this run's micro-batch: no estimate before the first step (a plan that
+            # is only predicted, a calibrated choice past the planner's first, is checked by the run's estimates)
             shapes.known(longest, plan.recipe.micro_batch_size,
                          plan.device_bytes if card is not None else plan.allocated_bytes)
 
