@@ -83,6 +83,7 @@ def test_1f1b_keeps_fewer_micro_batches_than_gpipe(tiny):
     ({"pp": 2, "parallel": "ddp"}, 4, "conflict"),
     ({"pp_schedule": "gpipe"}, None, "needs pipeline parallelism"),
     ({"pp": 0}, 2, "pp must be"),
+    ({"pp": 2}, 2, "--grad-accum-steps 2"),
     ({"pp": 8, "micro_batch_size": 1, "grad_accum_steps": 8}, 8, "more stages"),
 ])
 def test_bad_pipeline_is_one_line(tiny, recipe, gpus, words):

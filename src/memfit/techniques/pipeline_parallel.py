@@ -146,6 +146,10 @@ def pipeline(build, place):
     if build.user_loss:
         raise MemfitError(f"pp={recipe.pp} and a loss_fn conflict: the last stage computes the model's own loss "
                           "(its loss_function on the logits); drop loss_fn")
+    if recipe.pp_schedule == "1f1b" and recipe.grad_accum_steps < recipe.pp:  # torch's own rule, said with the fix
+        raise MemfitError(f"pp={recipe.pp} with the 1f1b schedule needs at least {recipe.pp} micro-batches a step, "
+                          f"got grad_accum_steps={recipe.grad_accum_steps}: set --grad-accum-steps {recipe.pp} (or "
+                          "more), or pp_schedule=gpipe")
     world = place.world
     if world.nodes > 1 or world.size % recipe.pp:
         raise MemfitError(f"pp={recipe.pp} over {world.describe()}: memfit models a pipeline within one node, over a "
