@@ -382,8 +382,6 @@ class Ledger(TorchDispatchMode):
         for position, value in enumerate(flat_out):
             fresh = born or position >= len(returns) or returns[position].alias_info is None
             for tensor in (local for t in _tensors(value) for local in plain(t)):
-                if tensor.device.type == "meta":  # no memory (a DTensor handler's shape propagation makes some)
-                    continue
                 storage = tensor.untyped_storage()
                 if fresh:
                     index = self._track(storage, Category.TEMPORARIES)
@@ -416,8 +414,8 @@ class Ledger(TorchDispatchMode):
         """``handler(func, args, kwargs)`` with this mode pushed back, so its inner ops are recorded; but not
         the global-shape fake run DTensor's sharding propagation makes to learn the output's shape (in a real
         run those are fake tensors, no memory)."""
-        propagator = _DTensor._op_dispatcher.sharding_propagator
-        shapes = propagator._propagate_tensor_meta
+        propagator = getattr(_DTensor._op_dispatcher, "sharding_propagator", None)
+        shapes = getattr(propagator, "_propagate_tensor_meta", None)  # another torch may name it otherwise
 
         def unseen(*a, **k):
             mode = _pop_mode()
@@ -429,7 +427,8 @@ class Ledger(TorchDispatchMode):
         _push_mode(self)
         self._handlers += 1
         try:
-            with patched(propagator, "_propagate_tensor_meta", unseen):
+            with patched(propagator, "_propagate_tensor_meta", unseen) if shapes is not None \
+                    else contextlib.nullcontext():
                 return handler(func, args, kwargs)
         finally:
             self._handlers -= 1
