@@ -80,7 +80,7 @@ def test_sequence_and_loss_parallel_shard_the_activations(tiny):
     ({"tp": 3}, 3, "num_attention_heads=4"),
     ({"tp": 2}, 4, "parallel=fsdp"),
     ({"tp": 2}, None, "gpus="),
-    ({"tp": 4}, 2, "gpus="),
+    ({"tp": 4}, 2, "--gpus"),
     ({"tp": 2, "chunked_loss": 4}, 2, "chunked_loss"),
     ({"tp": 0}, 2, "tp must be"),
     ({"sequence_parallel": True}, 2, "needs tensor parallelism"),

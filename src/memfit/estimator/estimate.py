@@ -243,25 +243,15 @@ def _placement(recipe: Recipe, device_map, max_memory, gpus, nodes, fast) -> dic
 
 
 def _world(recipe: Recipe, gpus, nodes):
-    """The ``World`` of a data-parallel estimate, or None for one device; mismatches are one error."""
-    from memfit.hardware.cluster import World, world_of
+    """The ``World`` of a multi-rank estimate, or None for one device; mismatches are one error."""
+    from memfit.hardware.cluster import Layout, World, world_of
 
     world = world_of(gpus, nodes)
-    if recipe.pp > 1:
-        if world is None or world.size % recipe.pp:
-            raise MemfitError(f"pp={recipe.pp} needs a GPU per stage: pass gpus= a multiple of {recipe.pp} "
-                              f"(--gpus {recipe.pp})")
-        if recipe.parallel == "none" and world.size != recipe.pp:
-            raise MemfitError(f"pp={recipe.pp} over {world.describe()} leaves {world.size // recipe.pp} data-parallel "
-                              f"ranks a stage: set parallel=fsdp (--parallel fsdp), or pp={world.size}")
-        return world
-    if recipe.tp > 1:
-        if world is None or world.gpus % recipe.tp:
-            raise MemfitError(f"tp={recipe.tp} needs GPUs it divides: pass gpus= (--gpus N) with N a multiple of "
-                              f"{recipe.tp} per node")
-        if recipe.parallel == "none" and world.size != recipe.tp:
-            raise MemfitError(f"tp={recipe.tp} over {world.describe()} leaves {world.size // recipe.tp} data-parallel "
-                              f"ranks: set parallel=fsdp (--parallel fsdp) or ddp, or tp={world.size}")
+    if recipe.pp > 1 or recipe.tp > 1:
+        if world is None:
+            what = " x ".join(f"{n}={v}" for n, v in (("pp", recipe.pp), ("tp", recipe.tp)) if v > 1)
+            raise MemfitError(f"{what} needs a GPU a part: pass gpus= (--gpus {recipe.pp * recipe.tp})")
+        Layout.of(world, pp=recipe.pp, tp=recipe.tp, parallel=recipe.parallel, shard_over=recipe.shard_over)
         return world
     if recipe.parallel == "none":
         if world is not None and world.size > 1:
@@ -279,9 +269,10 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
-    if recipe.parallel != "fsdp" or recipe.offload != "none" or recipe.tp > 1 or recipe.pp > 1:
-        # DDP's gradient buckets, an offloaded step's host side, TP's collectives and a stage's schedule: in full
-        what = (f"pp={recipe.pp}" if recipe.pp > 1 else f"tp={recipe.tp}" if recipe.tp > 1
+    if recipe.parallel != "fsdp" or recipe.offload != "none" or recipe.pp > 1:
+        # DDP's gradient buckets, an offloaded step's host side, a stage's schedule and TP without FSDP2 (its
+        # fast path was 3% off its full trace, bf16 autocast over 4 ranks): in full
+        what = (f"pp={recipe.pp}" if recipe.pp > 1 else f"tp={recipe.tp} without fsdp" if recipe.tp > 1
                 else f"parallel={recipe.parallel}" if recipe.parallel != "fsdp" else f"offload={recipe.offload}")
         if fast:
             raise MemfitError(f"fast=True and {what} conflict: that step is traced in full (its memory is not laid "
@@ -302,9 +293,13 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
     """``_estimate_ranks``' traces, one fake world a rank, and the report of the worst."""
     from memfit.hardware.cluster import fake_world
 
+    from memfit.hardware.cluster import Layout
+
+    layout = Layout.of(world, pp=recipe.pp, tp=recipe.tp, parallel=recipe.parallel, shard_over=recipe.shard_over)
     reports, rank = [], 0
-    # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight)
-    stages = [s * (world.size // recipe.pp) for s in range(recipe.pp)] if recipe.pp > 1 else None
+    # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight); TP peers
+    # and the data-parallel ranks of a stage hold equal parts
+    stages = [layout.rank(pp=s) for s in range(recipe.pp)] if recipe.pp > 1 else None
     while True:
         with fake_world(world, rank) as place:
             tick = _ticker(progress, phases(recipe, kwargs["steps"]))
@@ -326,10 +321,12 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
         host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
-    layout = (f"pp={recipe.pp}, {recipe.pp_schedule}, {recipe.grad_accum_steps} micro-batches"
-              if recipe.pp > 1 else recipe.parallel if recipe.tp == 1 else f"tp={recipe.tp}"
-              if recipe.parallel == "none" else f"tp={recipe.tp} x {recipe.parallel} over {world.size // recipe.tp}")
-    notes = [f"rank {top_rank} of {world.describe()} ({layout}): one rank's step under PyTorch's fake "
+    shape = layout.describe() if recipe.pp > 1 or recipe.tp > 1 else recipe.parallel
+    if recipe.pp > 1:
+        shape += f", {recipe.pp_schedule} over {recipe.grad_accum_steps} micro-batches"
+    if (recipe.pp > 1 or recipe.tp > 1) and layout.dp > 1:
+        shape += f", {recipe.parallel} over dp"
+    notes = [f"rank {top_rank} of {world.describe()} ({shape}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
     if recipe.parallel == "fsdp":
         notes.append({"meta": "construction=meta: built on the meta device, sharded, then materialised (to_empty), "

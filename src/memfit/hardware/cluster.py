@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["World", "Placement", "placement", "fake_world", "real_world", "world_of", "MAX_GPUS"]
+__all__ = ["World", "Layout", "Placement", "placement", "fake_world", "real_world", "world_of", "MAX_GPUS"]
 
 # Bounds: past these nobody trains (the largest published runs use ~16k GPUs).
 MAX_GPUS = 1 << 17
@@ -38,6 +38,94 @@ class World:
 
     def describe(self) -> str:
         return f"{self.size} GPU(s)" if self.nodes == 1 else f"{self.nodes} nodes x {self.gpus} GPUs = {self.size}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of a ``World`` split, torchtitan's order (``ParallelDims``): ``pp`` outermost (stages
+    across nodes, or within one), then the data-parallel ranks as ``replicate`` x ``shard`` (HSDP: FSDP2 shards
+    over ``shard`` and replicates over ``replicate``), ``tp`` innermost (within a node, over NVLink). Rank
+    ``r``'s coordinates are ``r``'s digits in that mixed radix. ``of`` checks a request and says the fix."""
+
+    world: World
+    pp: int = 1
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+
+    NAMES = ("pp", "replicate", "shard", "tp")
+
+    @classmethod
+    def of(cls, world: World, *, pp: int = 1, tp: int = 1, parallel: str = "fsdp", shard_over: str = "node"):
+        """The layout of ``world`` for these degrees; every mismatch is one error naming the fix."""
+        if tp > 1 and world.gpus % tp:
+            raise MemfitError(f"tp={tp} does not divide the {world.gpus} GPUs per node: tensor parallelism stays "
+                              f"within a node; use a tp that divides --gpus")
+        if world.size % (tp * pp):
+            raise MemfitError(f"pp={pp} x tp={tp} does not divide {world.describe()}: use degrees whose product "
+                              "divides the GPUs")
+        if pp > 1 and world.nodes > 1 and world.nodes % pp and pp % world.nodes:
+            raise MemfitError(f"pp={pp} over {world.nodes} nodes: the stages split the nodes evenly (pp dividing "
+                              "the nodes, or the nodes pp); pick such a pp or --nodes")
+        dp = world.size // (tp * pp)
+        if dp > 1 and parallel == "none":
+            what = " x ".join(f"{n}={v}" for n, v in (("pp", pp), ("tp", tp)) if v > 1) or "one GPU a rank"
+            raise MemfitError(f"{what} over {world.describe()} leaves {dp} data-parallel ranks: set parallel=fsdp "
+                              f"(--parallel fsdp){' or ddp' if pp == 1 else ''}, or degrees that use every GPU")
+        replicate = 1
+        if shard_over == "node" and world.nodes > 1:
+            # HSDP: one FSDP group a node (of a stage), replicated over the nodes that hold the same stage
+            replicate = world.nodes // pp if world.nodes % pp == 0 else 1
+        return cls(world, pp, replicate, dp // replicate, tp)
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def sizes(self) -> tuple:
+        return (self.pp, self.replicate, self.shard, self.tp)
+
+    def coords(self, rank: int) -> dict:
+        """``rank``'s index along each dimension."""
+        out = {}
+        for name, size in reversed(tuple(zip(self.NAMES, self.sizes))):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in self.NAMES}
+
+    def rank(self, **coords) -> int:
+        """The rank at these coordinates (0 along the dimensions not given)."""
+        out = 0
+        for name, size in zip(self.NAMES, self.sizes):
+            out = out * size + coords.get(name, 0)
+        return out
+
+    def describe(self) -> str:
+        parts = [f"pp={self.pp}"] if self.pp > 1 else []
+        if self.dp > 1:
+            parts.append(f"dp={self.shard}" if self.replicate == 1 else
+                         f"dp={self.replicate}x{self.shard} (replicate x shard)")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        return " x ".join(parts) or "1 rank"
+
+    def device_mesh(self, device: str):
+        """The whole mesh, every dimension named (size 1 included), made of real rank tensors outside every
+        dispatch mode of an estimate: a slice finds this rank's row with nonzero(), which under the estimate's
+        modes read row 0 (a stage past the first held empty shards)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return init_device_mesh(device, self.sizes, mesh_dim_names=self.NAMES)
+
+    @staticmethod
+    def data_parallel(mesh):
+        """FSDP2's mesh of a whole mesh: the shard dimension, with the replicate one before it under HSDP."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return mesh["shard"] if mesh["replicate"].size() == 1 else mesh["replicate", "shard"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +218,29 @@ def fake_world(world: World, rank: int = 0):
         if token is not None:
             _CURRENT.reset(token)
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches of sharding and redistribution plans: they are keyed by meshes that compare equal
+    across fake worlds (same ranks, same names) but hold the process groups of the world that made them, which
+    the next rank's world no longer has ("could not resolve the process group")."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+    except ImportError:
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, getattr(propagator, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+    import torch
+
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's own cache
+        torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 @contextlib.contextmanager

@@ -202,7 +202,10 @@ class _Step:
         index = self.count
         if self.pipeline is not None:  # the stage's schedule runs every micro-batch (pipeline_parallel.py)
             self.watch.begin("forward", index)
-            total = self.pipeline(micro, self.watch, index)
+            with contextlib.ExitStack() as stack:
+                for context in self.micro_contexts:  # loss parallel, around the schedule's losses and backwards
+                    stack.enter_context(context())
+                total = self.pipeline(micro, self.watch, index)
             self._mark_gradients()
             return total
         if weights is None:

@@ -37,8 +37,9 @@ rank while it is sharded (``host_bytes``); ``device`` built whole on the GPU (``
 sharded: the construction is traced with the step, and its peak (the whole model plus the shards made
 so far) counts.
 
-``tp=N`` is tensor parallelism (``tensor_parallel.py``): the model split over N ranks of a node first, then
-FSDP2 or DDP over the rest of the world.
+``pp=N`` and ``tp=N`` (``pipeline_parallel.py``, ``tensor_parallel.py``) run on one device mesh of the world,
+``hardware.cluster.Layout``'s pp x replicate x shard x tp (torchtitan's order): the stage is cut first, its
+blocks split over the TP group, then FSDP2 shards it over the data-parallel dimensions.
 
 Does not combine with (yet, each one error): chunked_loss (its head runs outside the root's
 forward, on resharded weights), compile, qlora and 8/4-bit optimizers (bitsandbytes does not take
@@ -163,13 +164,8 @@ def _apply(build) -> None:
     from memfit.hardware.cluster import placement
 
     place = placement()
-    if recipe.pp > 1:
-        place = pipeline(build, place)  # this stage's data-parallel ranks
-        if recipe.parallel == "none":
-            build.watch.settle()
-            return
-    if recipe.tp > 1:
-        place = tensor_parallel(build, place)
+    if recipe.pp > 1 or recipe.tp > 1:
+        place = _mesh_parallel(build, place)  # this rank's data-parallel ranks
         if recipe.parallel == "none":
             build.watch.settle()
             return
@@ -185,13 +181,33 @@ def _apply(build) -> None:
         build.watch.settle()  # construction (sharding, DDP's buckets) is before the step
 
 
+def _mesh_parallel(build, place):
+    """Pipeline and tensor parallelism on one mesh of the world (``Layout``: pp x replicate x shard x tp): the
+    stage is cut from the model, then its blocks are split over the TP group. Returns the placement FSDP2 or
+    DDP then uses: the data-parallel ranks that hold the same part."""
+    import dataclasses
+
+    from memfit.hardware.cluster import Layout, World
+
+    recipe = build.recipe
+    layout = Layout.of(place.world, pp=recipe.pp, tp=recipe.tp, parallel=recipe.parallel,
+                       shard_over=recipe.shard_over)
+    mesh = layout.device_mesh(place.mesh.device_type)
+    if recipe.pp > 1:
+        pipeline(build, mesh)
+    if recipe.tp > 1:
+        tensor_parallel(build, mesh)
+    dp = Layout.data_parallel(mesh)
+    return dataclasses.replace(place, world=World(layout.shard, layout.replicate), mesh=dp, flat=dp)
+
+
 def _shard(build, place) -> None:
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     recipe = build.recipe
     reshard = reshard_value(recipe.reshard_after_forward)
-    shards = place.world.gpus if recipe.shard_over == "node" else place.world.size
+    shards = (place.mesh if recipe.shard_over == "node" else place.flat).shape[-1]
     if isinstance(reshard, int) and not isinstance(reshard, bool) and shards % reshard:
         raise MemfitError(f"reshard_after_forward={reshard} does not divide the {shards} GPUs FSDP2 shards over: "
                           "pick a divisor, or true / false")
@@ -212,7 +228,7 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     from memfit.techniques.checkpointing import find_blocks
 
     mesh = place.mesh if build.recipe.shard_over == "node" else place.flat
-    shards = place.world.gpus if build.recipe.shard_over == "node" else place.world.size
+    shards = mesh.shape[-1]
     blocks = _units(build.model, find_blocks(build.model))
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
     if uneven is not None:
@@ -244,6 +260,7 @@ def _mesh_outside_fake():
     refused, so that one function runs with the fake mode lifted (it allocates no parameter)."""
     import torch.distributed.fsdp._fully_shard._fully_shard as module
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.scoped import patched
 
@@ -260,7 +277,8 @@ def _mesh_outside_fake():
             return made(*args, **kwargs)
 
     def concatenate(meshes):
-        with unset_fake_temporarily():
+        # every mode lifted, the ledger's too: the slice finds this rank's row with nonzero() (row 0 under them)
+        with _disable_current_modes():
             return joined.__func__(meshes)
 
     with contextlib.ExitStack() as stack:

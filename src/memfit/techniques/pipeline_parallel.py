@@ -18,9 +18,13 @@ fake process group cannot answer).
 
 Written here, not taken from a library: torchtitan's cut and stage split live in a training repository, not a
 package, and they split torchtitan's own model classes. Not yet (each an error naming it): interleaved and
-zero-bubble schedules (several stages a rank), pipeline with tensor parallelism, DDP or FSDP2's offload, across
-nodes, a caller's own loss. With ``parallel=fsdp`` FSDP2 shards each stage over its data-parallel ranks (the
-inner dimension of the (pp, dp) mesh, torchtitan's order); ``PipelineStage`` drives FSDP2's gradient sync.
+zero-bubble schedules (several stages a rank), DDP or FSDP2's offload, a caller's own loss. The stage is this
+rank's index along the mesh's ``pp`` dimension (``hardware.cluster.Layout``: pp outermost, so stages split the
+nodes when there are several); with ``parallel=fsdp`` FSDP2 shards it over its data-parallel ranks and
+``PipelineStage`` drives FSDP2's gradient sync. With ``tp`` the stage's blocks are split over its TP group
+(the model's own plan, its paths renamed to the stage's: ``renames``); with sequence parallel the stages pass
+each other the residual stream's sequence shards (``sequence_mesh``), and with loss parallel the last stage's
+loss runs on vocabulary shards.
 A tied head on the last stage keeps its own copy of the embedding matrix (nothing in torch's pipelining keeps
 tied weights across stages equal): its memory is counted, as a real run holds it.
 """
@@ -46,7 +50,7 @@ def pipeline_conflict(recipe) -> str | None:
         if recipe.pp_schedule != "1f1b":
             return f"pp_schedule={recipe.pp_schedule} needs pipeline parallelism: set pp to 2 or more"
         return None
-    clashes = (("tp", recipe.tp > 1), ("parallel", recipe.parallel == "ddp"), ("offload", recipe.offload != "none"),
+    clashes = (("parallel", recipe.parallel == "ddp"), ("offload", recipe.offload != "none"),
                ("compile", bool(recipe.compile)),
                ("chunked_loss", bool(recipe.chunked_loss)), ("lora", recipe.lora != "off"),
                ("optimizer_in_backward", bool(recipe.optimizer_in_backward)),
@@ -107,6 +111,7 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
             self.layers = torch.nn.ModuleList(layers[i] for i in blocks)
             self.rotary = rotary
             self.norm, self.head = (norm, head) if last else (None, None)
+            self.sequence_mesh = None  # the TP mesh, with sequence parallel (tensor_parallel.py sets it)
 
         def forward(self, x):
             with contextlib.ExitStack() as stack:
@@ -114,6 +119,10 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
                     stack.enter_context(context())
                 if self.embed is not None:
                     x = self.embed(x)
+                elif self.sequence_mesh is not None:  # the residual stream's sequence shard, as TP's blocks take it
+                    from torch.distributed.tensor import DTensor, Shard
+
+                    x = DTensor.from_local(x, self.sequence_mesh, (Shard(1),), run_check=False)
                 position_ids = torch.arange(x.shape[1], device=x.device)[None]
                 extra = {"position_ids": position_ids}
                 if self.rotary is not None:
@@ -122,25 +131,27 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
                     x = layer(x, **extra)
                 if self.head is not None:
                     x = self.head(self.norm(x))
+                elif self.sequence_mesh is not None:  # sent to the next stage as this rank's shard
+                    x = x.to_local()
             return x
 
     stage = Stage()
     stage.config = getattr(model, "config", None)  # what the techniques after this one read (use_cache)
+    # what tensor parallelism reads: the model's own plan (``whole``, kept out of the stage's modules) and its
+    # module paths as the stage names them; a path of another stage's part is None
+    stage.__dict__["whole"] = model
+    paths = {id(m): name for name, m in model.named_modules()}
+    stage.renames = {paths[id(embed)]: "embed" if first else None, paths[id(layers)]: "layers",
+                     paths[id(norm)]: "norm" if last else None, paths[id(head)]: "head" if last else None}
     return stage
 
 
-def pipeline(build, place):
-    """Cut ``build.model`` into ``recipe.pp`` stages, keep this rank's, and make the step run the schedule: the
-    build's model becomes the stage, and ``build.pipeline`` runs one optimizer step's micro-batches through it.
-    Returns the placement of the stage's data-parallel ranks (the inner dimension of the (pp, dp) mesh)."""
-    import dataclasses
-
+def pipeline(build, mesh):
+    """Cut ``build.model`` into ``recipe.pp`` stages, keep this rank's (its index along ``mesh["pp"]``), and make
+    the step run the schedule: the build's model becomes the stage, and ``build.pipeline`` runs one optimizer
+    step's micro-batches through it."""
     import torch
     from torch.distributed import pipelining
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from memfit.hardware.cluster import World
 
     recipe, model = build.recipe, build.model
     if build.user_loss:
@@ -150,20 +161,7 @@ def pipeline(build, place):
         raise MemfitError(f"pp={recipe.pp} with the 1f1b schedule needs at least {recipe.pp} micro-batches a step, "
                           f"got grad_accum_steps={recipe.grad_accum_steps}: set --grad-accum-steps {recipe.pp} (or "
                           "more), or pp_schedule=gpipe")
-    world = place.world
-    if world.nodes > 1 or world.size % recipe.pp:
-        raise MemfitError(f"pp={recipe.pp} over {world.describe()}: memfit models a pipeline within one node, over a "
-                          "number of GPUs it divides; use --gpus a multiple of pp, one node")
-    dp = world.size // recipe.pp
-    if dp > 1 and recipe.parallel != "fsdp":
-        raise MemfitError(f"pp={recipe.pp} over {world.size} GPUs leaves {dp} data-parallel ranks a stage: set "
-                          f"parallel=fsdp, or pp={world.size}")
-    # pp outermost, as torchtitan orders it; the mesh and its slices are made of real rank tensors, outside every
-    # dispatch mode of an estimate (a slice finds this rank's row with nonzero(): under the estimate's modes
-    # that read gave row 0, and a stage past the first held empty shards)
-    with _disable_current_modes():
-        mesh = init_device_mesh(place.mesh.device_type, (recipe.pp, dp), mesh_dim_names=("pp", "shard"))
-        pipe, shard = mesh["pp"], mesh["shard"]
+    pipe = mesh["pp"]
     embed, layers, _, _, head = _parts(model)
     stages = cut(len(layers), recipe.pp)
     index = pipe.get_local_rank()
@@ -178,8 +176,6 @@ def pipeline(build, place):
                                loss=lambda logits, labels: loss_function(logits=logits, labels=labels,
                                                                           vocab_size=vocab),
                                modules=(pipelining, torch))
-    # the data-parallel ranks of this stage: FSDP2 shards the stage over them (parallel.py)
-    return dataclasses.replace(place, world=World(dp, 1), mesh=shard, flat=shard)
 
 
 def _static_metadata(stages, has_backward: bool, p2p_done: bool) -> None:
@@ -207,6 +203,7 @@ class _Pipeline:
         self.pipelining, self.torch = modules
         self.schedule = None
         self.first, self.last = index == 0, index == recipe.pp - 1
+        self.shards = 1  # the sequence's shards between stages (sequence parallel over the TP group)
 
     def _build(self, rows: int, length: int, device) -> None:
         torch, pipelining = self.torch, self.pipelining
@@ -214,10 +211,11 @@ class _Pipeline:
         mixed = self.recipe.precision.endswith("-mixed")
         low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.recipe.precision)
         with torch.device("meta"):
+            between = (rows, length // self.shards, self.hidden)  # a stage's hidden states, as it sends them
             inputs = torch.empty(rows, length, dtype=torch.long) if self.first else \
-                torch.empty(rows, length, self.hidden, dtype=dtype, requires_grad=True)
+                torch.empty(between, dtype=dtype, requires_grad=True)
             outputs = torch.empty(rows, length, self.vocab, dtype=low if mixed else dtype, requires_grad=True) \
-                if self.last else torch.empty(rows, length, self.hidden, dtype=dtype, requires_grad=True)
+                if self.last else torch.empty(between, dtype=dtype, requires_grad=True)
         inputs, outputs = (torch.empty_like(t, device=device).requires_grad_(t.requires_grad)
                            for t in (inputs, outputs))
         stage = pipelining.PipelineStage(self.stage_module, self.index, self.recipe.pp, device,

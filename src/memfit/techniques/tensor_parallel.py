@@ -5,8 +5,9 @@ applies: ``colwise`` / ``rowwise`` linears, the embedding sharded over its rows,
 torch's parallel styles: each rank holds 1/N of the attention and MLP weights, their gradients and optimizer
 state, and the activations of its heads. A tied head is re-tied to the embedding's shard, and what the plan
 leaves whole is replicated as DTensors (torchtitan's ``NoParallel``). The data-parallel ranks are the rest of
-the world (``gpus / tp`` per node): ``parallel.py`` then runs FSDP2 over them on the 2-D mesh (dp_shard x tp,
-torchtitan's), HSDP across nodes on the 3-D one; ``parallel=none`` needs ``tp`` = every GPU. Each TP rank
+the world: TP is the innermost dimension of the run's mesh (``hardware.cluster.Layout``, pp x replicate x shard
+x tp, torchtitan's order) and ``parallel.py`` runs FSDP2 over the data-parallel ones (HSDP across nodes); a
+pipeline stage is split the same way (``pipeline_parallel.py``); ``parallel=none`` needs every GPU used. Each TP rank
 reads the same micro-batch. ``sequence_parallel`` and ``loss_parallel`` add torchtitan's sequence sharding of
 the residual stream and its vocabulary-sharded cross-entropy over the same plan (``_sequence_plan``). Not
 yet: MoE experts (a plan naming them is one error). Written here rather than taken from transformers' own TP
@@ -166,49 +167,45 @@ def _gathered(args, kwargs, mesh):
     return args, kwargs
 
 
-def tensor_parallel(build, place):
-    """Shard the model over the TP dimension of a (replicate x) shard x tp mesh; the placement returned is
-    the data-parallel one FSDP2 or DDP then uses (its world: the ranks holding the other parts)."""
-    import dataclasses
-
-    from torch.utils._python_dispatch import _disable_current_modes
-    from torch.distributed.device_mesh import init_device_mesh
+def tensor_parallel(build, mesh):
+    """Shard the model (or its pipeline stage) over ``mesh["tp"]``, the innermost dimension of the run's mesh
+    (``Layout``); FSDP2 or DDP then runs over its data-parallel dimensions."""
     from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    from memfit.hardware.cluster import World
-
-    tp, world = build.recipe.tp, place.world
-    if world.gpus % tp:
-        raise MemfitError(f"tp={tp} does not divide the {world.gpus} GPUs per node: tensor parallelism stays within a "
-                          "node; use a divisor of --gpus")
-    dp = World(world.gpus // tp, world.nodes)
-    if dp.size > 1 and build.recipe.parallel == "none":
-        raise MemfitError(f"tp={tp} over {world.describe()} leaves {dp.size} data-parallel ranks: set parallel=fsdp "
-                          f"or ddp, or tp={world.gpus}")
-    device = place.mesh.device_type
-    # the mesh and its slices are made of real rank tensors, outside every dispatch mode of an estimate (a slice
-    # finds this rank's row with nonzero(): under the estimate's modes a rank past the first read row 0)
+    tp = build.recipe.tp
     with _disable_current_modes():
-        if world.nodes == 1:
-            mesh = init_device_mesh(device, (dp.gpus, tp), mesh_dim_names=("shard", "tp"))
-            shard = flat = mesh["shard"]
-        else:
-            mesh = init_device_mesh(device, (world.nodes, dp.gpus, tp), mesh_dim_names=("replicate", "shard", "tp"))
-            shard = mesh["replicate", "shard"]
-            flat = shard._flatten("dp")
         tp_mesh = mesh["tp"]
     # every rank built the same weights (or sharding follows on meta): each cuts its own part, no scatter from
     # rank 0 (whose send buffers gloo keeps for a while: a rank-0-only excess in the truth, not the step's)
     recipe = build.recipe
-    parallelize_module(build.model, tp_mesh, tp_plan(build.model, tp, sequence=recipe.sequence_parallel,
-                                                         loss=recipe.loss_parallel), src_data_rank=None)
+    whole = build.model.__dict__.get("whole", build.model)  # a pipeline stage's model (pipeline_parallel.py)
+    plan = tp_plan(whole, tp, sequence=recipe.sequence_parallel, loss=recipe.loss_parallel)
+    if whole is not build.model:
+        plan = _on_stage(plan, build.model.renames)
+        if recipe.sequence_parallel:  # the stages pass each other the residual stream's sequence shards
+            build.model.sequence_mesh = tp_mesh
+            build.pipeline.shards = tp
+    parallelize_module(build.model, tp_mesh, plan, src_data_rank=None)
     _retie(build.model)
     _replicate_rest(build.model, tp_mesh)
     if recipe.loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         build.micro_contexts.append(loss_parallel)
-    return dataclasses.replace(place, world=dp, mesh=shard, flat=flat)
+
+
+def _on_stage(plan: dict, renames: dict) -> dict:
+    """``plan``'s entries for the parts a pipeline stage holds, each path as the stage names it."""
+    out = {}
+    for name, style in plan.items():
+        prefix = max((p for p in renames if name == p or name.startswith(p + ".")), key=len, default=None)
+        if prefix is None:
+            raise MemfitError(f"tp with pp: the plan's {name} is outside the blocks, embedding, norm and head a "
+                              "stage holds; use pp=1 or tp=1")
+        if renames[prefix] is not None:
+            out[renames[prefix] + name[len(prefix):]] = style
+    return out
 
 
 def _retie(model) -> None:
