@@ -81,6 +81,16 @@ CASES = [
                                                    "precision": "bf16-mixed", "checkpointing": "blocks"}, 4, 1),
     # FSDP2 shards each stage over its data-parallel ranks: the (pp, dp) mesh, 2 x 2
     ("pp-2-fsdp-2-1f1b", PIPE, 4, {"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4}, 8, 1),
+    # a stage a node, FSDP2 within it (pp outermost: the stages split the nodes)
+    ("pp-2-over-2-nodes-fsdp-2", PIPE, 4, {"pp": 2, "parallel": "fsdp", "micro_batch_size": 1,
+                                           "grad_accum_steps": 4}, 8, 2),
+    # PP x TP on one (pp, tp) mesh: sequence shards between stages, the last stage's loss on vocabulary shards
+    ("pp-2-tp-2-sequence-loss", PIPE, 4, {"pp": 2, "tp": 2, "sequence_parallel": True, "loss_parallel": True,
+                                          "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),
+    # the 3-D mesh of torchtitan's 405B row, in small: (pp, dp, tp) = 2 x 2 x 2
+    ("pp-2-fsdp-2-tp-2-sequence-loss-bf16-checkpointing", PIPE, 8,
+     {"pp": 2, "tp": 2, "parallel": "fsdp", "mixed_precision": "bf16", "checkpointing": "blocks",
+      "sequence_parallel": True, "loss_parallel": True, "micro_batch_size": 1, "grad_accum_steps": 4}, 8, 1),
 ]
 SEQ = 64
 
