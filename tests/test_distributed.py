@@ -261,8 +261,9 @@ def test_plan_across_gpus_checks_its_choice(configs):
 def test_plan_across_gpus_nothing_fits_and_bad_input(configs):
     with pytest.raises(memfit.NothingFits, match="nothing fits 2 GPU"):
         memfit.plan(configs["tiny"], gpu="rtx-4090", budget="430MiB", gpus=2, global_batch_size=4, seq_len=32)
-    with pytest.raises(MemfitError, match="does not divide over 2 GPUs"):
-        memfit.plan(configs["tiny"], gpu="rtx-4090", gpus=2, global_batch_size=3, seq_len=32)
+    # 3 examples over 4 GPUs: neither data parallel alone nor dp=2 x tp=2 splits them (tp=4: 2 key-value heads)
+    with pytest.raises(MemfitError, match="does not divide over 4 GPUs"):
+        memfit.plan(configs["tiny"], gpu="rtx-4090", gpus=4, global_batch_size=3, seq_len=32)
     with pytest.raises(MemfitError, match="drop allow="):
         memfit.plan(configs["tiny"], gpu="rtx-4090", gpus=2, global_batch_size=4, seq_len=32, allow="qlora")
 

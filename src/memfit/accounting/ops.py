@@ -16,8 +16,10 @@ Views are not kernels and are skipped; in-place ops are.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
+
+from memfit.accounting.events import plain
 
 __all__ = ["OpCounter", "DTYPE_CODES"]
 
@@ -67,6 +69,8 @@ class OpCounter:
     def record(self, func, args, kwargs, out) -> None:
         if func in _NOT_KERNELS or not _is_kernel(func):
             return
+        # a DTensor's kernel runs on its local shard (tensor parallelism: 1/tp of a sharded matmul's FLOPs)
+        args, kwargs, out = tree_map(lambda v: plain(v)[0] if isinstance(v, torch.Tensor) else v, (args, kwargs, out))
         flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in flat)
         formula = _formula(func)

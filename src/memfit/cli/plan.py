@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from memfit.cli import _args
@@ -18,7 +19,7 @@ def build(pl) -> None:
     _args.add_seq_len(pl)
     pl.add_argument("--batch-size", "--global-batch-size", dest="global_batch_size", type=_args.positive, metavar="N",
                     default=None, help="examples per optimizer step, split into micro-batch x accumulation, as "
-                    "estimate's --batch-size (default 8; with --batch, the batch's rows); --global-batch-size "
+                    "estimate's --batch-size (default 8, across GPUs a multiple of 8 that gives each one a row; with --batch, the batch's rows); --global-batch-size "
                     "is the same flag")
     _args.add_batch(pl, help="package.module:function returning the global batch (for "
                     "factory models; dim 0 is split into micro-batches)")
@@ -41,7 +42,9 @@ def run(args) -> int:
     if args.out is not None:
         _args.check_out(args.out)
     batch = _args.import_spec(args.batch)
-    gbs = args.global_batch_size if args.global_batch_size is not None or batch is not None else 8
+    gbs = args.global_batch_size
+    if gbs is None and batch is None:  # 8, or across GPUs the smallest multiple of 8 that gives each one a row
+        gbs = math.lcm(8, (args.gpus or 1) * (args.nodes or 1)) if isinstance(args.gpus, int) else 8
     with _args.progress(f"planning {args.model}") as update:
         try:
             plans = plan(_args.model_of(args), batch, budget=args.budget, gpu=args.gpu, device=args.device,

@@ -86,6 +86,8 @@ CATALOG: dict[str, CatalogEntry] = {
     "llama-3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256),
     "llama-3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256),
     "llama-3.3-70b": _llama(8192, 28672, 80, 64, 8, 128256),
+    # meta-llama/Llama-3.1-405B (torchtitan's largest published row: FSDP8 x TP8 x PP8)
+    "llama-3.1-405b": _llama(16384, 53248, 126, 128, 8, 128256),
     # mistralai/Mistral-7B-v0.1
     "mistral-7b": CatalogEntry("mistral", "causal-lm", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -30,6 +30,7 @@ without activations), and nobody ranks configurations by speed under a memory li
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.hardware.cluster import World, fake_world
@@ -42,7 +43,7 @@ from memfit.techniques.parallel import mixed_dtypes
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["plan_ranks", "NoWorld", "structures", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
+__all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees", "tp_seconds", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
@@ -75,6 +76,49 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
         for base in bases + ((offload,) if host_step else ()) + tuple(spread):
             found.append({**base, "checkpointing": checkpointing, "optimizer": optimizer})
     return found
+
+
+#: the largest TP degree searched: TP's collectives run every layer, so it stays within an NVLink domain of 8
+#: (H100 / H200 HGX boards; torchtitan's published rows use 8)
+MAX_TP = 8
+
+
+def tp_degrees(source, world: World) -> list[int]:
+    """The TP degrees a plan searches for ``source`` on ``world``: those dividing the GPUs per node (at most
+    ``MAX_TP``) and the model's heads and MLP width, where the model has a tensor-parallel plan."""
+    config = source.config
+    if config is None or not getattr(config, "base_model_tp_plan", None):
+        return []
+    sizes = [getattr(config, n, None) for n in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
+    return [tp for tp in (2, 4, 8) if tp <= min(world.gpus, MAX_TP) and world.gpus % tp == 0
+            and all(not isinstance(v, int) or v % tp == 0 for v in sizes)]
+
+
+def tp_structures(card, world: World, tp: int, has_blocks: bool, optimizer: str) -> list[dict]:
+    """FSDP2 x TP at ``tp`` as torchtitan runs it: sequence and loss parallel, FSDP2's bf16 policy where the card
+    has it, gradients reduce-scattered every micro-batch (kept unsharded to the last, a 405B model's are 188 GiB
+    a rank at tp=8); FSDP2 over the data-parallel ranks of a node (HSDP between nodes) or over every one."""
+    policy = {"mixed_precision": "bf16:fp32"} if card is None or card.bf16 else {}
+    base = {"parallel": "fsdp", "tp": tp, "sequence_parallel": True, "loss_parallel": True, "sync_grads": "every",
+            **policy}
+    dp = world.size // tp
+    overs = ["node"] + (["world"] if world.nodes > 1 and dp <= MAX_SHARD else [])
+    return [{**base, "shard_over": over, "checkpointing": checkpointing, "optimizer": optimizer}
+            for checkpointing in (("off", "blocks") if has_blocks else ("off",)) for over in overs]
+
+
+def tp_seconds(recipe: Recipe, rows: int, seq_len: int, hidden: int, layers: int, micro_batches: int, card) -> float:
+    """Seconds of one rank's TP collectives per step, none hidden (no async TP): with sequence parallel each block
+    all-gathers the residual stream before its attention and its MLP and reduce-scatters after them (without it,
+    two all-reduces: the same bytes), in forward, again in a checkpointed block's recompute, and in backward;
+    a ring moves (tp-1)/tp of the gathered ``rows x seq_len x hidden`` activation at the card's link."""
+    if recipe.tp == 1:
+        return 0.0
+    width = 2 if "bf16" in str(recipe.mixed_precision) or recipe.precision != "fp32" else 4
+    gathered = rows * seq_len * hidden * width
+    passes = 2 + (recipe.checkpointing != "off")  # forward, backward, recompute
+    ring = gathered * (recipe.tp - 1) / recipe.tp / (peer_link(card)[1] * EFFICIENCY["host_link"])
+    return layers * micro_batches * passes * 4 * ring
 
 
 #: bytes/s one rank's share of the host streams through an offloaded optimizer step: a node's DRAM
@@ -127,70 +171,144 @@ class NoWorld(MemfitError):
     """``smallest_world`` had no world to try: the global batch divides over none larger."""
 
 
+@dataclass(frozen=True)
+class _Point:
+    """A candidate's per-rank memory and kernel seconds: one trace's, or composed at the model's depth from two
+    shallow copies' (``depth.at_depth``: phase peaks and kernel times are affine in depth)."""
+
+    peak_bytes: int
+    reserved_bytes: int | None
+    device_bytes: int
+    verdict: str | None
+    parameters: int
+    compute: float
+    retries: bool = False
+    tight: bool = False
+
+    @classmethod
+    def of(cls, report, compute: float) -> "_Point":
+        # out of memory: what the step needs (held at the limit + missing), which is what grows with depth
+        need = report.device_bytes + (report.missing_bytes or 0)
+        return cls(report.peak_bytes, report.reserved_bytes, need, report.verdict, report.parameters,
+                   compute, bool(report.retries), bool(report.tight))
+
+    @classmethod
+    def at(cls, low: "_Point", high: "_Point", a: int, b: int, depth: int, budget: int) -> "_Point":
+        from memfit.estimator.depth import at_depth
+        from memfit.estimator.verdict import FITS, OOM
+
+        def line(name):
+            x, y = getattr(low, name), getattr(high, name)
+            return None if x is None or y is None else int(at_depth(x, y, a, b, depth))
+
+        device = line("device_bytes")
+        # a shallow copy that does not fit: nor does the deeper model (memory grows with depth)
+        fits = device <= budget and OOM not in (low.verdict, high.verdict)
+        return cls(line("peak_bytes"), line("reserved_bytes"), device, None if high.verdict is None else
+                   FITS if fits else OOM, line("parameters"),
+                   at_depth(low.compute, high.compute, a, b, depth), high.retries, high.tight)
+
+
+def _shallow_depths(source) -> tuple | None:
+    """The two depths a deep decoder of identical blocks is traced at (``depth.SHALLOW``), or None: traced whole."""
+    from memfit.estimator.depth import SHALLOW, layer_kinds
+    from memfit.estimator.estimate import FAST_MIN_DEPTH
+
+    depth = source.depth or 0
+    if source.config is None or depth < FAST_MIN_DEPTH or len(set(layer_kinds(source.config, depth))) > 1:
+        return None
+    return SHALLOW
+
+
 def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_size: int, seq_len, optimizer: str,
                loss_fn=None, progress=None) -> Plans:
-    """The fastest per-rank recipes that fit ``budget_bytes`` on each of ``world``'s GPUs (``target``)."""
+    """The fastest per-rank recipes that fit ``budget_bytes`` on each of ``world``'s GPUs (``target``): data
+    parallel alone and, for a model with a tensor-parallel plan, FSDP2 x TP over each degree ``tp_degrees``
+    allows (the mesh: dp x tp)."""
     from memfit.estimator.estimate import estimate
     from memfit.estimator.fake_trace import fake_trace
+    from memfit.estimator.verdict import OOM
     from memfit.techniques.checkpointing import find_blocks
 
     start = time.perf_counter()
-    if global_batch_size % world.size:
-        raise MemfitError(f"global_batch_size={global_batch_size} does not divide over {world.size} GPUs: use a "
-                          f"multiple of {world.size}")
-    per_rank = global_batch_size // world.size
     speed = Speed.from_gpu(target)
     has_blocks = bool(source.depth)
     if not has_blocks:
         with _meta(source) as model:
             has_blocks = bool(model is not None and find_blocks(model))
-    shapes = structures(target, world, has_blocks, optimizer)
-    sizes = sorted((d for d in divisors(per_rank) if per_rank // d <= MAX_ACCUM_STEPS), reverse=True)
+    # the data-parallel ranks split the global batch: each TP degree whose dp = size / tp divides it
+    degrees = [tp for tp in (tp_degrees(source, world) if world.size > 1 and loss_fn is None else [])
+               if global_batch_size % (world.size // tp) == 0]
+    if global_batch_size % world.size and not degrees:
+        raise MemfitError(f"global_batch_size={global_batch_size} does not divide over {world.size} GPUs: use a "
+                          f"multiple of {world.size}")
+    shapes = [(1, fields) for fields in structures(target, world, has_blocks, optimizer)
+              if global_batch_size % world.size == 0]
+    shapes += [(tp, fields) for tp in degrees for fields in tp_structures(target, world, tp, has_blocks, optimizer)]
+    depths = _shallow_depths(source)
+    config = source.config
+    hidden = getattr(config, "hidden_size", 0) or 0
     done, traces, results, notes = [0], [0], [], []
     if world.nodes > 1 and world.size > MAX_SHARD:
         notes.append(f"FSDP over all {world.size} ranks left out (past {MAX_SHARD} a per-rank trace takes minutes): "
                      "HSDP, sharded within each node, searched")
-    total = len(shapes) * (2 + max(1, len(sizes).bit_length()))
+    if degrees:
+        notes.append(f"tensor parallel searched at tp={', '.join(map(str, degrees))} (FSDP2 x TP, sequence and loss "
+                     "parallel); pipeline, context and expert parallel are not searched yet")
+    if depths:
+        notes.append(f"each candidate traced at {depths[0]} and {depths[1]} blocks and composed at {source.depth} "
+                     "(memory and kernel time affine in depth); the chosen one is estimated at full depth")
+    total = len(shapes) * (2 + max(1, (global_batch_size // world.size).bit_length())) * (len(depths or (0,)))
 
     def tick():
         done[0] += 1
         if progress is not None:
             progress(min(done[0], total), total)
 
-    def trace(fields: dict, micro: int):
-        """(recipe, report, replay, micro-batches traced): memory stops changing after the second
-        micro-batch, so at most ``TRACED_MICRO`` run (a per-rank batch of thousands of micro-batches
-        would trace each one, twice); the step's kernels are scaled to all of them."""
-        recipe = Recipe(**fields, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
-        traced = min(recipe.grad_accum_steps, TRACED_MICRO)
-        traces[0] += 1
+    def one(model, recipe: Recipe, micro: int, traced: int) -> _Point:
         with fake_world(world, 0):
-            report, replay = fake_trace(source, None, recipe=recipe.replace(grad_accum_steps=traced), loss_fn=loss_fn,
+            report, replay = fake_trace(model, None, recipe=recipe.replace(grad_accum_steps=traced), loss_fn=loss_fn,
                                         optimizer=None, steps=2, batch_size=micro * traced, seq_len=seq_len, gpu=target,
                                         budget=budget_bytes, detail=True)
         tick()
-        return recipe, report, replay, traced
-
-    for fields in shapes:
-        fit = _largest_fitting(trace, fields, sizes)
-        if fit is None:
-            continue
-        recipe, report, replay, traced = fit
         rows = KernelRows.of(replay.ops)
         phases = Phases(replay.series)
         micro_rows = rows.where(phases.mask(rows.marks(), "forward", 1) | phases.mask(rows.marks(), "backward", 1))
         step_rows = rows.where(phases.mask(rows.marks(), "optimizer", 1))
-        compute = (speed.kernel_seconds(micro_rows.cost()) * recipe.grad_accum_steps / traced
-                   + speed.kernel_seconds(step_rows.cost()))
-        comm, exposed = comm_seconds(recipe, world, report.parameters, (source.depth or 0) + 1,
+        return _Point.of(report, speed.kernel_seconds(micro_rows.cost()) * recipe.grad_accum_steps / traced
+                         + speed.kernel_seconds(step_rows.cost()))
+
+    def trace(fields: dict, micro: int, per_rank: int):
+        """(recipe, point, micro-batches traced): memory stops changing after the second micro-batch, so at most
+        ``TRACED_MICRO`` run (a per-rank batch of thousands of micro-batches would trace each one, twice); the
+        step's kernels are scaled to all of them."""
+        recipe = Recipe(**fields, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
+        traced = min(recipe.grad_accum_steps, TRACED_MICRO)
+        traces[0] += 1
+        if depths is None:
+            return recipe, one(source, recipe, micro, traced), traced
+        low, high = (one(source.shallow(d), recipe, micro, traced) for d in depths)
+        return recipe, _Point.at(low, high, *depths, source.depth, budget_bytes), traced
+
+    for tp, fields in shapes:
+        per_rank = global_batch_size // (world.size // tp)  # TP peers read the same rows
+        sizes = sorted((d for d in divisors(per_rank) if per_rank // d <= MAX_ACCUM_STEPS), reverse=True)
+        fit = _largest_fitting(lambda f, m: trace(f, m, per_rank), fields, sizes)
+        if fit is None:
+            continue
+        recipe, point, traced = fit
+        dp_world = World(world.gpus // tp, world.nodes)
+        comm, exposed = comm_seconds(recipe, dp_world, point.parameters, (source.depth or 0) + 1,
                                      recipe.grad_accum_steps, target)
+        exposed += tp_seconds(recipe, recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0,
+                              recipe.grad_accum_steps, target)
         # the host's optimizer step and the shard copies are not hidden behind the GPU's kernels
-        seconds = max(compute, comm) + exposed + offload_seconds(recipe, world, report.parameters,
-                                                                  recipe.grad_accum_steps, target)
+        seconds = max(point.compute, comm) + exposed + offload_seconds(recipe, dp_world, point.parameters,
+                                                                        recipe.grad_accum_steps, target)
         samples = global_batch_size / seconds
         tokens = samples * seq_len if seq_len else None
-        results.append((Plan(recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, seconds, samples,
-                             tokens, verified=False, verdict=report.verdict), report, compute, comm))
+        results.append((Plan(recipe, point.peak_bytes, point.reserved_bytes, point.device_bytes, seconds, samples,
+                             tokens, verified=False, verdict=point.verdict), point, point.compute, comm))
     if not results:
         try:
             found = smallest_world(source, target, budget_bytes, global_batch_size, seq_len, optimizer, loss_fn,
@@ -213,25 +331,33 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                      "clean fit is chosen")
         results.remove(clean[0])
         results.insert(0, clean[0])
-    best, report, compute, comm = results[0]
-    checked = estimate(source, recipe=best.recipe,
-                       batch_size=global_batch_size, seq_len=seq_len, gpu=target, budget=budget_bytes,
-                       gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+    # the first whose full estimate fits (a composed candidate is a prediction: its full estimate decides)
+    for index, (best, point, compute, comm) in enumerate(results[:1 + 2 * bool(depths)]):
+        checked = estimate(source, recipe=best.recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target,
+                           budget=budget_bytes, gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+        if checked.verdict != OOM or not depths:
+            break
+        notes.append(f"{best.recipe.describe()} was predicted to fit and its full estimate does not: passed over")
+    results = results[index:]
     link, rate = peer_link(target)
-    reasons = (f"{best.recipe.describe()} on {world.describe()}: {format_size(checked.device_bytes)} per rank of "
-               f"{format_size(budget_bytes)} (the highest rank's full estimate)",
-               f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of collectives "
+    tp = best.recipe.tp
+    mesh = f"dp={world.size // tp} x tp={tp}" if tp > 1 else f"dp={world.size}"
+    reasons = (f"{best.recipe.describe()} on {world.describe()} ({mesh}): {format_size(checked.device_bytes)} per rank "
+               f"of {format_size(budget_bytes)} (the highest rank's full estimate)",
+               f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of data-parallel collectives "
                f"({link} {rate / 1e9:,.0f} GB/s within a node"
                + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
-               + "), overlapped")
+               + "), overlapped"
+               + (f"; {tp_seconds(best.recipe, best.recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, best.recipe.grad_accum_steps, target) * 1000:,.0f} ms of TP collectives, not overlapped"
+                  if tp > 1 else ""))
     chosen = Plan(best.recipe, checked.peak_bytes, checked.reserved_bytes, checked.device_bytes, best.step_seconds,
                   best.samples_per_second, best.tokens_per_second, verified=True, reasons=reasons,
                   verdict=checked.verdict, seq_len=seq_len)
     rest = [plan for plan, *_ in results[1:]]
-    notes.append(f"{len(results)} of {len(shapes)} structures fit; {traces[0]} per-rank traces")
+    notes.append(f"{len(results)} of {len(shapes)} structures fit; {traces[0]} per-rank candidates traced")
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": optimizer, "gpus": world.gpus, "nodes": world.nodes, "traces": traces[0],
-                "speed": speed.name}
+                "speed": speed.name, "tp_degrees": degrees}
     return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=len(shapes),
                  front=[], seconds=time.perf_counter() - start, report=checked, settings=settings, notes=notes)
 

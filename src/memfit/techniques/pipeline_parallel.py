@@ -172,10 +172,28 @@ def pipeline(build, mesh):
     build.model = stage
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or embed.weight.shape[1]
+    _drop_the_rest(model, stage)
     build.pipeline = _Pipeline(stage, index, recipe, hidden=hidden, vocab=vocab, group=pipe.get_group(),
                                loss=lambda logits, labels: loss_function(logits=logits, labels=labels,
                                                                           vocab_size=vocab),
                                modules=(pipelining, torch))
+
+
+def _drop_the_rest(model, stage) -> None:
+    """Take the other stages' blocks, embedding, norm and head out of ``model`` (the caller's, which it may still
+    hold), as torchtitan deletes them from each stage's copy: a rank keeps its own stage's weights and no others
+    (kept, a rank held the whole model beside its stage: 1.3 TiB on a 405B stage at tp=8)."""
+    import torch
+
+    kept = {id(m) for m in stage.modules()}
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.ModuleList) and any(id(c) in kept for c in child) \
+                    and id(child) not in kept:  # the model's blocks: keep this stage's
+                setattr(module, child_name, torch.nn.ModuleList(c for c in child if id(c) in kept))
+            elif id(child) not in kept and not any(id(m) in kept for m in child.modules()) \
+                    and any(True for _ in child.parameters()):
+                setattr(module, child_name, None)
 
 
 def _static_metadata(stages, has_backward: bool, p2p_done: bool) -> None:
