@@ -338,7 +338,7 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
     if uneven:
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel, "tp": recipe.tp,
-            "pp": recipe.pp,
+            "pp": recipe.pp, "mesh": layout.describe(),
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)
 

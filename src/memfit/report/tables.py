@@ -58,9 +58,13 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
     if report.world is not None:
         w = report.world
         cluster = f"{w['size']} GPU(s)" if w["nodes"] == 1 else f"{w['nodes']} nodes x {w['gpus']} GPUs"
-        layout = (f"pp={w['pp']} ({recipe.pp_schedule}, {recipe.grad_accum_steps} micro-batches)"
-                  if w.get("pp", 1) > 1 else w["parallel"] if w.get("tp", 1) == 1 else f"tp={w['tp']}"
-                  if w["parallel"] == "none" else f"tp={w['tp']} x {w['parallel']}")
+        layout = w["parallel"]
+        if w.get("pp", 1) > 1 or w.get("tp", 1) > 1:  # the mesh, as hardware.cluster.Layout describes it
+            layout = w.get("mesh") or f"pp={w.get('pp', 1)} x tp={w.get('tp', 1)}"
+            if w.get("pp", 1) > 1:
+                layout += f" ({recipe.pp_schedule}, {recipe.grad_accum_steps} micro-batches)"
+            if w["parallel"] != "none" and "dp=" in layout:
+                layout += f", {w['parallel']} over dp"
         stage = (lambda r: f" (stage {r['rank'] * w['pp'] // w['size']})") if w.get("pp", 1) > 1 else (lambda r: "")
         parts.append(Text(f"per rank: {layout} over {cluster}; rank {w['rank']}'s step, the highest peak of "
                           + ", ".join(f"rank {r['rank']}{stage(r)} {format_size(r['device_bytes'])}"
