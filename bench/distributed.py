@@ -84,6 +84,12 @@ CASES = [
     # a stage a node, FSDP2 within it (pp outermost: the stages split the nodes)
     ("pp-2-over-2-nodes-fsdp-2", PIPE, 4, {"pp": 2, "parallel": "fsdp", "micro_batch_size": 1,
                                            "grad_accum_steps": 4}, 8, 2),
+    # Interleaved 1F1B: two stages a rank (4 in all), each its own FSDP2 root; and with TP
+    ("pp-2-interleaved-1f1b-fsdp-2", PIPE, 4, {"pp": 2, "pp_schedule": "interleaved-1f1b", "parallel": "fsdp",
+                                               "micro_batch_size": 1, "grad_accum_steps": 4}, 8, 1),
+    ("pp-2-interleaved-1f1b-tp-2-sequence-loss", PIPE, 4, {"pp": 2, "pp_schedule": "interleaved-1f1b", "tp": 2,
+                                                           "sequence_parallel": True, "loss_parallel": True,
+                                                           "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),
     # PP x TP on one (pp, tp) mesh: sequence shards between stages, the last stage's loss on vocabulary shards
     ("pp-2-tp-2-sequence-loss", PIPE, 4, {"pp": 2, "tp": 2, "sequence_parallel": True, "loss_parallel": True,
                                           "micro_batch_size": 1, "grad_accum_steps": 4}, 4, 1),

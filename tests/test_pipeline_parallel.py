@@ -40,6 +40,9 @@ def _estimate(path, recipe, gpus, batch=4):
       "checkpointing": "blocks"}, 2),
     # FSDP2 shards each stage over its 2 data-parallel ranks (the (pp, dp) mesh); 1F1B
     ({"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4}, 4),
+    # Interleaved 1F1B: 4 stages, two a rank (0 and 2, 1 and 3), each its own FSDP2 root
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4},
+     4),
 ])
 def test_pipeline_matches_torchrun_on_every_stage(tiny, recipe, gpus):
     batch = 4 * gpus // recipe["pp"]  # 4 rows per data-parallel rank
@@ -102,9 +105,11 @@ def test_1f1b_keeps_fewer_micro_batches_than_gpipe(tiny):
     ({"pp_schedule": "gpipe"}, None, "needs pipeline parallelism"),
     ({"pp": 0}, 2, "pp must be"),
     ({"pp": 2}, 2, "--grad-accum-steps 2"),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batch_size": 1, "grad_accum_steps": 5}, 2, "rounds of 2"),
     ({"pp": 8, "micro_batch_size": 1, "grad_accum_steps": 8}, 8, "more stages"),
 ])
 def test_bad_pipeline_is_one_line(tiny, recipe, gpus, words):
     with pytest.raises(MemfitError) as err:
-        _estimate(tiny, recipe, gpus, batch=8 if recipe.get("grad_accum_steps") == 8 else 4)
+        rows = recipe["micro_batch_size"] * recipe["grad_accum_steps"] if "micro_batch_size" in recipe else 4
+        _estimate(tiny, recipe, gpus, batch=rows)
     assert words in str(err.value) and "\n" not in str(err.value)

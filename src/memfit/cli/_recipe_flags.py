@@ -76,8 +76,8 @@ FLAGS = (
      "with tp: the head's logits stay sharded over the vocabulary and the cross-entropy runs on the shards (torch's loss_parallel): no rank holds the whole logits"),
     ('pp', 'int', (),
      "pipeline parallel degree: the model's blocks cut into N stages, one per GPU (torch.distributed.pipelining); each rank holds its stage and the activations of the micro-batches in flight (grad_accum_steps micro-batches a step)"),
-    ('pp_schedule', 'str', ('gpipe', '1f1b'),
-     "with pp: gpipe (every forward, then every backward: all micro-batches' activations live) or 1f1b (backward starts once the pipeline is full: stage i of N holds N - i)"),
+    ('pp_schedule', 'str', ('gpipe', '1f1b', 'interleaved-1f1b'),
+     "with pp: gpipe (every forward, then every backward: all micro-batches' activations live), 1f1b (backward starts once the pipeline is full: stage i of N holds N - i) or interleaved-1f1b (two stages a rank, looped: a smaller bubble)"),
 )
 
 # what `memfit plan --allow` takes

@@ -223,22 +223,27 @@ def _shard(build, place) -> None:
 
 
 def _fully_shard(build, place, reshard, policy, offload) -> None:
+    import torch
     from torch.distributed.fsdp import fully_shard
 
     from memfit.techniques.checkpointing import find_blocks
 
     mesh = place.mesh if build.recipe.shard_over == "node" else place.flat
     shards = mesh.shape[-1]
-    blocks = _units(build.model, find_blocks(build.model))
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
     if uneven is not None:
         place.notes["uneven"] = uneven  # the last rank's shards are smaller: estimate.py traces it too
-    for _, block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
-    # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
-    # backward (its backward comes first), as torchtitan and torchtune leave it.
-    fully_shard(build.model, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
-                offload_policy=offload)
+    # a rank's pipeline stages under a looped schedule each run on their own: each is a root, as torchtitan
+    # shards each model part (a root's all-gather runs in its own forward)
+    stages = getattr(build.model, "stages", None)
+    for root in (list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]):
+        blocks = _units(root, find_blocks(root))
+        for _, block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+        # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
+        # backward (its backward comes first), as torchtitan and torchtune leave it.
+        fully_shard(root, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
+                    offload_policy=offload)
 
 
 def _units(model, blocks) -> list:
@@ -527,7 +532,8 @@ TECHNIQUE = Technique(
                   "micro-batches in flight (grad_accum_steps micro-batches a step)", slot=130, kind="int",
                   check=check_pp),
             Field("pp_schedule", "1f1b", "with pp: gpipe (every forward, then every backward: all micro-batches' "
-                  "activations live) or 1f1b (backward starts once the pipeline is full: stage i of N holds N - i)",
+                  "activations live), 1f1b (backward starts once the pipeline is full: stage i of N holds N - i) "
+                  "or interleaved-1f1b (two stages a rank, looped: a smaller bubble)",
                   slot=131, choices=tuple(SCHEDULES)),
             Field("loss_parallel", False, "with tp: the head's logits stay sharded over the vocabulary and the "
                   "cross-entropy runs on the shards (torch's loss_parallel): no rank holds the whole logits",

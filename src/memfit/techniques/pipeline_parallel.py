@@ -1,5 +1,7 @@
 """Pipeline parallelism (``Recipe(pp=N)``): a decoder model's blocks cut into N stages, one per rank, run by
-``torch.distributed.pipelining`` (``PipelineStage`` with the GPipe or 1F1B schedule).
+``torch.distributed.pipelining`` (``PipelineStage`` with the GPipe or 1F1B schedule); or, with Interleaved 1F1B,
+into 2N stages looped over the ranks (rank r holds stages r and r + N, each its own FSDP2 root, as torchtitan
+shards each model part: ``Stages`` holds them for the optimizer and the techniques).
 
 Each rank holds its stage's parameters, their gradients and optimizer state, and the saved activations of the
 micro-batches its schedule keeps in flight: GPipe runs every forward before any backward (all of them), 1F1B
@@ -17,8 +19,8 @@ and output as static shapes, so no shape inference runs (it sends real tensors a
 fake process group cannot answer).
 
 Written here, not taken from a library: torchtitan's cut and stage split live in a training repository, not a
-package, and they split torchtitan's own model classes. Not yet (each an error naming it): interleaved and
-zero-bubble schedules (several stages a rank), DDP or FSDP2's offload, a caller's own loss. The stage is this
+package, and they split torchtitan's own model classes. Not yet (each an error naming it): zero-bubble
+schedules, DDP or FSDP2's offload, a caller's own loss. The stage is this
 rank's index along the mesh's ``pp`` dimension (``hardware.cluster.Layout``: pp outermost, so stages split the
 nodes when there are several); with ``parallel=fsdp`` FSDP2 shards it over its data-parallel ranks and
 ``PipelineStage`` drives FSDP2's gradient sync. With ``tp`` the stage's blocks are split over its TP group
@@ -35,8 +37,10 @@ from memfit.errors import MemfitError, shown
 
 __all__ = ["SCHEDULES", "check_pp", "cut", "pipeline_conflict", "pipeline"]
 
-#: schedules of one stage per rank, by their torch class
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+#: schedules by their torch class: one stage per rank, or (interleaved) ``STAGES_PER_RANK`` of them
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+#: the stages each rank holds under a looped schedule: torchtitan's default of two when it is not told
+STAGES_PER_RANK = {"interleaved-1f1b": 2}
 
 
 def check_pp(value) -> None:
@@ -141,8 +145,8 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
     # module paths as the stage names them; a path of another stage's part is None
     stage.__dict__["whole"] = model
     paths = {id(m): name for name, m in model.named_modules()}
-    stage.renames = {paths[id(embed)]: "embed" if first else None, paths[id(layers)]: "layers",
-                     paths[id(norm)]: "norm" if last else None, paths[id(head)]: "head" if last else None}
+    stage.renames = {paths[id(embed)]: ["embed"] if first else [], paths[id(layers)]: ["layers"],
+                     paths[id(norm)]: ["norm"] if last else [], paths[id(head)]: ["head"] if last else []}
     return stage
 
 
@@ -157,26 +161,60 @@ def pipeline(build, mesh):
     if build.user_loss:
         raise MemfitError(f"pp={recipe.pp} and a loss_fn conflict: the last stage computes the model's own loss "
                           "(its loss_function on the logits); drop loss_fn")
-    if recipe.pp_schedule == "1f1b" and recipe.grad_accum_steps < recipe.pp:  # torch's own rule, said with the fix
-        raise MemfitError(f"pp={recipe.pp} with the 1f1b schedule needs at least {recipe.pp} micro-batches a step, "
-                          f"got grad_accum_steps={recipe.grad_accum_steps}: set --grad-accum-steps {recipe.pp} (or "
-                          "more), or pp_schedule=gpipe")
+    micro = recipe.grad_accum_steps
+    if recipe.pp_schedule != "gpipe" and micro < recipe.pp:  # torch's own rule, said with the fix
+        raise MemfitError(f"pp={recipe.pp} with the {recipe.pp_schedule} schedule needs at least {recipe.pp} "
+                          f"micro-batches a step, got grad_accum_steps={micro}: set --grad-accum-steps {recipe.pp} "
+                          "(or more), or pp_schedule=gpipe")
+    if recipe.pp_schedule == "interleaved-1f1b" and micro % (micro // recipe.pp):
+        raise MemfitError(f"pp={recipe.pp} with interleaved-1f1b runs micro-batches in rounds of {recipe.pp}: "
+                          f"grad_accum_steps={micro} is not a whole number of them; use a multiple of {recipe.pp}")
     pipe = mesh["pp"]
     embed, layers, _, _, head = _parts(model)
-    stages = cut(len(layers), recipe.pp)
-    index = pipe.get_local_rank()
-    first, last = index == 0, index == recipe.pp - 1
+    per_rank = STAGES_PER_RANK.get(recipe.pp_schedule, 1)
+    total = recipe.pp * per_rank
+    stages = cut(len(layers), total)
+    # a looped schedule gives rank r the stages r, r + pp, ...: the first and the last stage on different ranks
+    mine = [pipe.get_local_rank() + k * recipe.pp for k in range(per_rank)]
     loss_function = model.loss_function
     vocab = head.weight.shape[0]
-    stage = _stage_module(model, stages[index], first, last, build.forward_contexts)
+    parts = [_stage_module(model, stages[i], i == 0, i == total - 1, build.forward_contexts) for i in mine]
+    stage = parts[0] if per_rank == 1 else _Stages(parts, model)
     build.model = stage
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or embed.weight.shape[1]
     _drop_the_rest(model, stage)
-    build.pipeline = _Pipeline(stage, index, recipe, hidden=hidden, vocab=vocab, group=pipe.get_group(),
+    build.pipeline = _Pipeline(parts, mine, total, recipe, hidden=hidden, vocab=vocab, group=pipe.get_group(),
                                loss=lambda logits, labels: loss_function(logits=logits, labels=labels,
                                                                           vocab_size=vocab),
                                modules=(pipelining, torch))
+
+
+def _stages_class():
+    import torch
+
+    class Stages(torch.nn.Module):
+        """The stages a rank holds under a looped schedule, as one module for FSDP2, the optimizer and the
+        techniques after this one; the schedule runs each (``_Pipeline``)."""
+
+        def __init__(self, parts, model):
+            super().__init__()
+            self.stages = torch.nn.ModuleList(parts)
+            self.config = getattr(model, "config", None)
+            self.__dict__["whole"] = model
+            self.renames = {}
+            for k, part in enumerate(parts):
+                for path, names in part.renames.items():
+                    self.renames.setdefault(path, []).extend(f"stages.{k}.{name}" for name in names)
+
+        def forward(self, *args, **kwargs):
+            raise MemfitError("a rank's pipeline stages run through their schedule, not as one module")
+
+    return Stages
+
+
+def _Stages(parts, model):
+    return _stages_class()(parts, model)
 
 
 def _drop_the_rest(model, stage) -> None:
@@ -212,36 +250,40 @@ def _static_metadata(stages, has_backward: bool, p2p_done: bool) -> None:
 
 
 class _Pipeline:
-    """One optimizer step's micro-batches through this rank's stage, as the recipe's schedule orders them;
-    the stage's forward and backward of each micro-batch marked as those phases for the watch."""
+    """One optimizer step's micro-batches through this rank's stages, as the recipe's schedule orders them;
+    each stage's forward and backward of each micro-batch marked as those phases for the watch."""
 
-    def __init__(self, stage, index: int, recipe, *, hidden: int, vocab: int, group, loss, modules):
-        self.stage_module, self.index, self.recipe, self.group = stage, index, recipe, group
+    def __init__(self, parts, indices, total: int, recipe, *, hidden: int, vocab: int, group, loss, modules):
+        self.parts, self.indices, self.total, self.recipe, self.group = parts, indices, total, recipe, group
         self.hidden, self.vocab, self.loss = hidden, vocab, loss
         self.pipelining, self.torch = modules
-        self.schedule = None
-        self.first, self.last = index == 0, index == recipe.pp - 1
+        self.schedule, self.stages = None, []
+        self.first, self.last = 0 in indices, total - 1 in indices
         self.shards = 1  # the sequence's shards between stages (sequence parallel over the TP group)
 
-    def _build(self, rows: int, length: int, device) -> None:
+    def _stage(self, part, index: int, rows: int, length: int, device):
         torch, pipelining = self.torch, self.pipelining
-        dtype = next(self.stage_module.parameters()).dtype
+        dtype = next(part.parameters()).dtype
         mixed = self.recipe.precision.endswith("-mixed")
         low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.recipe.precision)
+        first, last = index == 0, index == self.total - 1
         with torch.device("meta"):
             between = (rows, length // self.shards, self.hidden)  # a stage's hidden states, as it sends them
-            inputs = torch.empty(rows, length, dtype=torch.long) if self.first else \
+            inputs = torch.empty(rows, length, dtype=torch.long) if first else \
                 torch.empty(between, dtype=dtype, requires_grad=True)
             outputs = torch.empty(rows, length, self.vocab, dtype=low if mixed else dtype, requires_grad=True) \
-                if self.last else torch.empty(between, dtype=dtype, requires_grad=True)
+                if last else torch.empty(between, dtype=dtype, requires_grad=True)
         inputs, outputs = (torch.empty_like(t, device=device).requires_grad_(t.requires_grad)
                            for t in (inputs, outputs))
-        stage = pipelining.PipelineStage(self.stage_module, self.index, self.recipe.pp, device,
-                                         input_args=(inputs,), output_args=(outputs,), group=self.group)
-        kind = getattr(pipelining, SCHEDULES[self.recipe.pp_schedule])
-        self.schedule = kind(stage, self.recipe.grad_accum_steps, loss_fn=self.loss)
+        return pipelining.PipelineStage(part, index, self.total, device, input_args=(inputs,),
+                                        output_args=(outputs,), group=self.group)
+
+    def _build(self, rows: int, length: int, device) -> None:
+        self.stages = [self._stage(part, i, rows, length, device) for part, i in zip(self.parts, self.indices)]
+        kind = getattr(self.pipelining, SCHEDULES[self.recipe.pp_schedule])
+        one = len(self.stages) == 1 and self.recipe.pp_schedule in ("gpipe", "1f1b")
+        self.schedule = kind(self.stages[0] if one else self.stages, self.recipe.grad_accum_steps, loss_fn=self.loss)
         self.schedule._warmup_p2p = _static_metadata
-        self.stage = stage
 
     def __call__(self, micro: list, watch, index: int):
         torch = self.torch
@@ -249,8 +291,6 @@ class _Pipeline:
         labels = torch.cat([part.get("labels", part["input_ids"]) for part in micro])
         if self.schedule is None:
             self._build(micro[0]["input_ids"].shape[0], ids.shape[1], ids.device)
-        stage = self.stage
-        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
         def marked(call, phase):
             def run(*args, **kwargs):
@@ -258,25 +298,24 @@ class _Pipeline:
                 return call(*args, **kwargs)
             return run
 
-        stage.forward_one_chunk, stage.backward_one_chunk = marked(forward, "forward"), marked(backward, "backward")
+        for stage in self.stages:
+            stage.forward_one_chunk = marked(stage.forward_one_chunk, "forward")
+            stage.backward_one_chunk = marked(stage.backward_one_chunk, "backward")
         losses = []
-        with _works_hold_tensors():
-            self._step(ids, labels, losses)
+        try:
+            with _works_hold_tensors():
+                self._step(ids, labels, losses)
+        finally:
+            for stage in self.stages:
+                del stage.forward_one_chunk, stage.backward_one_chunk
         if losses:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return torch.zeros((), device=ids.device)
 
     def _step(self, ids, labels, losses) -> None:
-        stage = self.stage
-        try:
-            if self.first:
-                self.schedule.step(ids)
-            elif self.last:
-                self.schedule.step(target=labels, losses=losses)
-            else:
-                self.schedule.step()
-        finally:
-            del stage.forward_one_chunk, stage.backward_one_chunk
+        args = (ids,) if self.first else ()
+        kwargs = {"target": labels, "losses": losses} if self.last else {}
+        self.schedule.step(*args, **kwargs)
 
 
 class _Held:

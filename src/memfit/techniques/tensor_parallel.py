@@ -184,7 +184,8 @@ def tensor_parallel(build, mesh):
     if whole is not build.model:
         plan = _on_stage(plan, build.model.renames)
         if recipe.sequence_parallel:  # the stages pass each other the residual stream's sequence shards
-            build.model.sequence_mesh = tp_mesh
+            for part in build.pipeline.parts:
+                part.sequence_mesh = tp_mesh
             build.pipeline.shards = tp
     parallelize_module(build.model, tp_mesh, plan, src_data_rank=None)
     _retie(build.model)
@@ -196,15 +197,16 @@ def tensor_parallel(build, mesh):
 
 
 def _on_stage(plan: dict, renames: dict) -> dict:
-    """``plan``'s entries for the parts a pipeline stage holds, each path as the stage names it."""
+    """``plan``'s entries for the parts a rank's pipeline stages hold, each path as the stage names it (``renames``:
+    a model path to the stage's paths for it, none where another rank holds it)."""
     out = {}
     for name, style in plan.items():
         prefix = max((p for p in renames if name == p or name.startswith(p + ".")), key=len, default=None)
         if prefix is None:
             raise MemfitError(f"tp with pp: the plan's {name} is outside the blocks, embedding, norm and head a "
                               "stage holds; use pp=1 or tp=1")
-        if renames[prefix] is not None:
-            out[renames[prefix] + name[len(prefix):]] = style
+        for renamed in renames[prefix]:
+            out[renamed + name[len(prefix):]] = style
     return out
 
 
