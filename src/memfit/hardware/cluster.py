@@ -62,8 +62,9 @@ class Layout:
             raise MemfitError(f"tp={tp} does not divide the {world.gpus} GPUs per node: tensor parallelism stays "
                               f"within a node; use a tp that divides --gpus")
         if world.size % (tp * pp):
-            raise MemfitError(f"pp={pp} x tp={tp} does not divide {world.describe()}: use degrees whose product "
-                              "divides the GPUs")
+            what = " x ".join(f"{n}={v}" for n, v in (("pp", pp), ("tp", tp)) if v > 1)
+            raise MemfitError(f"{what} does not divide {world.describe()}: use degrees whose product divides the "
+                              "GPUs")
         if pp > 1 and world.nodes > 1 and world.nodes % pp and pp % world.nodes:
             raise MemfitError(f"pp={pp} over {world.nodes} nodes: the stages split the nodes evenly (pp dividing "
                               "the nodes, or the nodes pp); pick such a pp or --nodes")
