@@ -338,6 +338,10 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         if checked.verdict != OOM or not depths:
             break
         notes.append(f"{best.recipe.describe()} was predicted to fit and its full estimate does not: passed over")
+    if checked.verdict == OOM:
+        raise NothingFits(f"nothing fits {world.describe()} x {target.name} ({format_size(budget_bytes)} each): the "
+                          f"fastest candidates predicted to fit do not by their full estimates ({best.recipe.describe()}"
+                          f": {format_size(checked.device_bytes + (checked.missing_bytes or 0))} a rank)", None)
     results = results[index:]
     link, rate = peer_link(target)
     tp = best.recipe.tp

@@ -145,7 +145,7 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
                   *((norm, head) if last else (None, None)))
     stage.config = getattr(model, "config", None)  # what the techniques after this one read (use_cache)
     # what tensor parallelism reads: the model's own plan (``whole``, kept out of the stage's modules) and its
-    # module paths as the stage names them; a path of another stage's part is None
+    # module paths as the stage names them (none for another stage's part)
     stage.__dict__["whole"] = model
     paths = {id(m): name for name, m in model.named_modules()}
     stage.renames = {paths[id(embed)]: ["embed"] if first else [], paths[id(layers)]: ["layers"],
@@ -154,9 +154,9 @@ def _stage_module(model, blocks: range, first: bool, last: bool, contexts: list)
 
 
 def pipeline(build, mesh):
-    """Cut ``build.model`` into ``recipe.pp`` stages, keep this rank's (its index along ``mesh["pp"]``), and make
-    the step run the schedule: the build's model becomes the stage, and ``build.pipeline`` runs one optimizer
-    step's micro-batches through it."""
+    """Cut ``build.model`` into ``recipe.pp`` stages (twice as many under Interleaved 1F1B), keep this rank's (by
+    its index along ``mesh["pp"]``), and make the step run the schedule: the build's model becomes the stage (or
+    the rank's stages, ``Stages``), and ``build.pipeline`` runs one optimizer step's micro-batches through it."""
     import torch
     from torch.distributed import pipelining
 
@@ -182,7 +182,7 @@ def pipeline(build, mesh):
     loss_function = model.loss_function
     vocab = head.weight.shape[0]
     parts = [_stage_module(model, stages[i], i == 0, i == total - 1, build.forward_contexts) for i in mine]
-    stage = parts[0] if per_rank == 1 else _Stages(parts, model)
+    stage = parts[0] if per_rank == 1 else _stages(parts, model)
     build.model = stage
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or embed.weight.shape[1]
@@ -216,7 +216,7 @@ def _stages_class():
     return Stages
 
 
-def _Stages(parts, model):
+def _stages(parts, model):
     return _stages_class()(parts, model)
 
 
