@@ -100,11 +100,13 @@ def add_recipe(parser) -> None:
 def add_world(parser) -> None:
     """The cluster of a data-parallel run (``--parallel ddp|fsdp``): GPUs per node and nodes."""
     parser.add_argument("--gpus", type=positive, default=None,
-                        help="GPUs per node of a data-parallel run (with --parallel ddp or fsdp; the report is one "
-                             "rank's, --batch-size stays the examples of one step over all ranks), or the GPUs "
-                             "--device-map places the model over")
+                        help="GPUs per node of a multi-GPU run (--parallel ddp or fsdp, --tp, --pp; the report is "
+                             "the worst rank's, --batch-size stays the examples of one step over all ranks; plan "
+                             "searches data parallel and FSDP2 x TP over them), or the GPUs --device-map places "
+                             "the model over")
     parser.add_argument("--nodes", type=positive, default=None,
-                        help="nodes of --gpus GPUs each (FSDP shards within a node and replicates between: HSDP)")
+                        help="nodes of --gpus GPUs each (FSDP shards within a node and replicates between: HSDP; "
+                             "--shard-over world shards over all; pipeline stages split the nodes)")
 
 
 def add_batch(parser, help: str) -> None:
