@@ -107,6 +107,7 @@ def test_1f1b_keeps_fewer_micro_batches_than_gpipe(tiny):
     ({"pp_schedule": "gpipe"}, None, "needs pipeline parallelism"),
     ({"pp": 0}, 2, "pp must be"),
     ({"pp": 2}, 2, "--grad-accum-steps 2"),
+    ({"pp": 2, "parallel": "fsdp", "sync_grads": "every"}, 4, "last backward only"),
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batch_size": 1, "grad_accum_steps": 5}, 2, "rounds of 2"),
     ({"pp": 8, "micro_batch_size": 1, "grad_accum_steps": 8}, 8, "more stages"),
 ])

@@ -63,6 +63,9 @@ def pipeline_conflict(recipe) -> str | None:
         if clash:
             return (f"pp={recipe.pp} and {name}={getattr(recipe, name)} conflict: memfit does not model that pair "
                     "yet; drop one")
+    if recipe.sync_grads != "last":  # what PipelineStage does with FSDP2, whatever the recipe says
+        return (f"pp={recipe.pp} and sync_grads={recipe.sync_grads} conflict: torch's PipelineStage reduces FSDP2's "
+                "gradients on a step's last backward only; drop sync_grads")
     return None
 
 
