@@ -22,6 +22,15 @@ the last micro-batch) or once per micro-batch; HSDP adds an all-reduce of the sh
 gradients once per step. Offload adds, unhidden, each gathered shard over the host link (fp32, per
 gather), the sharded gradients back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``.
 
+The mesh: beside data parallel alone, FSDP2 x TP at each degree ``tp_degrees`` allows (dividing the model's
+heads and MLP width and a node's GPUs, at most ``MAX_TP``), as torchtitan runs TP (sequence and loss
+parallel, the bf16 policy, gradients reduced every micro-batch): the data-parallel ranks are size / tp and
+split the global batch, TP peers read the same rows. TP's collectives are added unhidden (``tp_seconds``).
+A deep decoder of identical blocks is traced at 2 and 4 blocks and each candidate composed at full depth
+(``_Point.at``; a shallow copy out of memory is out of memory deep); the chosen plan is estimated in full,
+and one predicted to fit whose full estimate does not is passed over. Pipeline, context and expert parallel
+are not searched yet.
+
 Written here because no library plans these together: torchtitan's memory estimation mode and
 DeepSpeed's ``estimate_zero3_model_states_mem_needs`` give one configuration's memory (the latter
 without activations), and nobody ranks configurations by speed under a memory limit.
@@ -43,7 +52,8 @@ from memfit.techniques.parallel import mixed_dtypes
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees", "tp_seconds", "comm_seconds", "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
+__all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees", "tp_seconds", "comm_seconds",
+           "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
