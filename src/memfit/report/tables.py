@@ -19,6 +19,10 @@ __all__ = ["report_view", "verdict", "plan_view", "fit_view", "front_around"]
 NEIGHBOURS = 3  # front points shown on each side of the chosen plan; --json has them all
 
 
+#: after the parameter count of a pipeline's report: its worst rank holds one stage's
+STAGE = " in the worst rank's stage"
+
+
 def verdict(report: Report, budget: int | None = None) -> dict:
     """Whether the step fits, and by how much.
 
@@ -53,7 +57,9 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
 
         recipe = Recipe.from_dict(report.settings["recipe"])
     title = (f"{name}: {_generation(report.settings) if generation else recipe.describe()}, "
-             f"{report.parameters / 1e9:.3f}B params ({report.method} on {report.device} semantics)")
+             f"{report.parameters / 1e9:.3f}B params"
+             f"{STAGE if (report.world or {}).get('pp', 1) > 1 else ''} "
+             f"({report.method} on {report.device} semantics)")
     parts = [Text(target_line(report), style="bold"), Text(title, style="bold")]
     if report.world is not None:
         w = report.world
