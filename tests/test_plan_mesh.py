@@ -56,6 +56,8 @@ def test_tp_collectives_grow_with_the_activation_and_the_degree():
     assert tp_seconds(base, 2, 8192, 8192, 80, 1, card) == pytest.approx(2 * one)
     assert tp_seconds(base.replace(tp=8), 1, 8192, 8192, 80, 1, card) == pytest.approx(one * (7 / 8) / (1 / 2))
     assert tp_seconds(base.replace(checkpointing="blocks"), 1, 8192, 8192, 80, 1, card) == pytest.approx(1.5 * one)
+    assert tp_seconds(base.replace(mixed_precision="fp16"), 1, 8192, 8192, 80, 1, card) == pytest.approx(one)
+    assert tp_seconds(base.replace(mixed_precision="none"), 1, 8192, 8192, 80, 1, card) == pytest.approx(2 * one)
     assert tp_seconds(Recipe(parallel="fsdp"), 1, 8192, 8192, 80, 1, card) == 0
 
 

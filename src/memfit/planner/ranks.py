@@ -124,7 +124,8 @@ def tp_seconds(recipe: Recipe, rows: int, seq_len: int, hidden: int, layers: int
     a ring moves (tp-1)/tp of the gathered ``rows x seq_len x hidden`` activation at the card's link."""
     if recipe.tp == 1:
         return 0.0
-    width = 2 if "bf16" in str(recipe.mixed_precision) or recipe.precision != "fp32" else 4
+    dtypes = mixed_dtypes(recipe.mixed_precision)  # FSDP2's compute dtype, else autocast's or the weights'
+    width = 2 if (dtypes and dtypes[0] != "fp32") or recipe.precision != "fp32" else 4
     gathered = rows * seq_len * hidden * width
     passes = 2 + (recipe.checkpointing != "off")  # forward, backward, recompute
     ring = gathered * (recipe.tp - 1) / recipe.tp / (peer_link(card)[1] * EFFICIENCY["host_link"])

@@ -33,6 +33,8 @@ tied weights across stages equal): its memory is counted, as a real run holds it
 
 from __future__ import annotations
 
+import inspect
+
 from memfit.errors import MemfitError, shown
 
 __all__ = ["SCHEDULES", "check_pp", "cut", "pipeline_conflict", "pipeline"]
@@ -290,6 +292,9 @@ class _Pipeline:
         one = len(self.stages) == 1 and self.recipe.pp_schedule in ("gpipe", "1f1b")
         self.schedule = kind(self.stages[0] if one else self.stages, self.recipe.grad_accum_steps, loss_fn=self.loss)
         self.schedule._warmup_p2p = _static_metadata
+        # the losses are what a step returns: the last stage does not keep every micro-batch's logits to merge
+        # (torch's default, return_outputs=True, holds them all to the step's end)
+        self.keeps_outputs = "return_outputs" not in inspect.signature(self.schedule.step).parameters
 
     def __call__(self, micro: list, watch, index: int):
         torch = self.torch
@@ -319,13 +324,9 @@ class _Pipeline:
         return torch.zeros((), device=ids.device)
 
     def _step(self, ids, labels, losses) -> None:
-        import inspect
-
         args = (ids,) if self.first else ()
         kwargs = {"target": labels, "losses": losses} if self.last else {}
-        # the losses are what a step returns: the last stage does not keep every micro-batch's logits to merge
-        # (torch's default, return_outputs=True, holds them all to the step's end)
-        if "return_outputs" in inspect.signature(self.schedule.step).parameters:
+        if not self.keeps_outputs:
             kwargs["return_outputs"] = False
         self.schedule.step(*args, **kwargs)
 
