@@ -43,6 +43,7 @@ import itertools
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -149,6 +150,7 @@ class ShapeBudget:
         self._rows: dict[int, int] = {}
         self._line = None  # (bucket, fixed bytes, bytes a row adds) of the first bucket searched
         self.estimates = 0
+        self.seconds = 0.0  # spent estimating (the cut's own arithmetic is not an estimate)
         # estimates kept in a file (the run's out_dir), so a resumed or repeated run starts without them
         self.store = None if store is None else Path(store)
         self.key = _key(identity, recipe, self.budget, gpu, self.longest, self.max_rows, pad_id, packed, self.parts,
@@ -169,6 +171,7 @@ class ShapeBudget:
     def _estimate(self, rows: int, length: int) -> int:
         from memfit.estimator.estimate import estimate
 
+        began = time.perf_counter()
         if self.packed:  # rows of two documents, as estimate_micro_batch(packed=True) makes them
             batch = shape_batch(direct(rows, length, True, True), self.parts)
         else:
@@ -182,6 +185,7 @@ class ShapeBudget:
                               device="cpu" if self.gpu is None else "cuda", fast=False,
                               budget=None if self.gpu is None else self.budget)
         self.estimates += 1
+        self.seconds += time.perf_counter() - began
         peak = report.peak_bytes if self.gpu is None else _device_peak(report, self.budget, self.expandable)
         self._save((rows, length), peak)
         return peak
