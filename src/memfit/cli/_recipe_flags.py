@@ -78,6 +78,8 @@ FLAGS = (
      "pipeline parallel degree: the model's blocks cut into N stages, one per GPU (torch.distributed.pipelining); each rank holds its stage and the activations of the micro-batches in flight (grad_accum_steps micro-batches a step)"),
     ('pp_schedule', 'str', ('gpipe', '1f1b', 'interleaved-1f1b'),
      "with pp: gpipe (every forward, then every backward: all micro-batches' activations live), 1f1b (backward starts once the pipeline is full: stage i of N holds N - i) or interleaved-1f1b (two stages a rank, looped: a smaller bubble)"),
+    ('ep', 'int', (),
+     "expert parallel degree: each MoE layer's experts split over N ranks of an FSDP2 group (transformers' expert plan), tokens sent to their experts' rank by all-to-all; the dense blocks stay FSDP2-sharded over the whole group (parallel=fsdp)"),
 )
 
 # what `memfit plan --allow` takes

@@ -184,6 +184,10 @@ def _run(case: dict) -> dict:
             torch.manual_seed(1 + (rank % (size // pp)) // tp)  # the data-parallel rank's rows
             batch = source.make_batch(per_rank, case.get("seq_len"), None)
             model, _, step = apply(model, recipe, watch=_phases())
+            if recipe.ep > 1:  # the routers choose as the estimate assumes (the all-to-all's sizes follow them)
+                from memfit.techniques.expert_parallel import route
+
+                route(model, case.get("moe_routing", "balanced"))
             gc.collect()
             with record_function("memfit::steps"):
                 pass

@@ -247,11 +247,11 @@ def _world(recipe: Recipe, gpus, nodes):
     from memfit.hardware.cluster import Layout, World, world_of
 
     world = world_of(gpus, nodes)
-    if recipe.pp > 1 or recipe.tp > 1:
+    if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1:
         if world is None:
-            what = " x ".join(f"{n}={v}" for n, v in (("pp", recipe.pp), ("tp", recipe.tp)) if v > 1)
-            raise MemfitError(f"{what} needs a GPU a part: pass gpus= (--gpus {recipe.pp * recipe.tp})")
-        Layout.of(world, pp=recipe.pp, tp=recipe.tp, parallel=recipe.parallel, shard_over=recipe.shard_over)
+            what = " x ".join(f"{n}={v}" for n, v in (("pp", recipe.pp), ("tp", recipe.tp), ("ep", recipe.ep)) if v > 1)
+            raise MemfitError(f"{what} needs a GPU a part: pass gpus= (--gpus {recipe.pp * recipe.tp * recipe.ep})")
+        Layout.of_recipe(world, recipe)
         return world
     if recipe.parallel == "none":
         if world is not None and world.size > 1:
@@ -295,7 +295,7 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
 
     from memfit.hardware.cluster import Layout
 
-    layout = Layout.of(world, pp=recipe.pp, tp=recipe.tp, parallel=recipe.parallel, shard_over=recipe.shard_over)
+    layout = Layout.of_recipe(world, recipe)
     reports, rank = [], 0
     # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight); TP peers
     # and the data-parallel ranks of a stage hold equal parts
@@ -321,10 +321,11 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
         host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
-    shape = layout.describe() if recipe.pp > 1 or recipe.tp > 1 else recipe.parallel
+    meshed = recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1
+    shape = layout.describe() if meshed else recipe.parallel
     if recipe.pp > 1:
         shape += f", {recipe.pp_schedule} over {recipe.grad_accum_steps} micro-batches"
-    if (recipe.pp > 1 or recipe.tp > 1) and layout.dp > 1:
+    if meshed and layout.dp > 1:
         shape += f", {recipe.parallel} over dp"
     notes = [f"rank {top_rank} of {world.describe()} ({shape}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
@@ -338,7 +339,7 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
     if uneven:
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel, "tp": recipe.tp,
-            "pp": recipe.pp, "mesh": layout.describe(),
+            "pp": recipe.pp, "ep": recipe.ep, "mesh": layout.describe(),
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)
 

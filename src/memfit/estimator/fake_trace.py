@@ -97,7 +97,12 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
                         "or use bf16-mixed")
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}{hint}") from None
     notes = []  # what only the fake run knows, after the trace: the Report is made anew with them
-    if top_k:
+    if top_k and recipe.ep > 1:
+        notes.append(f"mixture of experts over ep={recipe.ep}: {source.moe_routing} routing assumed (moe_routing=): "
+                     "it sets how many (token, expert) pairs reach each rank's experts through the all-to-all "
+                     + ("(worst: every token of every rank on EP rank 0's experts)" if source.moe_routing == "worst"
+                        else "(balanced: each rank receives as many as it sends; --moe-routing worst for the bound)"))
+    elif top_k:
         notes.append(f"mixture of experts: {source.moe_routing} routing assumed (moe_routing=); it changes "
                      "only CPU bf16 kernel scratch, every expert tensor is tokens x top_k")
     if recipe.compile and gpu is not None:

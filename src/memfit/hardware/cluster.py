@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from dataclasses import dataclass, field
 
 from memfit.errors import MemfitError, shown
@@ -45,18 +46,30 @@ class Layout:
     """How the ranks of a ``World`` split, torchtitan's order (``ParallelDims``): ``pp`` outermost (stages
     across nodes, or within one), then the data-parallel ranks as ``replicate`` x ``shard`` (HSDP: FSDP2 shards
     over ``shard`` and replicates over ``replicate``), ``tp`` innermost (within a node, over NVLink). Rank
-    ``r``'s coordinates are ``r``'s digits in that mixed radix. ``of`` checks a request and says the fix."""
+    ``r``'s coordinates are ``r``'s digits in that mixed radix. ``of`` checks a request and says the fix.
+
+    ``ep`` (expert parallel) borrows from ``shard``, as torchtitan's EP borrows from its dp_shard: ``shard`` is
+    ``efsdp`` x ``ep``, consecutive ranks of an FSDP2 group forming an EP group that splits each MoE layer's
+    experts; FSDP2 shards the dense blocks over ``shard`` and each expert over ``efsdp``."""
 
     world: World
     pp: int = 1
     replicate: int = 1
     shard: int = 1
     tp: int = 1
+    ep: int = 1
 
     NAMES = ("pp", "replicate", "shard", "tp")
 
     @classmethod
-    def of(cls, world: World, *, pp: int = 1, tp: int = 1, parallel: str = "fsdp", shard_over: str = "node"):
+    def of_recipe(cls, world: World, recipe):
+        """The layout of ``world`` for a ``Recipe``'s degrees (read by name: this layer knows no recipe)."""
+        return cls.of(world, pp=recipe.pp, tp=recipe.tp, ep=recipe.ep, parallel=recipe.parallel,
+                      shard_over=recipe.shard_over)
+
+    @classmethod
+    def of(cls, world: World, *, pp: int = 1, tp: int = 1, ep: int = 1, parallel: str = "fsdp",
+           shard_over: str = "node"):
         """The layout of ``world`` for these degrees; every mismatch is one error naming the fix."""
         if tp > 1 and world.gpus % tp:
             raise MemfitError(f"tp={tp} does not divide the {world.gpus} GPUs per node: tensor parallelism stays "
@@ -77,7 +90,14 @@ class Layout:
         if shard_over == "node" and world.nodes > 1:
             # HSDP: one FSDP group a node (of a stage), replicated over the nodes that hold the same stage
             replicate = world.nodes // pp if world.nodes % pp == 0 else 1
-        return cls(world, pp, replicate, dp // replicate, tp)
+        shard = dp // replicate
+        if ep > 1 and parallel != "fsdp":
+            raise MemfitError(f"ep={ep} needs parallel=fsdp: expert parallel splits the experts over ranks of an "
+                              "FSDP2 group (--parallel fsdp)")
+        if ep > 1 and shard % ep:
+            raise MemfitError(f"ep={ep} does not divide the {shard} rank(s) FSDP2 shards over"
+                              f"{' (a node, under HSDP)' if replicate > 1 else ''}: use an ep that divides them")
+        return cls(world, pp, replicate, shard, tp, ep)
 
     @property
     def dp(self) -> int:
@@ -108,6 +128,8 @@ class Layout:
                          f"dp={self.replicate}x{self.shard} (replicate x shard)")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} (experts)")
         return " x ".join(parts) or "1 rank"
 
     def device_mesh(self, device: str):
@@ -118,15 +140,32 @@ class Layout:
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            return init_device_mesh(device, self.sizes, mesh_dim_names=self.NAMES)
+            if self.ep == 1:
+                return init_device_mesh(device, self.sizes, mesh_dim_names=self.NAMES)
+            mesh = init_device_mesh(device, (self.pp, self.replicate, self.shard // self.ep, self.ep, self.tp),
+                                    mesh_dim_names=("pp", "replicate", "efsdp", "ep", "tp"))
+            mesh["efsdp", "ep"]._flatten("shard")  # the dense blocks' FSDP2 dimension
+            return mesh
 
     @staticmethod
     def data_parallel(mesh):
         """FSDP2's mesh of a whole mesh: the shard dimension, with the replicate one before it under HSDP."""
         from torch.utils._python_dispatch import _disable_current_modes
 
-        with _disable_current_modes():
+        with _disable_current_modes(), warnings.catch_warnings():
+            # under expert parallel "shard" is efsdp x ep flattened (device_mesh): torch 2.13 slices it from the
+            # root with a notice that a later torch wants the flattened mesh kept by hand; it is the same mesh
+            warnings.filterwarnings("ignore", "Slicing a flattened dim")
             return mesh["shard"] if mesh["replicate"].size() == 1 else mesh["replicate", "shard"]
+
+    @staticmethod
+    def experts(mesh):
+        """FSDP2's mesh for an expert-parallel MoE layer's experts: ``efsdp`` (the copies of each expert in an FSDP2
+        group), with the replicate dimension before it under HSDP."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return mesh["efsdp"] if mesh["replicate"].size() == 1 else mesh["replicate", "efsdp"]
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.errors import MemfitError
 from memfit.scoped import rng_hop_rules
 
-__all__ = ["CpuKernels", "ROUTINGS", "check_routing", "probe_operands"]
+__all__ = ["CpuKernels", "ROUTINGS", "check_routing", "current_routing", "probe_operands", "routed_offsets"]
 
 ROUTINGS = ("balanced", "worst")
 # (routing, top_k) of the trace being made, read when its kernels are replayed for scratch.
@@ -64,6 +64,12 @@ def check_routing(routing: str) -> str:
     if routing not in ROUTINGS:
         raise MemfitError(f"moe_routing={routing!r} is not a routing: use one of {', '.join(ROUTINGS)}")
     return routing
+
+
+def current_routing() -> str:
+    """The routing of the trace being made (``balanced`` outside one)."""
+    state = _ROUTING.get()
+    return "balanced" if state is None else state[0]
 
 
 def routed_offsets(rows: int, experts: int, routing: str, top_k: int | None) -> list[int]:

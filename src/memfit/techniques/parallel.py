@@ -54,6 +54,7 @@ import warnings
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
+from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel
 from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
 from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, pipeline_conflict
 
@@ -120,6 +121,11 @@ def _conflicts(recipe):
         if clash:
             yield clash
             return
+    if recipe.ep > 1:
+        clash = ep_conflict(recipe)
+        if clash:
+            yield clash
+            return
     if recipe.offload != "none":
         if recipe.parallel != "fsdp":
             yield (f"offload={recipe.offload} and parallel={recipe.parallel} conflict: offload is FSDP2's "
@@ -164,7 +170,7 @@ def _apply(build) -> None:
     from memfit.hardware.cluster import placement
 
     place = placement()
-    if recipe.pp > 1 or recipe.tp > 1:
+    if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1:
         place = _mesh_parallel(build, place)  # this rank's data-parallel ranks
         if recipe.parallel == "none":
             build.watch.settle()
@@ -190,13 +196,14 @@ def _mesh_parallel(build, place):
     from memfit.hardware.cluster import Layout, World
 
     recipe = build.recipe
-    layout = Layout.of(place.world, pp=recipe.pp, tp=recipe.tp, parallel=recipe.parallel,
-                       shard_over=recipe.shard_over)
+    layout = Layout.of_recipe(place.world, recipe)
     mesh = layout.device_mesh(place.mesh.device_type)
     if recipe.pp > 1:
         pipeline(build, mesh)
     if recipe.tp > 1:
         tensor_parallel(build, mesh)
+    if recipe.ep > 1:
+        expert_parallel(build, mesh)
     dp = Layout.data_parallel(mesh)
     return dataclasses.replace(place, world=World(layout.shard, layout.replicate), mesh=dp, flat=dp)
 
@@ -238,12 +245,30 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     stages = getattr(build.model, "stages", None)
     for root in (list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]):
         blocks = _units(root, find_blocks(root))
+        for experts in getattr(build, "experts", ()):  # expert parallel: each MoE layer's experts on their own
+            _shard_experts(experts, build, reshard, policy, offload)
         for _, block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
         # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
         # backward (its backward comes first), as torchtitan and torchtune leave it.
         fully_shard(root, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
                     offload_policy=offload)
+
+
+def _shard_experts(experts, build, reshard, policy, offload) -> None:
+    """An expert-parallel MoE layer's experts (DTensors over the EP group) sharded over ``efsdp``, the copies of
+    each expert in the FSDP2 group, before their block, as transformers' ``apply_fully_sharded_data_parallelism``
+    and torchtitan do: the block's own ``fully_shard`` then leaves them alone. An expert's gradient sums every
+    data-parallel rank's tokens (they reach it through the all-to-all), so it is divided by the data-parallel
+    degree, not its group's size; FSDP2 applies such a factor with PREMUL_SUM, which gloo refuses, so the sum is
+    reduced and divided locally (``set_force_sum_reduction_for_comms``) where there is a reduction at all."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh, dp = build.expert_mesh
+    fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    experts.set_gradient_divide_factor(float(dp))
+    if mesh.size() > 1:
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def _units(model, blocks) -> list:
@@ -538,6 +563,9 @@ TECHNIQUE = Technique(
             Field("loss_parallel", False, "with tp: the head's logits stay sharded over the vocabulary and the "
                   "cross-entropy runs on the shards (torch's loss_parallel): no rank holds the whole logits",
                   slot=129, kind="bool"),
+            Field("ep", 1, "expert parallel degree: each MoE layer's experts split over N ranks of an FSDP2 group "
+                  "(transformers' expert plan), tokens sent to their experts' rank by all-to-all; the dense blocks "
+                  "stay FSDP2-sharded over the whole group (parallel=fsdp)", slot=132, kind="int", check=check_ep),
             Field("construction", "meta", "fsdp: how the model was built before sharding: meta (torchtitan: never "
                   "whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then "
                   "sharded: its peak counts)", slot=126, choices=CONSTRUCTION)),
