@@ -115,7 +115,8 @@ def expert_parallel(build, mesh) -> None:
     plan = ep_plan(build.model, build.recipe.ep)
     with _disable_current_modes():
         ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
-        build.expert_mesh = (Layout.experts(mesh), mesh["replicate"].size() * mesh["shard"].size())
+        dp = mesh["replicate"].size() * mesh["efsdp"].size() * mesh["ep"].size()
+        build.expert_mesh = (Layout.experts(mesh), dp)
     library.apply_expert_parallelism(build.model, ep_mesh, tp_mesh, plan, ep_implementation=IMPLEMENTATION)
     modules = dict(build.model.named_modules())
     build.experts = [modules[name] for name, style in plan.items() if style == "ep_dispatch_experts"]

@@ -1,0 +1,101 @@
+"""Expert parallelism (issue 35, item 4): ``Recipe(ep=N)`` splits each MoE layer's experts over N ranks of the FSDP2
+group with transformers' expert plan and its all-to-all dispatch, per rank under the fake process group, against
+real ``torchrun`` runs over gloo graded by each rank's allocator events (``memfit.distributed.truth``), the routers
+made to choose as the estimate assumes (``expert_parallel.route``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import memfit
+from memfit.cli import main
+from memfit.distributed.truth import launch
+from memfit.errors import MemfitError
+from memfit.techniques.expert_parallel import routed_sizes
+from memfit.techniques.recipe import Recipe
+
+pytest.importorskip("transformers.distributed.expert_parallel")
+
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+       "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256,
+       "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ep") / "config.json"
+    path.write_text(json.dumps(MOE))
+    return str(path)
+
+
+def _estimate(path, recipe, gpus, batch=2, routing="balanced", **kwargs):
+    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, device="cpu",
+                           moe_routing=routing, **kwargs)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "worst"])
+def test_expert_parallel_matches_torchrun(moe, routing):
+    recipe = {"parallel": "fsdp", "ep": 2}
+    truths = launch({"model": moe, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2,
+                     "moe_routing": routing}, 2)
+    report = _estimate(moe, recipe, 2, routing=routing, steps=2)
+    peaks = [t["peak_bytes"] for t in truths]
+    if routing == "balanced":
+        assert peaks[0] == peaks[1]  # each rank receives as many pairs as it sends
+    else:  # every token on rank 0's experts: rank 0 receives both ranks' pairs, the estimate is that rank
+        assert peaks[0] > peaks[1] and "EP rank 0" in " ".join(report.notes)
+    assert report.world["rank"] == 0 and report.world["ep"] == 2
+    assert abs(report.peak_bytes - peaks[0]) <= 64
+    for phase in ("forward", "backward"):
+        assert abs(report.phase_peaks[phase] - truths[0]["phase_peaks"][f"{phase}:1"]) <= 64, phase
+
+
+def test_worst_routing_holds_more_and_the_experts_are_split(moe):
+    balanced, worst = (_estimate(moe, {"parallel": "fsdp", "ep": 2}, 2, routing=r) for r in ("balanced", "worst"))
+    assert worst.peak_bytes > balanced.peak_bytes
+    # FSDP2 alone gathers each layer's whole experts; with ep=2 a rank holds only its own half
+    alone = _estimate(moe, {"parallel": "fsdp"}, 2)
+    assert alone.peak_bytes > balanced.peak_bytes
+
+
+def test_the_routing_splits_the_pairs_as_the_truth_runs_route_them():
+    # 16 tokens, top-2 of 4 experts over 2 ranks: balanced sends 16 pairs each way; worst sends all 32 to rank 0
+    assert routed_sizes(16, 2, 4, 2, 0, "balanced") == [[16, 16], [16, 16]]
+    assert routed_sizes(16, 2, 4, 2, 0, "worst") == [[32, 0], [32, 32]]
+    assert routed_sizes(16, 2, 4, 2, 1, "worst") == [[32, 0], [0, 0]]
+
+
+def test_expert_parallel_takes_the_depth_fast_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(MOE, num_hidden_layers=8)))
+    recipe = {"parallel": "fsdp", "ep": 2, "precision": "bf16-mixed"}
+    full, fast = (_estimate(str(path), recipe, 4, batch=4, routing="worst", fast=f) for f in (False, True))
+    assert fast.peak_bytes == full.peak_bytes and fast.phase_peaks == full.phase_peaks
+    assert any("traced" in n and "blocks" in n for n in fast.notes)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--ep", "3"], "ep=3 does not divide the 4 rank(s)"),
+    (["--ep", "2", "--parallel", "ddp"], "needs parallel=fsdp"),
+    (["--ep", "8", "--gpus", "8", "--batch-size", "8"], "does not divide the model's 4 experts"),
+    (["--ep", "2", "--tp", "2"], "conflict"),
+    (["--ep", "2", "--gpus", "1"], "does not divide the 1 rank(s)"),
+])
+def test_bad_expert_parallel_is_one_line_exit_2(moe, flags, words, capsys):
+    args = ["estimate", moe, "--seq-len", "32", "--gpus", "4", "--batch-size", "4", "--parallel", "fsdp", *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+
+
+def test_a_dense_model_has_no_experts_to_split(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                                "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "vocab_size": 256}))
+    with pytest.raises(MemfitError, match="needs a mixture-of-experts model") as err:
+        _estimate(str(path), {"parallel": "fsdp", "ep": 2}, 2)
+    assert "\n" not in str(err.value)
