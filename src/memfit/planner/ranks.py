@@ -25,11 +25,14 @@ gather), the sharded gradients back, and the optimizer step on the host at ``HOS
 The mesh: beside data parallel alone, FSDP2 x TP at each degree ``tp_degrees`` allows (dividing the model's
 heads and MLP width and a node's GPUs, at most ``MAX_TP``), as torchtitan runs TP (sequence and loss
 parallel, the bf16 policy, gradients reduced every micro-batch): the data-parallel ranks are size / tp and
-split the global batch, TP peers read the same rows. TP's collectives are added unhidden (``tp_seconds``).
+split the global batch, TP peers read the same rows. TP's collectives are added unhidden (``tp_seconds``). For a
+mixture of experts with an expert plan, FSDP2 x EP at each degree ``ep_degrees`` allows: the experts split over
+ep ranks of a node, every rank reading its own rows; the all-to-alls are added unhidden (``ep_seconds``) and
+FSDP2 gathers each expert over its copies only (``planner/mesh.py``).
 A deep decoder of identical blocks is traced at 2 and 4 blocks and each candidate composed at full depth
 (``_Point.at``; a shallow copy out of memory is out of memory deep); the chosen plan is estimated in full,
-and one predicted to fit whose full estimate does not is passed over. Pipeline, context and expert parallel
-are not searched yet.
+and one predicted to fit whose full estimate does not is passed over. Pipeline and context parallel are not
+searched yet.
 
 Written here because no library plans these together: torchtitan's memory estimation mode and
 DeepSpeed's ``estimate_zero3_model_states_mem_needs`` give one configuration's memory (the latter
@@ -45,6 +48,8 @@ from memfit.errors import MemfitError
 from memfit.hardware.cluster import World, fake_world
 from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
 from memfit.planner.cost import EFFICIENCY, Speed
+from memfit.planner.mesh import (MAX_TP, ep_degrees, ep_seconds, ep_structures, expert_parameters, tp_degrees,
+                                 tp_seconds, tp_structures)
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.terms import KernelRows, Phases
 from memfit.techniques.accumulation import MAX_ACCUM_STEPS, divisors
@@ -53,7 +58,8 @@ from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
 __all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees", "tp_seconds", "comm_seconds",
-           "offload_seconds", "smallest_world", "offload_fits", "WORLDS"]
+           "offload_seconds", "smallest_world", "offload_fits", "WORLDS", "MAX_TP", "ep_degrees", "ep_structures",
+           "ep_seconds"]
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
@@ -86,50 +92,6 @@ def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dic
         for base in bases + ((offload,) if host_step else ()) + tuple(spread):
             found.append({**base, "checkpointing": checkpointing, "optimizer": optimizer})
     return found
-
-
-#: the largest TP degree searched: TP's collectives run every layer, so it stays within an NVLink domain of 8
-#: (H100 / H200 HGX boards; torchtitan's published rows use 8)
-MAX_TP = 8
-
-
-def tp_degrees(source, world: World) -> list[int]:
-    """The TP degrees a plan searches for ``source`` on ``world``: those dividing the GPUs per node (at most
-    ``MAX_TP``) and the model's heads and MLP width, where the model has a tensor-parallel plan."""
-    config = source.config
-    if config is None or not getattr(config, "base_model_tp_plan", None):
-        return []
-    sizes = [getattr(config, n, None) for n in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
-    return [tp for tp in (2, 4, 8) if tp <= min(world.gpus, MAX_TP) and world.gpus % tp == 0
-            and all(not isinstance(v, int) or v % tp == 0 for v in sizes)]
-
-
-def tp_structures(card, world: World, tp: int, has_blocks: bool, optimizer: str) -> list[dict]:
-    """FSDP2 x TP at ``tp`` as torchtitan runs it: sequence and loss parallel, FSDP2's bf16 policy where the card
-    has it, gradients reduce-scattered every micro-batch (kept unsharded to the last, a 405B model's are 188 GiB
-    a rank at tp=8); FSDP2 over the data-parallel ranks of a node (HSDP between nodes) or over every one."""
-    policy = {"mixed_precision": "bf16:fp32"} if card is None or card.bf16 else {}
-    base = {"parallel": "fsdp", "tp": tp, "sequence_parallel": True, "loss_parallel": True, "sync_grads": "every",
-            **policy}
-    dp = world.size // tp
-    overs = ["node"] + (["world"] if world.nodes > 1 and dp <= MAX_SHARD else [])
-    return [{**base, "shard_over": over, "checkpointing": checkpointing, "optimizer": optimizer}
-            for checkpointing in (("off", "blocks") if has_blocks else ("off",)) for over in overs]
-
-
-def tp_seconds(recipe: Recipe, rows: int, seq_len: int, hidden: int, layers: int, micro_batches: int, card) -> float:
-    """Seconds of one rank's TP collectives per step, none hidden (no async TP): with sequence parallel each block
-    all-gathers the residual stream before its attention and its MLP and reduce-scatters after them (without it,
-    two all-reduces: the same bytes), in forward, again in a checkpointed block's recompute, and in backward;
-    a ring moves (tp-1)/tp of the gathered ``rows x seq_len x hidden`` activation at the card's link."""
-    if recipe.tp == 1:
-        return 0.0
-    dtypes = mixed_dtypes(recipe.mixed_precision)  # FSDP2's compute dtype, else autocast's or the weights'
-    width = 2 if (dtypes and dtypes[0] != "fp32") or recipe.precision != "fp32" else 4
-    gathered = rows * seq_len * hidden * width
-    passes = 2 + (recipe.checkpointing != "off")  # forward, backward, recompute
-    ring = gathered * (recipe.tp - 1) / recipe.tp / (peer_link(card)[1] * EFFICIENCY["host_link"])
-    return layers * micro_batches * passes * 4 * ring
 
 
 #: bytes/s one rank's share of the host streams through an offloaded optimizer step: a node's DRAM
@@ -185,7 +147,9 @@ class NoWorld(MemfitError):
 @dataclass(frozen=True)
 class _Point:
     """A candidate's per-rank memory and kernel seconds: one trace's, or composed at the model's depth from two
-    shallow copies' (``depth.at_depth``: phase peaks and kernel times are affine in depth)."""
+    shallow copies' (``depth.at_depth``: each phase's peak and kernel times are affine in depth; the step's peak,
+    the highest of them, is not where the phase that peaks changes with depth: a shallow copy's peak in backward,
+    the deep model's in the optimizer step, where the state outgrows the activations)."""
 
     peak_bytes: int
     reserved_bytes: int | None
@@ -195,29 +159,38 @@ class _Point:
     compute: float
     retries: bool = False
     tight: bool = False
+    phases: tuple = ()  # (phase, allocated peak) of each phase
 
     @classmethod
     def of(cls, report, compute: float) -> "_Point":
         # out of memory: what the step needs (held at the limit + missing), which is what grows with depth
         need = report.device_bytes + (report.missing_bytes or 0)
         return cls(report.peak_bytes, report.reserved_bytes, need, report.verdict, report.parameters,
-                   compute, bool(report.retries), bool(report.tight))
+                   compute, bool(report.retries), bool(report.tight), tuple(sorted(report.phase_peaks.items())))
 
     @classmethod
     def at(cls, low: "_Point", high: "_Point", a: int, b: int, depth: int, budget: int) -> "_Point":
         from memfit.estimator.depth import at_depth
         from memfit.estimator.verdict import FITS, OOM
 
-        def line(name):
-            x, y = getattr(low, name), getattr(high, name)
+        def line(x, y):
             return None if x is None or y is None else int(at_depth(x, y, a, b, depth))
 
-        device = line("device_bytes")
+        peak = line(low.peak_bytes, high.peak_bytes)
+        # the highest phase at depth, each composed on its own; the device figures move with it
+        lows, highs = dict(low.phases), dict(high.phases)
+        phases = tuple((name, line(lows[name], highs[name])) for name in sorted(set(lows) & set(highs)))
+        over = max(0, max((v for _, v in phases), default=peak) - peak)
+        # the device holds at least the allocator's and the context's bytes above the allocated peak that the
+        # shallow copies hold (their lines can cross below the allocated peak when the peak moves phase)
+        above = min(low.device_bytes - low.peak_bytes, high.device_bytes - high.peak_bytes)
+        device = max(line(low.device_bytes, high.device_bytes) + over, peak + over + max(0, above))
+        reserved = line(low.reserved_bytes, high.reserved_bytes)
         # a shallow copy that does not fit: nor does the deeper model (memory grows with depth)
         fits = device <= budget and OOM not in (low.verdict, high.verdict)
-        return cls(line("peak_bytes"), line("reserved_bytes"), device, None if high.verdict is None else
-                   FITS if fits else OOM, line("parameters"),
-                   at_depth(low.compute, high.compute, a, b, depth), high.retries, high.tight)
+        return cls(peak + over, None if reserved is None else reserved + over, device,
+                   None if high.verdict is None else FITS if fits else OOM, line(low.parameters, high.parameters),
+                   at_depth(low.compute, high.compute, a, b, depth), high.retries, high.tight, phases)
 
 
 def _shallow_depths(source) -> tuple | None:
@@ -250,22 +223,36 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     # the data-parallel ranks split the global batch: each TP degree whose dp = size / tp divides it
     degrees = [tp for tp in (tp_degrees(source, world) if world.size > 1 and loss_fn is None else [])
                if global_batch_size % (world.size // tp) == 0]
+    # expert parallel borrows data-parallel ranks: every rank reads its own rows
+    experts_at = [ep for ep in (ep_degrees(source, world) if world.size > 1 and loss_fn is None else [])
+                  if global_batch_size % world.size == 0]
     if global_batch_size % world.size and not degrees:
         raise MemfitError(f"global_batch_size={global_batch_size} does not divide over {world.size} GPUs: use a "
                           f"multiple of {world.size}")
     shapes = [(1, fields) for fields in structures(target, world, has_blocks, optimizer)
               if global_batch_size % world.size == 0]
     shapes += [(tp, fields) for tp in degrees for fields in tp_structures(target, world, tp, has_blocks, optimizer)]
+    shapes += [(1, fields) for ep in experts_at for fields in ep_structures(target, world, ep, has_blocks, optimizer)]
     depths = _shallow_depths(source)
     config = source.config
     hidden = getattr(config, "hidden_size", 0) or 0
+    top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None) or 1
+    expert_params = 0
+    if experts_at:
+        with _meta(source) as model:
+            expert_params = expert_parameters(model) if model is not None else 0
     done, traces, results, notes = [0], [0], [], []
     if world.nodes > 1 and world.size > MAX_SHARD:
         notes.append(f"FSDP over all {world.size} ranks left out (past {MAX_SHARD} a per-rank trace takes minutes): "
                      "HSDP, sharded within each node, searched")
     if degrees:
         notes.append(f"tensor parallel searched at tp={', '.join(map(str, degrees))} (FSDP2 x TP, sequence and loss "
-                     "parallel); pipeline, context and expert parallel are not searched yet")
+                     "parallel)")
+    if experts_at:
+        notes.append(f"expert parallel searched at ep={', '.join(map(str, experts_at))} (FSDP2 x EP, balanced "
+                     "routing; memfit estimate --moe-routing worst bounds it)")
+    if degrees or experts_at:
+        notes.append("pipeline and context parallel are not searched yet")
     if depths:
         notes.append(f"each candidate traced at {depths[0]} and {depths[1]} blocks and composed at {source.depth} "
                      "(memory and kernel time affine in depth); the chosen one is estimated at full depth")
@@ -309,9 +296,13 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
             continue
         recipe, point, traced = fit
         dp_world = World(world.gpus // tp, world.nodes)
-        comm, exposed = comm_seconds(recipe, dp_world, point.parameters, (source.depth or 0) + 1,
-                                     recipe.grad_accum_steps, target)
+        # FSDP2 gathers an expert-parallel model's experts only over their copies (efsdp): 1/ep of them a rank moves
+        gathered = point.parameters - expert_params + expert_params // recipe.ep
+        comm, exposed = comm_seconds(recipe, dp_world, gathered, (source.depth or 0) + 1, recipe.grad_accum_steps,
+                                     target)
         exposed += tp_seconds(recipe, recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0,
+                              recipe.grad_accum_steps, target)
+        exposed += ep_seconds(recipe, recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, top_k,
                               recipe.grad_accum_steps, target)
         # the host's optimizer step and the shard copies are not hidden behind the GPU's kernels
         seconds = max(point.compute, comm) + exposed + offload_seconds(recipe, dp_world, point.parameters,
@@ -355,8 +346,12 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                           f": {format_size(checked.device_bytes + (checked.missing_bytes or 0))} a rank)", None)
     results = results[index:]
     link, rate = peer_link(target)
-    tp = best.recipe.tp
+    tp, ep = best.recipe.tp, best.recipe.ep
     mesh = f"dp={world.size // tp} x tp={tp}" if tp > 1 else f"dp={world.size}"
+    if ep > 1:
+        mesh += f" x ep={ep} (experts)"
+    ep_ms = ep_seconds(best.recipe, best.recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, top_k,
+                       best.recipe.grad_accum_steps, target) * 1000
     reasons = (f"{best.recipe.describe()} on {world.describe()} ({mesh}): {format_size(checked.device_bytes)} per rank "
                f"of {format_size(budget_bytes)} (the highest rank's full estimate)",
                f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of data-parallel collectives "
@@ -364,7 +359,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
                + "), overlapped"
                + (f"; {tp_seconds(best.recipe, best.recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, best.recipe.grad_accum_steps, target) * 1000:,.0f} ms of TP collectives, not overlapped"
-                  if tp > 1 else ""))
+                  if tp > 1 else "")
+               + (f"; {ep_ms:,.0f} ms of EP all-to-alls (balanced routing), not overlapped" if ep > 1 else ""))
     chosen = Plan(best.recipe, checked.peak_bytes, checked.reserved_bytes, checked.device_bytes, best.step_seconds,
                   best.samples_per_second, best.tokens_per_second, verified=True, reasons=reasons,
                   verdict=checked.verdict, seq_len=seq_len)
@@ -372,7 +368,7 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     notes.append(f"{len(results)} of {len(shapes)} structures fit; {traces[0]} per-rank candidates traced")
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": optimizer, "gpus": world.gpus, "nodes": world.nodes, "traces": traces[0],
-                "speed": speed.name, "tp_degrees": degrees}
+                "speed": speed.name, "tp_degrees": degrees, "ep_degrees": experts_at}
     return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=len(shapes),
                  front=[], seconds=time.perf_counter() - start, report=checked, settings=settings, notes=notes)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["check_tp", "tp_plan", "tensor_parallel", "tp_conflict"]
+__all__ = ["check_tp", "tp_plan", "tensor_parallel", "tp_conflict", "MODELLED_STYLES"]
 
 #: what tensor parallelism has not been checked with against real runs (each an error naming it)
 _INCOMPATIBLE = (("parallel", lambda r: r.parallel == "ddp"), ("chunked_loss", lambda r: r.chunked_loss),
@@ -36,6 +36,11 @@ def tp_conflict(recipe) -> str | None:
             return (f"tp={recipe.tp} and {name}={getattr(recipe, name)} conflict: memfit has not checked that pair "
                     f"against real runs yet; drop one")
     return None
+
+
+#: the styles of a model's own plan memfit lays out (a replicated weight has nothing to shard)
+MODELLED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_rep", "embedding_rowwise",
+                   "replicated_with_grad_allreduce", "replicate")
 
 
 def check_tp(value) -> None:
@@ -64,8 +69,7 @@ def tp_plan(model, tp: int, *, sequence: bool = False, loss: bool = False) -> di
               "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
               "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
-    kept = ("replicated_with_grad_allreduce", "replicate")  # a replicated weight: nothing to shard
-    unknown = sorted({v for v in plan.values() if v not in styles and v not in kept})
+    unknown = sorted({v for v in plan.values() if v not in MODELLED_STYLES})
     if unknown:
         raise MemfitError(f"tp={tp}: the model's plan uses {', '.join(unknown)}, which memfit does not model yet "
                           "(MoE experts, packed or sequence-parallel styles): use tp=1")
