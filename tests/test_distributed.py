@@ -140,8 +140,8 @@ def test_sharding_divides_the_model_states(configs):
     for category in (Category.PARAMETERS, Category.OPTIMIZER_STATE):
         assert two.by_category[category.value] < 0.51 * one.by_category[category.value]
     assert two.by_category[Category.UNSHARDED_PARAMETERS.value] > 0
-    assert two.world == {"gpus": 2, "nodes": 1, "size": 2, "parallel": "fsdp", "tp": 1, "pp": 1, "mesh": "dp=2",
-                         "rank": 0, "construction": "meta"}
+    assert two.world == {"gpus": 2, "nodes": 1, "size": 2, "parallel": "fsdp", "tp": 1, "pp": 1, "ep": 1,
+                         "mesh": "dp=2", "rank": 0, "construction": "meta"}
     ddp = _estimate(configs["tiny"], {"parallel": "ddp"})
     assert ddp.by_category[Category.COMMUNICATION.value] > 0  # DDP's gradient buckets
 

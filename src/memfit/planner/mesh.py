@@ -3,10 +3,11 @@ expert parallel a model and a world allow, the structures each is tried with, an
 that the step cannot hide.
 
 Tensor parallel as torchtitan runs it (sequence and loss parallel, FSDP2's bf16 policy, gradients reduced every
-micro-batch), at degrees dividing the heads, the MLP width and a node (``MAX_TP``). Expert parallel for a mixture of
-experts with an expert plan, at degrees dividing the experts and the FSDP2 group within a node (``MAX_EP``): the
-experts split over the EP group, the dense blocks FSDP2-sharded over the whole group (``techniques/expert_parallel.py``);
-each rank still reads its own rows (EP borrows data-parallel ranks). Routing is the estimate's default, balanced.
+micro-batch), at degrees dividing the heads, the MLP width and a node (``MAX_TP``). Expert parallel for a mixture
+of experts with an expert plan, at degrees dividing the experts and the FSDP2 group within a node (``MAX_EP``): the
+experts split over the EP group, the dense blocks FSDP2-sharded over the whole group
+(``techniques/expert_parallel.py``); each rank still reads its own rows (EP borrows data-parallel ranks). Routing
+is the estimate's default, balanced.
 """
 
 from __future__ import annotations
