@@ -66,9 +66,12 @@ def _dtensor_handler(func, args, kwargs):
     convolution, the GradScaler's inf check), or None. Called below this mode, a handler's inner ops would
     allocate where the ledger cannot see them (its temporaries: the loss-parallel step was 4 % low); run
     with the ledger pushed back, each of them is recorded like any other op."""
-    if _DTensor is None or not any(isinstance(a, _DTensor) for a in tree_flatten((args, kwargs))[0]):
+    if _DTensor is None:
         return None
-    return _DTensor._op_dispatcher._custom_op_handlers.get(func)
+    handler = _DTensor._op_dispatcher._custom_op_handlers.get(func)  # a few ops: looked up before any flattening
+    if handler is None or not any(isinstance(a, _DTensor) for a in tree_flatten((args, kwargs))[0]):
+        return None
+    return handler
 
 
 def _local(value):
