@@ -118,6 +118,10 @@ CASES = [
                                                   "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
     ("hsdp-2x2-ep-2", QWEN_MOE, 4, {"parallel": "fsdp", "ep": 2}, 4, 2),
     ("ep-2-mixtral", MIXTRAL, 2, {"parallel": "fsdp", "ep": 2}, 4, 1),
+    # float8 training (``techniques/float8.py``): torchao's Float8Linear, emulated on the CPU, under FSDP2
+    ("fsdp-float8-tensorwise", TINY, 2, {"parallel": "fsdp", "float8": "tensorwise"}, 4, 1),
+    ("fsdp-float8-rowwise-bf16-policy", TINY, 2, {"parallel": "fsdp", "float8": "rowwise",
+                                                  "mixed_precision": "bf16:fp32"}, 4, 1),
 ]
 SEQ = 64
 

@@ -14,7 +14,7 @@ import torch
 
 from memfit.categories import Category
 
-__all__ = ["Record", "Site", "plain", "storage_events", "managed_peak", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME",
+__all__ = ["Record", "Site", "plain", "float8_tensor_type", "storage_events", "managed_peak", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME",
            "KEPT", "MANAGED"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
@@ -69,13 +69,26 @@ class Site:
     out_metas: list = field(default_factory=list)  # (shape, stride, dtype) of each output
 
 
+def float8_tensor_type():
+    """torchao's ``Float8TrainingTensor`` (float8 training's wrapper of a float8 payload and its scale), if
+    torchao's float8 is loaded (nothing is imported for it: a step without float8 never loads it)."""
+    import sys
+
+    module = sys.modules.get("torchao.float8.float8_training_tensor")
+    return getattr(module, "Float8TrainingTensor", None)
+
+
 def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold ``tensor``'s memory: itself, or for a ``DTensor`` (FSDP2's
-    parameters, gradients and optimizer state) its local tensor, whose storage the allocator saw. An op on a wrapper runs its inner ops below this
-    mode; their outputs are seen here, inside the wrapper the op returns."""
-    if not (_DTensor is not None and isinstance(tensor, _DTensor)):
-        return [tensor]
-    return plain(tensor._local_tensor)
+    parameters, gradients and optimizer state) its local tensor, whose storage the allocator saw; for
+    torchao's ``Float8TrainingTensor`` its float8 payload and scale. An op on a wrapper runs its inner ops below
+    this mode; their outputs are seen here, inside the wrapper the op returns."""
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        return plain(tensor._local_tensor)
+    float8 = float8_tensor_type()
+    if float8 is not None and isinstance(tensor, float8):
+        return plain(tensor._data) + plain(tensor._scale)
+    return [tensor]
 
 
 def storage_events(ledger):
