@@ -13,8 +13,8 @@ What a rank holds depends on the routing: the all-to-all's receive buffer, the e
 their gradients are as many rows as (token, expert) pairs that reach this rank's experts. A fake tensor has no
 values, so the router's choice is the estimate's assumption (``moe_routing``, ``hardware/cpu_kernels.py``):
 ``balanced`` (each expert tokens x top_k / experts of every rank's pairs: each rank receives its own count),
-``worst`` (every token of every rank picks the same top_k experts, on EP rank 0: that rank receives N times
-its own pairs, the others none; rank 0 is the one traced). ``RoutedAllToAll`` is ``AllToAllEP`` with one
+``worst`` (every token of every rank picks the same top_k experts, experts 0 to top_k - 1: the EP ranks holding
+them, rank 0 first, receive every rank's pairs, the others none; rank 0 is the one traced). ``RoutedAllToAll`` is ``AllToAllEP`` with one
 change on fake tensors: the split sizes it reads back to the host (``tolist``, the layer's one device-to-host
 read) are the routing's instead of the fake counts' (which have no values). A real run keeps transformers'
 ``AllToAllEP`` unchanged; ``route(model, routing)`` makes a real run's routers choose as the estimate assumes

@@ -267,8 +267,9 @@ def _shard_experts(experts, build, reshard, policy, offload) -> None:
     mesh, dp = build.expert_mesh
     fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
     experts.set_gradient_divide_factor(float(dp))
-    if mesh.size() > 1:
-        experts.set_force_sum_reduction_for_comms(True)
+    force_sum = getattr(experts, "set_force_sum_reduction_for_comms", None)  # torch 2.13; NCCL takes PREMUL_SUM
+    if mesh.size() > 1 and force_sum is not None:
+        force_sum(True)
 
 
 def _units(model, blocks) -> list:
