@@ -118,6 +118,8 @@ CASES = [
                                                   "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
     ("hsdp-2x2-ep-2", QWEN_MOE, 4, {"parallel": "fsdp", "ep": 2}, 4, 2),
     ("ep-2-mixtral", MIXTRAL, 2, {"parallel": "fsdp", "ep": 2}, 4, 1),
+    # one expert a rank, two copies of it: FSDP2 shards the experts on dim 1 (torchtitan's placement)
+    ("ep-2-of-4-dim1", dict(QWEN_MOE, num_experts=2, num_experts_per_tok=1), 4, {"parallel": "fsdp", "ep": 2}, 4, 1),
     # float8 training (``techniques/float8.py``): torchao's Float8Linear, emulated on the CPU, under FSDP2
     ("fsdp-float8-tensorwise", TINY, 2, {"parallel": "fsdp", "float8": "tensorwise"}, 4, 1),
     ("fsdp-float8-rowwise-bf16-policy", TINY, 2, {"parallel": "fsdp", "float8": "rowwise",

@@ -109,3 +109,15 @@ def test_expert_parallel_is_searched_for_a_mixture_of_experts(tmp_path):
     best = plans.best
     full = memfit.estimate(str(path), recipe=best.recipe, batch_size=4, seq_len=32, gpu="h100-sxm", gpus=4)
     assert best.verified and best.device_bytes == full.device_bytes
+
+
+def test_structures_over_several_nodes_also_shard_over_every_rank():
+    # (tp_structures referred to a name left behind in ranks.py when it moved to mesh.py: a multi-node TP plan
+    # raised NameError; nothing single-node reaches that line)
+    from memfit.planner.mesh import MAX_SHARD, ep_structures, tp_structures
+
+    two = World(8, 2)
+    assert {s["shard_over"] for s in tp_structures(None, two, 8, True, "adamw")} == {"node", "world"}
+    assert {s["shard_over"] for s in ep_structures(None, two, 8, True, "adamw")} == {"node", "world"}
+    assert {s["shard_over"] for s in ep_structures(None, World(8, MAX_SHARD), 8, True, "adamw")} == {"node"}
+    assert {s["shard_over"] for s in ep_structures(None, World(8), 8, False, "adamw")} == {"node"}

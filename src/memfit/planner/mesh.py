@@ -18,9 +18,14 @@ from memfit.planner.cost import EFFICIENCY
 from memfit.techniques.parallel import mixed_dtypes
 from memfit.techniques.recipe import Recipe
 
-__all__ = ["MAX_TP", "MAX_EP", "tp_degrees", "tp_structures", "tp_seconds", "ep_degrees", "ep_structures",
+__all__ = ["MAX_SHARD", "MAX_TP", "MAX_EP", "tp_degrees", "tp_structures", "tp_seconds", "ep_degrees", "ep_structures",
            "ep_seconds", "expert_parameters"]
 
+
+#: ranks one FSDP group may span in a plan: a per-rank trace under the fake process group grows with
+#: them (a tiny Llama: 2 s at 64 ranks, 8 s at 512, a minute at 4096), and a search makes dozens. Past
+#: it, the groups searched are a node's (HSDP); a node has at most this many GPUs (NVL72 has 72).
+MAX_SHARD = 128
 
 #: the largest TP degree searched: TP's collectives run every layer, so it stays within an NVLink domain of 8
 #: (H100 / H200 HGX boards; torchtitan's published rows use 8)
@@ -98,8 +103,12 @@ def ep_structures(card, world: World, ep: int, has_blocks: bool, optimizer: str)
     """FSDP2 x EP at ``ep``: FSDP2 resharding after forward with the bf16 policy where the card has it, the experts
     split over ``ep`` ranks of each FSDP2 group."""
     policy = {"mixed_precision": "bf16:fp32"} if card is None or card.bf16 else {}
-    return [{"parallel": "fsdp", "ep": ep, **policy, "checkpointing": checkpointing, "optimizer": optimizer}
-            for checkpointing in (("off", "blocks") if has_blocks else ("off",))]
+    # over several nodes also FSDP2 over every rank: the experts' copies (efsdp) then span the nodes, where HSDP
+    # leaves each rank its experts whole
+    overs = ["node"] + (["world"] if world.nodes > 1 and world.size <= MAX_SHARD else [])
+    return [{"parallel": "fsdp", "ep": ep, **policy, "shard_over": over, "checkpointing": checkpointing,
+             "optimizer": optimizer}
+            for checkpointing in (("off", "blocks") if has_blocks else ("off",)) for over in overs]
 
 
 def ep_seconds(recipe: Recipe, rows: int, seq_len: int, hidden: int, moe_layers: int, top_k: int, micro_batches: int,

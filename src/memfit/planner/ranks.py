@@ -48,8 +48,8 @@ from memfit.errors import MemfitError
 from memfit.hardware.cluster import World, fake_world
 from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
 from memfit.planner.cost import EFFICIENCY, Speed
-from memfit.planner.mesh import (MAX_TP, ep_degrees, ep_seconds, ep_structures, expert_parameters, tp_degrees,
-                                 tp_seconds, tp_structures)
+from memfit.planner.mesh import (MAX_SHARD, MAX_TP, ep_degrees, ep_seconds, ep_structures, expert_parameters,
+                                 tp_degrees, tp_seconds, tp_structures)
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.terms import KernelRows, Phases
 from memfit.techniques.accumulation import MAX_ACCUM_STEPS, divisors
@@ -63,10 +63,6 @@ __all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees",
 
 #: GPU counts tried for a run that fits no single card (``smallest_world``)
 WORLDS = (2, 4, 8, 16, 32, 64)
-#: ranks one FSDP group may span in a plan: a per-rank trace under the fake process group grows with
-#: them (a tiny Llama: 2 s at 64 ranks, 8 s at 512, a minute at 4096), and a search makes dozens. Past
-#: it, the groups searched are a node's (HSDP); a node has at most this many GPUs (NVL72 has 72).
-MAX_SHARD = 128
 #: micro-batches a candidate's per-rank trace runs (``plan_ranks``)
 TRACED_MICRO = 3
 

@@ -264,8 +264,16 @@ def _shard_experts(experts, build, reshard, policy, offload) -> None:
     reduced and divided locally (``set_force_sum_reduction_for_comms``) where there is a reduction at all."""
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.tensor import Shard
+
     mesh, dp = build.expert_mesh
-    fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+    # fewer experts on a rank than copies to shard them over: FSDP2's dim-0 chunks would leave ranks holding
+    # padding (Mixtral's 8 experts over ep=8 x efsdp=2: each rank a whole expert), so they shard on dim 1, as
+    # torchtitan's apply_fsdp does
+    local = getattr(experts, "num_experts", None)
+    placement = (lambda _param: Shard(1)) if isinstance(local, int) and local < mesh.size(-1) else None
+    fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
+                shard_placement_fn=placement)
     experts.set_gradient_divide_factor(float(dp))
     force_sum = getattr(experts, "set_force_sum_reduction_for_comms", None)  # torch 2.13; NCCL takes PREMUL_SUM
     if mesh.size() > 1 and force_sum is not None:
