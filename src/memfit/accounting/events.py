@@ -14,8 +14,8 @@ import torch
 
 from memfit.categories import Category
 
-__all__ = ["Record", "Site", "plain", "float8_tensor_type", "storage_events", "managed_peak", "ALLOC", "FREE", "SPIKE", "MARK", "RENAME",
-           "KEPT", "MANAGED"]
+__all__ = ["Record", "Site", "plain", "float8_tensor_type", "storage_events", "managed_peak", "ALLOC", "FREE", "SPIKE",
+           "MARK", "RENAME", "KEPT", "MANAGED"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
 # What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule, and of one

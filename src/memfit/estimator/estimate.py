@@ -249,7 +249,8 @@ def _world(recipe: Recipe, gpus, nodes):
     world = world_of(gpus, nodes)
     if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1:
         if world is None:
-            what = " x ".join(f"{n}={v}" for n, v in (("pp", recipe.pp), ("tp", recipe.tp), ("ep", recipe.ep)) if v > 1)
+            degrees = (("pp", recipe.pp), ("tp", recipe.tp), ("ep", recipe.ep))
+            what = " x ".join(f"{n}={v}" for n, v in degrees if v > 1)
             raise MemfitError(f"{what} needs a GPU a part: pass gpus= (--gpus {recipe.pp * recipe.tp * recipe.ep})")
         Layout.of_recipe(world, recipe)
         return world
