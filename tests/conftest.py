@@ -24,3 +24,19 @@ _LONGEST_FIRST = ("test_train_speed", "test_plan", "test_pipeline_parallel", "te
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)) if item.module else len(rank))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def write_config(tmp_path_factory):
+    """``write_config(config)``: a model config (a dict) written to a fresh folder's config.json, its path."""
+    import json
+
+    def write(config: dict) -> str:
+        path = tmp_path_factory.mktemp("config") / "config.json"
+        path.write_text(json.dumps(config))
+        return str(path)
+
+    return write

@@ -25,10 +25,8 @@ MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hid
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ep") / "config.json"
-    path.write_text(json.dumps(MOE))
-    return str(path)
+def moe(write_config):
+    return write_config(MOE)
 
 
 def _estimate(path, recipe, gpus, batch=2, routing="balanced", **kwargs):

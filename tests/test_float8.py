@@ -26,10 +26,8 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("float8") / "config.json"
-    path.write_text(json.dumps(TINY))
-    return str(path)
+def tiny(write_config):
+    return write_config(TINY)
 
 
 @pytest.mark.parametrize("float8, precision", [("tensorwise", "fp32"), ("rowwise", "fp32"),
@@ -46,6 +44,15 @@ def test_float8_is_within_one_percent_of_the_allocator(tiny, float8, precision):
     plain = memfit.estimate(tiny, batch_size=2, seq_len=64, recipe=Recipe(precision=precision), device="cpu")
     assert estimate.peak_bytes != plain.peak_bytes  # the casts and float8 copies are in the step
     assert not recipe.is_exact and f"float8={float8}" in recipe.approximations
+
+
+def test_the_depth_fast_path_equals_the_full_trace(write_config):
+    deep = write_config(dict(TINY, num_hidden_layers=8))
+    recipe = Recipe(float8="rowwise", precision="bf16-mixed")
+    full, fast = (memfit.estimate(deep, batch_size=2, seq_len=64, recipe=recipe, device="cpu", fast=f)
+                  for f in (False, True))
+    assert fast.peak_bytes == full.peak_bytes and fast.phase_peaks == full.phase_peaks
+    assert any("traced 4 of 8 blocks" in n for n in fast.notes)
 
 
 def test_float8_on_cuda_semantics_runs_scaled_mm(tiny):

@@ -69,13 +69,21 @@ class Site:
     out_metas: list = field(default_factory=list)  # (shape, stride, dtype) of each output
 
 
+_FLOAT8: list = []  # torchao's Float8TrainingTensor, once it has been loaded
+
+
 def float8_tensor_type():
     """torchao's ``Float8TrainingTensor`` (float8 training's wrapper of a float8 payload and its scale), if
-    torchao's float8 is loaded (nothing is imported for it: a step without float8 never loads it)."""
+    torchao's float8 is loaded (nothing is imported for it: a step without float8 never loads it). Asked of
+    every op and output: the class is kept once found."""
+    if _FLOAT8:
+        return _FLOAT8[0]
     import sys
 
-    module = sys.modules.get("torchao.float8.float8_training_tensor")
-    return getattr(module, "Float8TrainingTensor", None)
+    found = getattr(sys.modules.get("torchao.float8.float8_training_tensor"), "Float8TrainingTensor", None)
+    if found is not None:
+        _FLOAT8.append(found)
+    return found
 
 
 def plain(tensor: torch.Tensor) -> list[torch.Tensor]:

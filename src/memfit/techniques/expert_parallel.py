@@ -7,7 +7,8 @@ and gives the experts module an all-to-all dispatch (``ep_dispatch_experts``, ``
 its (token, expert) pairs by expert, sends each to the rank holding that expert, runs its own experts on what
 it receives, and sends the results back. The EP group is N consecutive ranks of an FSDP2 group
 (``hardware.cluster.Layout``: shard = efsdp x ep, as torchtitan's EP borrows from its dp_shard); FSDP2 shards
-the dense blocks over the whole group and each layer's experts over ``efsdp`` (``parallel._shard_experts``).
+the dense blocks over the whole group and each layer's experts over ``efsdp`` (``shard_experts``, called by
+``parallel.py`` before each block).
 
 What a rank holds depends on the routing: the all-to-all's receive buffer, the experts' activations and
 their gradients are as many rows as (token, expert) pairs that reach this rank's experts. A fake tensor has no
@@ -29,7 +30,7 @@ import contextlib
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["check_ep", "ep_conflict", "ep_plan", "expert_parallel", "route", "routed_sizes"]
+__all__ = ["check_ep", "ep_conflict", "ep_plan", "expert_parallel", "shard_experts", "route", "routed_sizes"]
 
 #: what expert parallelism has not been checked with against real runs (each an error naming it)
 _INCOMPATIBLE = (("tp", lambda r: r.tp > 1), ("pp", lambda r: r.pp > 1), ("chunked_loss", lambda r: r.chunked_loss),
@@ -105,7 +106,8 @@ def _experts_of(model) -> int | None:
 
 def expert_parallel(build, mesh) -> None:
     """Split each MoE layer's experts over ``mesh["ep"]`` with transformers' expert plan and memfit's dispatch
-    (``RoutedAllToAll``); ``parallel.py`` then shards them over ``efsdp`` and the rest over the FSDP2 group."""
+    (``RoutedAllToAll``); ``parallel.py`` then shards them over ``efsdp`` (``shard_experts``) and the rest over the
+    FSDP2 group."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from memfit.hardware.cluster import Layout
@@ -120,6 +122,30 @@ def expert_parallel(build, mesh) -> None:
     library.apply_expert_parallelism(build.model, ep_mesh, tp_mesh, plan, ep_implementation=IMPLEMENTATION)
     modules = dict(build.model.named_modules())
     build.experts = [modules[name] for name, style in plan.items() if style == "ep_dispatch_experts"]
+
+
+def shard_experts(experts, build, reshard, policy, offload) -> None:
+    """An expert-parallel MoE layer's experts (DTensors over the EP group) sharded over ``efsdp``, the copies of
+    each expert in the FSDP2 group, before their block, as transformers' ``apply_fully_sharded_data_parallelism``
+    and torchtitan do: the block's own ``fully_shard`` then leaves them alone. An expert's gradient sums every
+    data-parallel rank's tokens (they reach it through the all-to-all), so it is divided by the data-parallel
+    degree, not its group's size; FSDP2 applies such a factor with PREMUL_SUM, which gloo refuses, so the sum is
+    reduced and divided locally (``set_force_sum_reduction_for_comms``) where there is a reduction at all."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh, dp = build.expert_mesh
+    # fewer experts on a rank than copies to shard them over: FSDP2's dim-0 chunks would leave ranks holding
+    # padding (Mixtral's 8 experts over ep=8 x efsdp=2: each rank a whole expert), so they shard on dim 1, as
+    # torchtitan's apply_fsdp does
+    local = getattr(experts, "num_experts", None)
+    placement = (lambda _param: Shard(1)) if isinstance(local, int) and local < mesh.size(-1) else None
+    fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
+                shard_placement_fn=placement)
+    experts.set_gradient_divide_factor(float(dp))
+    force_sum = getattr(experts, "set_force_sum_reduction_for_comms", None)  # torch 2.13; NCCL takes PREMUL_SUM
+    if mesh.size() > 1 and force_sum is not None:
+        force_sum(True)
 
 
 def routed_sizes(tokens: int, top_k: int, experts: int, ep: int, me: int, routing: str) -> list[list[int]]:

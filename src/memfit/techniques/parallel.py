@@ -54,7 +54,7 @@ import warnings
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
-from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel
+from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel, shard_experts
 from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
 from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, pipeline_conflict
 
@@ -246,38 +246,13 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     for root in (list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]):
         blocks = _units(root, find_blocks(root))
         for experts in getattr(build, "experts", ()):  # expert parallel: each MoE layer's experts on their own
-            _shard_experts(experts, build, reshard, policy, offload)
+            shard_experts(experts, build, reshard, policy, offload)
         for _, block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
         # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
         # backward (its backward comes first), as torchtitan and torchtune leave it.
         fully_shard(root, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
                     offload_policy=offload)
-
-
-def _shard_experts(experts, build, reshard, policy, offload) -> None:
-    """An expert-parallel MoE layer's experts (DTensors over the EP group) sharded over ``efsdp``, the copies of
-    each expert in the FSDP2 group, before their block, as transformers' ``apply_fully_sharded_data_parallelism``
-    and torchtitan do: the block's own ``fully_shard`` then leaves them alone. An expert's gradient sums every
-    data-parallel rank's tokens (they reach it through the all-to-all), so it is divided by the data-parallel
-    degree, not its group's size; FSDP2 applies such a factor with PREMUL_SUM, which gloo refuses, so the sum is
-    reduced and divided locally (``set_force_sum_reduction_for_comms``) where there is a reduction at all."""
-    from torch.distributed.fsdp import fully_shard
-
-    from torch.distributed.tensor import Shard
-
-    mesh, dp = build.expert_mesh
-    # fewer experts on a rank than copies to shard them over: FSDP2's dim-0 chunks would leave ranks holding
-    # padding (Mixtral's 8 experts over ep=8 x efsdp=2: each rank a whole expert), so they shard on dim 1, as
-    # torchtitan's apply_fsdp does
-    local = getattr(experts, "num_experts", None)
-    placement = (lambda _param: Shard(1)) if isinstance(local, int) and local < mesh.size(-1) else None
-    fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
-                shard_placement_fn=placement)
-    experts.set_gradient_divide_factor(float(dp))
-    force_sum = getattr(experts, "set_force_sum_reduction_for_comms", None)  # torch 2.13; NCCL takes PREMUL_SUM
-    if mesh.size() > 1 and force_sum is not None:
-        force_sum(True)
 
 
 def _units(model, blocks) -> list:
