@@ -116,3 +116,35 @@ def test_bad_pipeline_is_one_line(tiny, recipe, gpus, words):
         rows = recipe["micro_batch_size"] * recipe["grad_accum_steps"] if "micro_batch_size" in recipe else 4
         _estimate(tiny, recipe, gpus, batch=rows)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("recipe, gpus, written", [
+    ({"pp": 2, "micro_batch_size": 1, "grad_accum_steps": 4}, 2, True),
+    ({"pp": 2, "pp_schedule": "gpipe", "precision": "bf16-mixed", "micro_batch_size": 1, "grad_accum_steps": 3}, 2,
+     True),
+    # torchtitan's 405B layout in small: 1F1B over FSDP2 with the bf16 policy and checkpointed blocks. Under a
+    # pipeline FSDP2 frees a block's gathered weights in the stage's root at its last backward, which the written
+    # log cannot always place (it depends on the block's shapes): such a stage is traced in full, and so equal
+    ({"pp": 2, "parallel": "fsdp", "mixed_precision": "bf16", "checkpointing": "blocks", "micro_batch_size": 1,
+      "grad_accum_steps": 4}, 4, False),
+])
+def test_a_stage_takes_the_depth_fast_path(write_config, recipe, gpus, written):
+    """Each stage traced as a shallow copy of its blocks (4 of the stage's 7), its log written out at the stage's
+    depth, equals the stage traced in full, but for 4 bytes on the first stage (one 4-byte optimizer counter is the
+    copy's: under CUDA semantics the caching allocator's figures are equal, its 512-byte rounding absorbing it)."""
+    path = write_config(dict(TINY, num_hidden_layers=14))
+    batch = gpus // 2 * recipe["grad_accum_steps"]
+    full, fast = (memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, fast=f,
+                                  device="cpu") for f in (False, True))
+    assert [r["rank"] for r in fast.ranks] == [r["rank"] for r in full.ranks]
+    for mine, whole in zip(fast.ranks, full.ranks):
+        assert 0 <= whole["peak_bytes"] - mine["peak_bytes"] <= 4
+        assert all(0 <= whole["phase_peaks"][p] - mine["phase_peaks"][p] <= 4 for p in whole["phase_peaks"])
+    assert any("of the stage's 7 blocks" in n for n in fast.notes) == written
+
+
+def test_a_looped_schedule_is_traced_in_full(tiny):
+    recipe = {"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batch_size": 1, "grad_accum_steps": 4}
+    with pytest.raises(MemfitError, match="traced in full") as err:
+        memfit.estimate(tiny, batch_size=4, seq_len=32, recipe=Recipe(**recipe), gpus=2, fast=True)
+    assert "\n" not in str(err.value)

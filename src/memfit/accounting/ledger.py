@@ -99,6 +99,9 @@ def _probe_worthy(func, tensors) -> bool:
     name = func.__name__
     if any(word in name for word in ("convolution", "mkldnn", "rnn", "lstm", "gru")):
         return True
+    if name.startswith("_scaled_dot_product_flash_attention_for_cpu") and \
+            not all(t.is_contiguous() for t in tensors):  # it copies such operands (context parallel's chunks)
+        return True
     floats = {t.dtype for t in tensors if t.is_floating_point()}
     low = floats & {torch.bfloat16, torch.float16}
     # oneDNN reorders low-precision matmul operands; TensorIterator casts mixed-dtype inputs.

@@ -120,7 +120,12 @@ def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
             labels[number] = home[index]
     _absorb(ledger, labels, home, parse)
     template = _template_units(home)
-    log = _write(ledger, labels, home, where, _keys(records, home, where), template, depth // unit, unit)
+    keys = _keys(records, home, where)
+    log = _write(ledger, labels, home, where, keys, template, depth // unit, unit)
+    if log.dropped:  # a second naming, from the other end of each unit's records; kept when it places every free
+        again = _write(ledger, labels, home, where, _keys_from_the_end(records, home, keys), template, depth // unit,
+                       unit)
+        log = again if len(again.dropped) < len(log.dropped) else log
     log.parse, log.template = parse, template
     return log
 
@@ -234,6 +239,14 @@ def _keys(records, home, where) -> list:
             keys[i] = (path, r.phase, r.step, seen[base])
             seen[base] += 1
     return keys
+
+
+def _keys_from_the_end(records, home, keys) -> list:
+    """Each record's key with its rank counted from the last record of its unit with the same path, phase and step:
+    a unit that holds one more such record than its neighbours (the first block of a pipeline stage's backward
+    gathering its own weights beside its neighbour's prefetch) names the shared ones alike from this end."""
+    total = Counter((home[i], k[:3]) for i, k in enumerate(keys) if k is not None)
+    return [None if k is None else (*k[:3], "end", total[(home[i], k[:3])] - 1 - k[3]) for i, k in enumerate(keys)]
 
 
 def _full_units(t: int, template: int, units: int) -> range:

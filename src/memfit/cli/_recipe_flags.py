@@ -80,6 +80,10 @@ FLAGS = (
      "with pp: gpipe (every forward, then every backward: all micro-batches' activations live), 1f1b (backward starts once the pipeline is full: stage i of N holds N - i) or interleaved-1f1b (two stages a rank, looped: a smaller bubble)"),
     ('ep', 'int', (),
      "expert parallel degree: each MoE layer's experts split over N ranks of an FSDP2 group (transformers' expert plan), tokens sent to their experts' rank by all-to-all; the dense blocks stay FSDP2-sharded over the whole group (parallel=fsdp)"),
+    ('cp', 'int', (),
+     "context parallel degree: each row's sequence split over N ranks of an FSDP2 group (torch's context_parallel, load-balanced), attention run as a ring over them; they read the same rows (parallel=fsdp, attention=sdpa)"),
+    ('cp_rotate', 'str', ('allgather', 'alltoall'),
+     "with cp: how each layer's keys and values reach the other ranks: allgather (once, whole: torchtitan's default) or alltoall (passed round the ring, one chunk at a time)"),
     ('float8', 'str', ('off', 'tensorwise', 'rowwise'),
      'torchao float8 training: every linear but the head multiplies float8 copies of its operands (tensorwise or rowwise scales); changes the math: allowed by name'),
 )

@@ -120,6 +120,27 @@ def _settled_wait(wait):
     return call
 
 
+def _settled_functional(collective, wait):
+    """A functional collective waited on at once, returning when gloo's worker holds neither its input nor its result
+    (an estimate's collectives complete at once: the input is free when the caller drops it)."""
+    import time
+
+    import torch
+
+    def count(tensor):
+        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+    def call(tensor, *args, **kwargs):
+        before = count(tensor)
+        out = wait(collective(tensor, *args, **kwargs))
+        deadline = time.monotonic() + 5
+        while (count(tensor) > before or count(out) > 1) and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        return out
+
+    return call
+
+
 def _settled_p2p(batch):
     """A pipeline schedule's point-to-point batch whose works, once waited on, return only when gloo's worker has let
     go of the tensors sent and received (as ``_settled_wait``): a stage's send held by the worker a moment after its
@@ -199,6 +220,10 @@ def _run(case: dict) -> dict:
     import torch.distributed._functional_collectives as funcol
 
     funcol.wait_tensor = _settled_wait(funcol.wait_tensor)
+    # context parallel's ring (torch's rotaters) hands these its keys and values: gloo's worker holds the input and
+    # the result until it is done, so they were freed at random points (cp-2: 20 to 54 KB high, run to run)
+    for name in ("all_gather_single", "all_to_all_single"):
+        setattr(funcol, name, _settled_functional(getattr(funcol, name), funcol.wait_tensor))
     import torch.distributed.pipelining.schedules as schedules
 
     schedules._batch_p2p = _settled_p2p(schedules._batch_p2p)
@@ -206,9 +231,12 @@ def _run(case: dict) -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     recipe = Recipe.from_dict(case.get("recipe", {}))
     source = resolve(case["model"])
-    # tensor-parallel peers and pipeline stages read the same rows; the data-parallel ranks split them
-    tp, pp = recipe.tp, recipe.pp
-    per_rank = case["batch_size"] // (size // (tp * pp))
+    # tensor- and context-parallel peers and pipeline stages read the same rows; the data-parallel ranks split them
+    from memfit.hardware.cluster import Layout, World
+
+    gpus = case.get("gpus_per_node") or size
+    layout = Layout.of_recipe(World(gpus, size // gpus), recipe)
+    per_rank = case["batch_size"] // layout.rows_split
     gc.collect()
     try:
         # every rank builds the same weights (seed 0), so DDP's start-up broadcast is skipped: its
@@ -219,7 +247,7 @@ def _run(case: dict) -> dict:
             model = source.build()
             if recipe.precision == "bf16":
                 model.to(torch.bfloat16)
-            torch.manual_seed(1 + (rank % (size // pp)) // tp)  # the data-parallel rank's rows
+            torch.manual_seed(1 + layout.data_rank(rank))  # the data-parallel rank's rows
             batch = source.make_batch(per_rank, case.get("seq_len"), None)
             model, _, step = apply(model, recipe, watch=_phases())
             if recipe.ep > 1:  # the routers choose as the estimate assumes (the all-to-all's sizes follow them)

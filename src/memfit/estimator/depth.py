@@ -32,6 +32,7 @@ gpt-oss's or Gemma 3's peak can be that many bytes below the full trace's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from memfit.accounting.replay import replay
@@ -124,9 +125,10 @@ def template(kinds: list, every: int = 1) -> Template | None:
     return best
 
 
-def plan_copy(source: Source, recipe=None) -> Template | None:
+def plan_copy(source: Source, recipe=None, part: range | None = None) -> Template | None:
     """The fast path's copy of ``source`` (None: trace it in full): the blocks' kinds from the config,
-    cut into the smallest repeating template that keeps every kind where the deep model has it."""
+    cut into the smallest repeating template that keeps every kind where the deep model has it. ``part``: only
+    those blocks of the deep model (a pipeline stage's), the template's indices counted within them."""
     depth = source.depth
     if not depth or source.config is None:
         return None
@@ -136,23 +138,30 @@ def plan_copy(source: Source, recipe=None) -> Template | None:
         if kind == "modules":
             return None
         every = period if kind == "blocks" else 1
-    found = template(layer_kinds(source.config, depth), every)
+    part = range(depth) if part is None else part
+    whole = layer_kinds(source.config, depth)
+    kinds = [whole[i] for i in part]
+    found = template(kinds, every)
     if found is None:
         return None
-    shallow = source.shallow(found.blocks)
-    kinds = layer_kinds(source.config, depth)
-    # the copy's config must say of each kept block what the deep config says of it
+    shallow = source.shallow([part[i] for i in found.blocks])
+    # the copy's config must say of each kept block what the deep config says of it (rules by index, DeepSeek's
+    # dense first layers, renumber in a stage's copy: such a stage is traced in full)
     return found if layer_kinds(shallow.config, len(found.blocks)) == [kinds[i] for i in found.blocks] else None
 
 
 def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batch_size, seq_len,
-                      gpu=None, budget: int | None = None, tick=None, layout=None, workload: str = "train") -> Report:
+                      gpu=None, budget: int | None = None, tick=None, layout=None, workload: str = "train",
+                      stage: tuple | None = None) -> Report:
+    """The depth fast path's estimate. ``stage``: (this rank's pipeline stage, its blocks of the deep model): the
+    stage is traced with a shallow copy of its blocks and its log written out at the stage's depth."""
     if recipe.compile:
         raise MemfitError("compile and the depth fast path conflict: a compiled step (whole or per block) has no "
                           "per-block records to write out; trace it in full (fast=False, --full)")
     depth = source.depth
     # safe_step's chunks are cut by the bytes of all parameters, not per block: traced in full
-    copy = None if recipe.safe_step is not None else plan_copy(source, recipe)
+    part = stage[1] if stage is not None else None
+    copy = None if recipe.safe_step is not None else plan_copy(source, recipe, part)
     if copy is None:
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=tick,
@@ -164,14 +173,24 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
                 "period a shallower copy could keep"])
         return report
     unit, blocks = copy.unit, len(copy.blocks)
-    shallow = source.shallow(copy.blocks)
-    small, result = fake_trace(shallow, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
-                               batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True, tick=tick, layout=layout, workload=workload)
+    if part is not None:
+        from memfit.techniques.pipeline_parallel import traced_as
+
+        depth = len(part)
+        shallow = source.shallow([part[i] for i in copy.blocks])
+        holding = traced_as(stage[0])  # the copy's blocks are all this rank's stage's
+    else:
+        shallow, holding = source.shallow(copy.blocks), contextlib.nullcontext()
+    with holding:
+        small, result = fake_trace(shallow, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
+                                   batch_size=batch_size, seq_len=seq_len, gpu=gpu, keep=True, tick=tick,
+                                   layout=layout, workload=workload)
     # a short last unit is written as a whole one whose missing blocks were never traced
     log = synthesise(result.ledger, depth=copy.units * unit, unit=unit)
     if log.unmatched and getattr(recipe, "parallel", "none") != "none":
-        # FSDP2's units with a free the written log cannot place (selective checkpointing recomputing
-        # under a gathered unit): the written log would keep buffers alive, so the step is traced in full
+        # FSDP2's units with a free the written log cannot place (a pipeline stage's gathered weights freed in its
+        # root at the last backward, for some shapes): the written log would keep buffers alive, so the step is
+        # traced in full
         report, _ = fake_trace(source, None, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=gpu, budget=budget, tick=None,
                                layout=layout, workload=workload)
@@ -183,7 +202,8 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
         # the written log is replayed under the card's limit like a full trace's (``verdict.py``)
         cuda = dict(cuda_fit(log, gpu, budget).report_fields(), context_bytes=small.context_bytes, gpu=small.gpu)
     parameters, trainable = _parameters(result.ledger, log)
-    notes = small.notes + [f"traced {blocks} of {depth} blocks and wrote the step's allocations out for all "
+    of = f"the stage's {depth}" if part is not None else f"{depth}"
+    notes = small.notes + [f"traced {blocks} of {of} blocks and wrote the step's allocations out for all "
                            f"{depth} (fast=False or --full traces them all)"]
     if log.unmatched:
         notes.append(f"{log.unmatched} free(s) of the shallow trace had no counterpart at full depth")

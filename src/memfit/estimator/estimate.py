@@ -158,7 +158,8 @@ def _estimate_resolved(source, batch, *, recipe, factory, loss_fn, steps, batch_
     check_gpu(recipe.precision, target)
     budget = _budget(budget, target)
     # the data-parallel ranks split the batch; tensor-parallel peers and pipeline stages read the same rows
-    batch_size = step_batch(batch_size, recipe, world.size // (recipe.tp * recipe.pp) if world else 1)
+    # (context-parallel peers read the same rows too, each a part of their sequence)
+    batch_size = step_batch(batch_size, recipe, world.size // (recipe.tp * recipe.pp * recipe.cp) if world else 1)
     if world is not None:
         return _estimate_ranks(source, batch, world, recipe=recipe, loss_fn=loss_fn, factory=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, target=target, budget=budget, fast=fast,
@@ -247,11 +248,12 @@ def _world(recipe: Recipe, gpus, nodes):
     from memfit.hardware.cluster import Layout, World, world_of
 
     world = world_of(gpus, nodes)
-    if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1:
+    if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1 or recipe.cp > 1:
         if world is None:
-            degrees = (("pp", recipe.pp), ("tp", recipe.tp), ("ep", recipe.ep))
+            degrees = (("pp", recipe.pp), ("tp", recipe.tp), ("ep", recipe.ep), ("cp", recipe.cp))
             what = " x ".join(f"{n}={v}" for n, v in degrees if v > 1)
-            raise MemfitError(f"{what} needs a GPU a part: pass gpus= (--gpus {recipe.pp * recipe.tp * recipe.ep})")
+            raise MemfitError(f"{what} needs a GPU a part: pass gpus= "
+                              f"(--gpus {recipe.pp * recipe.tp * recipe.ep * recipe.cp})")
         Layout.of_recipe(world, recipe)
         return world
     if recipe.parallel == "none":
@@ -270,10 +272,14 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
 
     if lengths is not None or packed:
         raise MemfitError("lengths= and packed= are not estimated per rank yet: drop them, or gpus=")
-    if recipe.parallel != "fsdp" or recipe.offload != "none" or recipe.pp > 1:
-        # DDP's gradient buckets, an offloaded step's host side, a stage's schedule and TP without FSDP2 (its
-        # fast path was 3% off its full trace, bf16 autocast over 4 ranks): in full
-        what = (f"pp={recipe.pp}" if recipe.pp > 1 else f"tp={recipe.tp} without fsdp" if recipe.tp > 1
+    from memfit.techniques.pipeline_parallel import FAST_SCHEDULES
+
+    looped = recipe.pp > 1 and recipe.pp_schedule not in FAST_SCHEDULES
+    if (recipe.parallel != "fsdp" and recipe.pp == 1) or recipe.offload != "none" or looped \
+            or (recipe.tp > 1 and recipe.parallel != "fsdp"):
+        # DDP's gradient buckets, an offloaded step's host side, a looped schedule's two stages a rank and TP
+        # without FSDP2 (its fast path was 3% off its full trace, bf16 autocast over 4 ranks): in full
+        what = (f"pp_schedule={recipe.pp_schedule}" if looped else f"tp={recipe.tp} without fsdp" if recipe.tp > 1
                 else f"parallel={recipe.parallel}" if recipe.parallel != "fsdp" else f"offload={recipe.offload}")
         if fast:
             raise MemfitError(f"fast=True and {what} conflict: that step is traced in full (its memory is not laid "
@@ -292,19 +298,25 @@ def _estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, lengt
 
 def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Report:
     """``_estimate_ranks``' traces, one fake world a rank, and the report of the worst."""
-    from memfit.hardware.cluster import fake_world
-
-    from memfit.hardware.cluster import Layout
+    from memfit.hardware.cluster import Layout, fake_world
+    from memfit.techniques.pipeline_parallel import cut
 
     layout = Layout.of_recipe(world, recipe)
     reports, rank = [], 0
     # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight); TP peers
     # and the data-parallel ranks of a stage hold equal parts
     stages = [layout.rank(pp=s) for s in range(recipe.pp)] if recipe.pp > 1 else None
+    if recipe.cp > 1:
+        # the ring's causal chunks differ by position: the first CP rank runs every later step on half its queries,
+        # the last on half the keys; the ranks between mix the two and hold no more than these (bench/distributed.py)
+        stages = [layout.rank(shard=0), layout.rank(shard=recipe.cp - 1)]
+    parts = cut(source.depth, recipe.pp) if recipe.pp > 1 and source.depth else None
     while True:
         with fake_world(world, rank) as place:
             tick = _ticker(progress, phases(recipe, kwargs["steps"]))
-            report = _estimate(source, batch, recipe=recipe, fast=fast, tick=tick, layout=None, **kwargs)
+            stage = layout.coords(rank)["pp"]
+            report = _estimate(source, batch, recipe=recipe, fast=fast, tick=tick, layout=None,
+                               stage=(stage, parts[stage]) if parts else None, **kwargs)
             reports.append((rank, report))
             uneven = place.notes.get("uneven")
         if stages:
@@ -322,12 +334,12 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
         host = _built_on_host(top, _whole_model_bytes(source, recipe))
     ranks = [{"rank": r, "peak_bytes": rep.peak_bytes, "device_bytes": rep.device_bytes, "host_bytes": rep.host_bytes,
               "by_category": rep.by_category, "phase_peaks": rep.phase_peaks} for r, rep in reports]
-    meshed = recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1
+    meshed = recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1 or recipe.cp > 1
     shape = layout.describe() if meshed else recipe.parallel
     if recipe.pp > 1:
         shape += f", {recipe.pp_schedule} over {recipe.grad_accum_steps} micro-batches"
     if meshed and layout.dp > 1:
-        shape += f", {recipe.parallel} over dp"
+        shape += f", {recipe.parallel} over dp" + (" x cp" if recipe.cp > 1 else "")
     notes = [f"rank {top_rank} of {world.describe()} ({shape}): one rank's step under PyTorch's fake "
              "process group; collectives move no data and take no time"]
     if recipe.parallel == "fsdp":
@@ -339,8 +351,12 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
                                 "traced with the step and its peak counts"}[recipe.construction])
     if uneven:
         notes.append(f"uneven shards ({uneven}): rank 0 and rank {world.size - 1} traced")
+    if recipe.cp > 1:
+        from memfit.techniques.context_parallel import UNCHECKED_ON_GPU
+
+        notes.append(UNCHECKED_ON_GPU)
     info = {"gpus": world.gpus, "nodes": world.nodes, "size": world.size, "parallel": recipe.parallel, "tp": recipe.tp,
-            "pp": recipe.pp, "ep": recipe.ep, "mesh": layout.describe(),
+            "pp": recipe.pp, "ep": recipe.ep, "cp": recipe.cp, "mesh": layout.describe(),
             "rank": top_rank, "construction": recipe.construction if recipe.parallel == "fsdp" else "replicated"}
     return dataclasses.replace(top, world=info, ranks=ranks, notes=top.notes + notes + host.pop("notes", []), **host)
 
@@ -430,8 +446,9 @@ def _worst_shapes(source, batch, lengths, packed: bool, recipe: Recipe, batch_si
 
 
 def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq_len, target, budget, fast, tick,
-              layout, placement=None, workload: str = "train") -> Report:
-    """One estimate: the depth fast path or a full trace; with ``layout``, of that micro-batch shape."""
+              layout, placement=None, workload: str = "train", stage=None) -> Report:
+    """One estimate: the depth fast path or a full trace; with ``layout``, of that micro-batch shape; with ``stage``
+    (a pipeline stage and its blocks), of that stage's rank."""
     if layout is not None:
         batch_size = layout.rows * recipe.grad_accum_steps
         if recipe.micro_batch_size and recipe.micro_batch_size != layout.rows:  # a last, shorter micro-batch
@@ -447,7 +464,7 @@ def _estimate(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq
 
         report = estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
                                    batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
-                                   layout=layout, workload=workload)
+                                   layout=layout, workload=workload, stage=stage)
     else:
         report, _ = fake_trace(source, batch, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
                                batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,

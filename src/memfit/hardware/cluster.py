@@ -50,7 +50,11 @@ class Layout:
 
     ``ep`` (expert parallel) borrows from ``shard``, as torchtitan's EP borrows from its dp_shard: ``shard`` is
     ``efsdp`` x ``ep``, consecutive ranks of an FSDP2 group forming an EP group that splits each MoE layer's
-    experts; FSDP2 shards the dense blocks over ``shard`` and each expert over ``efsdp``."""
+    experts; FSDP2 shards the dense blocks over ``shard`` and each expert over ``efsdp``.
+
+    ``cp`` (context parallel) borrows from ``shard`` the same way (torchtitan's dp_shard x cp, FSDP2 over both):
+    ``shard`` is ``dp_shard`` x ``cp``, consecutive ranks of an FSDP2 group splitting each row's sequence; they
+    read the same rows (``rows_split``: the ranks that read different ones)."""
 
     world: World
     pp: int = 1
@@ -58,17 +62,18 @@ class Layout:
     shard: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     NAMES = ("pp", "replicate", "shard", "tp")
 
     @classmethod
     def of_recipe(cls, world: World, recipe):
         """The layout of ``world`` for a ``Recipe``'s degrees (read by name: this layer knows no recipe)."""
-        return cls.of(world, pp=recipe.pp, tp=recipe.tp, ep=recipe.ep, parallel=recipe.parallel,
+        return cls.of(world, pp=recipe.pp, tp=recipe.tp, ep=recipe.ep, cp=recipe.cp, parallel=recipe.parallel,
                       shard_over=recipe.shard_over)
 
     @classmethod
-    def of(cls, world: World, *, pp: int = 1, tp: int = 1, ep: int = 1, parallel: str = "fsdp",
+    def of(cls, world: World, *, pp: int = 1, tp: int = 1, ep: int = 1, cp: int = 1, parallel: str = "fsdp",
            shard_over: str = "node"):
         """The layout of ``world`` for these degrees; every mismatch is one error naming the fix."""
         if tp > 1 and world.gpus % tp:
@@ -97,11 +102,30 @@ class Layout:
         if ep > 1 and shard % ep:
             raise MemfitError(f"ep={ep} does not divide the {shard} rank(s) FSDP2 shards over"
                               f"{' (a node, under HSDP)' if replicate > 1 else ''}: use an ep that divides them")
-        return cls(world, pp, replicate, shard, tp, ep)
+        if cp > 1 and parallel != "fsdp":
+            raise MemfitError(f"cp={cp} needs parallel=fsdp: context parallel splits the sequence over ranks of an "
+                              "FSDP2 group, which reduces their gradients (--parallel fsdp)")
+        if cp > 1 and ep > 1:
+            raise MemfitError(f"cp={cp} and ep={ep} conflict: memfit does not lay out context and expert parallel on "
+                              "one mesh yet; drop one")
+        if cp > 1 and shard % cp:
+            raise MemfitError(f"cp={cp} does not divide the {shard} rank(s) FSDP2 shards over"
+                              f"{' (a node, under HSDP)' if replicate > 1 else ''}: use a cp that divides them")
+        return cls(world, pp, replicate, shard, tp, ep, cp)
 
     @property
     def dp(self) -> int:
         return self.replicate * self.shard
+
+    @property
+    def rows_split(self) -> int:
+        """The ranks that read different rows of a batch: the data-parallel ones less context-parallel peers."""
+        return self.dp // self.cp
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the ``rows_split`` parts of the batch ``rank`` reads."""
+        at = self.coords(rank)
+        return at["replicate"] * (self.shard // self.cp) + at["shard"] // self.cp
 
     @property
     def sizes(self) -> tuple:
@@ -123,13 +147,16 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"pp={self.pp}"] if self.pp > 1 else []
-        if self.dp > 1:
-            parts.append(f"dp={self.shard}" if self.replicate == 1 else
-                         f"dp={self.replicate}x{self.shard} (replicate x shard)")
+        shard = self.shard // self.cp  # (context-parallel peers are listed as cp)
+        if self.replicate * shard > 1:
+            parts.append(f"dp={shard}" if self.replicate == 1 else
+                         f"dp={self.replicate}x{shard} (replicate x shard)")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
         if self.ep > 1:
             parts.append(f"ep={self.ep} (experts)")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp} (sequence)")
         return " x ".join(parts) or "1 rank"
 
     def device_mesh(self, device: str):
@@ -140,6 +167,11 @@ class Layout:
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
+            if self.cp > 1:
+                mesh = init_device_mesh(device, (self.pp, self.replicate, self.shard // self.cp, self.cp, self.tp),
+                                        mesh_dim_names=("pp", "replicate", "dp_shard", "cp", "tp"))
+                mesh["dp_shard", "cp"]._flatten("shard")  # FSDP2's dimension (torchtitan's dp_shard_cp)
+                return mesh
             if self.ep == 1:
                 return init_device_mesh(device, self.sizes, mesh_dim_names=self.NAMES)
             mesh = init_device_mesh(device, (self.pp, self.replicate, self.shard // self.ep, self.ep, self.tp),

@@ -128,6 +128,7 @@ class _Step:
         self.before_micro = list(build.before_micro)
         self.step_contexts = list(build.step_contexts)
         self.micro_contexts = list(build.micro_contexts)
+        self.batch_contexts = list(build.batch_contexts)
         self.pipeline = build.pipeline
         self.stepper = build.wrap_step(opt) if build.wrap_step is not None else None  # safe_step's SafeStep
         self.count = 0
@@ -217,6 +218,10 @@ class _Step:
                     contextlib.ExitStack() as stack:
                 for context in self.micro_contexts:
                     stack.enter_context(context())
+                if self.batch_contexts:
+                    part = dict(part)  # a context may shard its tensors (context parallel): the caller's batch stays
+                    for context in self.batch_contexts:
+                        stack.enter_context(context(part))
                 for hook in self.before_micro:  # gradient sync only on the last micro-batch (parallel.py)
                     hook(self.model, last)
                 self.watch.begin("forward", index)

@@ -37,9 +37,10 @@ rank while it is sharded (``host_bytes``); ``device`` built whole on the GPU (``
 sharded: the construction is traced with the step, and its peak (the whole model plus the shards made
 so far) counts.
 
-``pp=N`` and ``tp=N`` (``pipeline_parallel.py``, ``tensor_parallel.py``) run on one device mesh of the world,
-``hardware.cluster.Layout``'s pp x replicate x shard x tp (torchtitan's order): the stage is cut first, its
-blocks split over the TP group, then FSDP2 shards it over the data-parallel dimensions.
+``pp=N``, ``tp=N``, ``ep=N`` and ``cp=N`` (``pipeline_parallel.py``, ``tensor_parallel.py``,
+``expert_parallel.py``, ``context_parallel.py``) run on one device mesh of the world, ``hardware.cluster.Layout``'s
+pp x replicate x shard x tp (torchtitan's order; ep and cp split ``shard``): the stage is cut first, its blocks
+split over the TP group, then FSDP2 shards it over the data-parallel dimensions.
 
 Does not combine with (yet, each one error): chunked_loss (its head runs outside the root's
 forward, on resharded weights), compile, qlora and 8/4-bit optimizers (bitsandbytes does not take
@@ -54,6 +55,7 @@ import warnings
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
+from memfit.techniques.context_parallel import ROTATE, check_cp, context_parallel, cp_conflict
 from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel, shard_experts
 from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
 from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, pipeline_conflict
@@ -126,6 +128,10 @@ def _conflicts(recipe):
         if clash:
             yield clash
             return
+    clash = cp_conflict(recipe)
+    if clash:
+        yield clash
+        return
     if recipe.offload != "none":
         if recipe.parallel != "fsdp":
             yield (f"offload={recipe.offload} and parallel={recipe.parallel} conflict: offload is FSDP2's "
@@ -170,7 +176,7 @@ def _apply(build) -> None:
     from memfit.hardware.cluster import placement
 
     place = placement()
-    if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1:
+    if recipe.pp > 1 or recipe.tp > 1 or recipe.ep > 1 or recipe.cp > 1:
         place = _mesh_parallel(build, place)  # this rank's data-parallel ranks
         if recipe.parallel == "none":
             build.watch.settle()
@@ -204,6 +210,8 @@ def _mesh_parallel(build, place):
         tensor_parallel(build, mesh)
     if recipe.ep > 1:
         expert_parallel(build, mesh)
+    if recipe.cp > 1:
+        context_parallel(build, mesh)
     dp = Layout.data_parallel(mesh)
     return dataclasses.replace(place, world=World(layout.shard, layout.replicate), mesh=dp, flat=dp)
 
@@ -550,6 +558,12 @@ TECHNIQUE = Technique(
             Field("ep", 1, "expert parallel degree: each MoE layer's experts split over N ranks of an FSDP2 group "
                   "(transformers' expert plan), tokens sent to their experts' rank by all-to-all; the dense blocks "
                   "stay FSDP2-sharded over the whole group (parallel=fsdp)", slot=132, kind="int", check=check_ep),
+            Field("cp", 1, "context parallel degree: each row's sequence split over N ranks of an FSDP2 group "
+                  "(torch's context_parallel, load-balanced), attention run as a ring over them; they read the same "
+                  "rows (parallel=fsdp, attention=sdpa)", slot=133, kind="int", check=check_cp),
+            Field("cp_rotate", "allgather", "with cp: how each layer's keys and values reach the other ranks: "
+                  "allgather (once, whole: torchtitan's default) or alltoall (passed round the ring, one chunk at a "
+                  "time)", slot=134, choices=ROTATE),
             Field("construction", "meta", "fsdp: how the model was built before sharding: meta (torchtitan: never "
                   "whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then "
                   "sharded: its peak counts)", slot=126, choices=CONSTRUCTION)),

@@ -33,11 +33,28 @@ tied weights across stages equal): its memory is counted, as a real run holds it
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["SCHEDULES", "check_pp", "cut", "pipeline_conflict", "pipeline"]
+__all__ = ["SCHEDULES", "check_pp", "cut", "pipeline_conflict", "pipeline", "traced_as", "FAST_SCHEDULES"]
+
+#: schedules whose stages the depth fast path traces as a shallow copy (one stage a rank: one stack of blocks)
+FAST_SCHEDULES = ("gpipe", "1f1b")
+_TRACED_AS = contextvars.ContextVar("memfit_pipeline_stage", default=None)
+
+
+@contextlib.contextmanager
+def traced_as(stage: int):
+    """For the ``with`` block, a pipeline built from a model gives every block of it to ``stage``: the depth fast
+    path's shallow copy of one stage's blocks (``estimator/depth.py``), run as that stage."""
+    token = _TRACED_AS.set(stage)
+    try:
+        yield
+    finally:
+        _TRACED_AS.reset(token)
 
 #: schedules by their torch class: one stage per rank, or (interleaved) ``STAGES_PER_RANK`` of them
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
@@ -181,9 +198,15 @@ def pipeline(build, mesh):
     embed, layers, _, _, head = _parts(model)
     per_rank = STAGES_PER_RANK.get(recipe.pp_schedule, 1)
     total = recipe.pp * per_rank
-    stages = cut(len(layers), total)
     # a looped schedule gives rank r the stages r, r + pp, ...: the first and the last stage on different ranks
     mine = [pipe.get_local_rank() + k * recipe.pp for k in range(per_rank)]
+    shallow = _TRACED_AS.get()
+    if shallow is not None:  # a shallow copy of this rank's stage: all its blocks are the stage's
+        if mine != [shallow]:
+            raise MemfitError(f"a shallow copy of stage {shallow} was run as stage(s) {mine}: report this")
+        stages = {shallow: range(len(layers))}
+    else:
+        stages = cut(len(layers), total)
     loss_function = model.loss_function
     vocab = head.weight.shape[0]
     parts = [_stage_module(model, stages[i], i == 0, i == total - 1, build.forward_contexts) for i in mine]

@@ -103,6 +103,8 @@ class Build:
     #                                   them all (forward, loss and backward), in place of the step's own loop
     micro_contexts: list = field(default_factory=list)  # () -> context manager, around each micro-batch's
     #                                                     forward and backward (loss parallel)
+    batch_contexts: list = field(default_factory=list)  # (micro-batch) -> context manager, around its forward and
+    #                                                     backward (context parallel shards its sequence)
 
 
 @dataclass(frozen=True)

@@ -176,8 +176,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
     if plan is not None and not hasattr(plan, "step_seconds"):
         raise MemfitError(f"plan must be a memfit Plan (memfit.plan(...)[0]), got {type(plan).__name__}")
     recipe = recipe or (plan.recipe if plan is not None else Recipe())
-    meshed = [f"{name}={getattr(recipe, name)}" for name in ("tp", "pp") if getattr(recipe, name) > 1]
-    # estimated per rank (memfit estimate --gpus N), not yet trained: TP peers and stages read the same rows
+    meshed = [f"{name}={getattr(recipe, name)}" for name in ("tp", "pp", "cp") if getattr(recipe, name) > 1]
+    # estimated per rank (memfit estimate --gpus N), not yet trained: TP and CP peers and stages read the same rows
     if meshed:
         raise MemfitError(f"memfit train does not run {' and '.join(meshed)} yet (memfit estimate answers for it): "
                           "train with parallel=fsdp or ddp")
