@@ -26,9 +26,9 @@ def _estimate(path, recipe, gpus, batch=2, seq=32, **kwargs):
                            **kwargs)
 
 
-@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
-def test_context_parallel_matches_torchrun_on_every_rank(llama, rotate):
-    recipe = {"parallel": "fsdp", "cp": 2, "cp_rotate": rotate}
+def test_context_parallel_matches_torchrun_on_every_rank(llama):
+    # (cp_rotate=alltoall, cp=4, HSDP, accumulation: bench/distributed.py, to keep the suite's time)
+    recipe = {"parallel": "fsdp", "cp": 2}
     truths = launch({"model": llama, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2}, 2)
     report = _estimate(llama, recipe, 2, steps=2)
     # the two ranks differ (the ring's causal chunks: rank 0 runs half its queries, rank 1 half the keys); both traced
