@@ -3,12 +3,14 @@
     python bench/fast_vs_full.py                 # every case; writes bench/results/fast-vs-full.json
     python bench/fast_vs_full.py --only demo     # cases whose name contains "demo" (merged into the file)
     python bench/fast_vs_full.py --only fsdp     # one rank of FSDP2 at 8 to 64 ranks
+    python bench/fast_vs_full.py --only pp       # every pipeline stage (1F1B over FSDP2 x TP), 405B's included
 
 Each case runs ``memfit.estimate(..., fast=True)`` (a 4-block copy traced, its allocation log
 written out at full depth and replayed: ``depth.py``, ``accounting/synth.py``) and
 ``fast=False`` (every block traced), and records the allocated peak, the reserved peak and the
-device bytes (reserved + CUDA context) of both, their relative differences and wall times. The
-full trace is the independent truth: the same step, traced block by block.
+device bytes (reserved + CUDA context) of both, their relative differences and wall times; with
+pipeline stages (or any per-rank estimate) every traced rank's figures (``ranks``). The full trace is
+the independent truth: the same step, traced block by block.
 """
 
 from __future__ import annotations
@@ -81,11 +83,27 @@ CASES = [
                                                         gpus=8, nodes=2), "h100-sxm", 2048, 16),
     ("fsdp 70b 8 nodes x8 world", "llama-3.1-70b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
                                                          shard_over="world", gpus=8, nodes=8), "h100-sxm", 2048, 64),
+    # every pipeline stage (1F1B, each stage FSDP2 x TP with sequence and loss parallel, the bf16 policy, every block
+    # checkpointed): a stage is a shallow copy of its own blocks, written out at the stage's depth
+    ("pp 8b 4 stages x tp2 x dp2", "llama-3.1-8b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
+                                                         tp=2, sequence_parallel=True, loss_parallel=True, pp=4,
+                                                         micro_batch_size=1, grad_accum_steps=4, gpus=8, nodes=2),
+     "h100-sxm", 2048, 8),
+    # torchtitan's Table 6, first row (benchmarks/llama3_h100_202412_torchtitan.md): FSDP 8 x TP 8 x PP 8, seq 32768
+    ("pp 405b 8 stages x tp8 x dp8", "llama-3.1-405b", dict(FSDP, mixed_precision="bf16:fp32", checkpointing="blocks",
+                                                             tp=8, sequence_parallel=True, loss_parallel=True, pp=8,
+                                                             shard_over="world", micro_batch_size=1, grad_accum_steps=8,
+                                                             gpus=8, nodes=64), "h200", 32768, 64),
 ]
 
 
 def _figures(report) -> dict:
     return {"allocated": report.peak_bytes, "reserved": report.reserved_bytes, "device_bytes": report.device_bytes}
+
+
+def _ranks(report) -> list:
+    return [{"rank": r["rank"], "allocated": r["peak_bytes"], "device_bytes": r.get("device_bytes")}
+            for r in report.ranks or []]
 
 
 def _relative(fast, full):
@@ -99,18 +117,24 @@ def run(case) -> dict:
     kwargs = dict(seq_len=seq_len, batch_size=batch_size, recipe=Recipe(**fields), **world)
     if gpu is not None:
         kwargs["gpu"] = gpu
-    times, figures, notes = {}, {}, []
+    times, figures, notes, ranks = {}, {}, [], {}
     for label, fast in (("fast", True), ("full", False)):
         start = time.perf_counter()
         report = memfit.estimate(model, fast=fast, **kwargs)
         times[label] = round(time.perf_counter() - start, 1)
         figures[label] = _figures(report)
+        ranks[label] = _ranks(report)
         if fast:
             notes = [n for n in report.notes if "counterpart" in n]
     row = {"case": name, "model": model, "recipe": Recipe(**fields).describe(), "gpu": gpu or "cpu", **world,
            "seq_len": seq_len, "batch_size": batch_size, "fast": figures["fast"], "full": figures["full"],
            "relative": {k: _relative(figures["fast"][k], figures["full"][k]) for k in figures["full"]},
            "fast_seconds": times["fast"], "full_seconds": times["full"], "notes": notes}
+    if len(ranks["full"]) > 1:  # every traced rank: the largest difference of any
+        row["ranks"] = {"fast": ranks["fast"], "full": ranks["full"]}
+        row["relative"]["worst_rank"] = max(
+            (abs(_relative(a[k], b[k])) for a, b in zip(ranks["fast"], ranks["full"]) for k in ("allocated", "device_bytes")
+             if a[k] is not None and b[k] is not None), default=None)
     return row
 
 

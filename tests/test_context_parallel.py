@@ -53,6 +53,16 @@ def test_the_sequence_is_what_shrinks(llama):
     assert longer.peak_bytes > split.peak_bytes
 
 
+@pytest.mark.parametrize("checkpointing", ["off", "blocks"])
+def test_the_ring_runs_under_cuda_semantics(llama, checkpointing):
+    """On a GPU target memfit's SDPA stands in for torch's; torch's context parallel patches that function by its
+    name, and under another name its ring missed every call (refused: "never reached torch's ring"; with
+    checkpointing the recompute reached it, the forward did not)."""
+    recipe = {"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": checkpointing}
+    split = memfit.estimate(llama, batch_size=1, seq_len=128, recipe=Recipe(**recipe, cp=2), gpus=2, gpu="h100-sxm")
+    assert split.world["cp"] == 2 and split.peak_bytes > 0
+
+
 def test_context_parallel_takes_the_depth_fast_path(write_config):
     path = write_config(dict(LLAMA, num_hidden_layers=8))
     recipe = {"parallel": "fsdp", "cp": 2, "precision": "bf16-mixed", "checkpointing": "blocks"}

@@ -122,11 +122,11 @@ def test_bad_pipeline_is_one_line(tiny, recipe, gpus, words):
     ({"pp": 2, "micro_batch_size": 1, "grad_accum_steps": 4}, 2, True),
     ({"pp": 2, "pp_schedule": "gpipe", "precision": "bf16-mixed", "micro_batch_size": 1, "grad_accum_steps": 3}, 2,
      True),
-    # torchtitan's 405B layout in small: 1F1B over FSDP2 with the bf16 policy and checkpointed blocks. Under a
-    # pipeline FSDP2 frees a block's gathered weights in the stage's root at its last backward, which the written
-    # log cannot always place (it depends on the block's shapes): such a stage is traced in full, and so equal
+    # torchtitan's 405B layout in small: 1F1B over FSDP2 with the bf16 policy and checkpointed blocks. The stage's
+    # last block gathers its own weights in backward beside the prefetch for the block below, so its records stand
+    # two apart from the middle block's: the written log finds each record's counterpart (synth.py's _Roles)
     ({"pp": 2, "parallel": "fsdp", "mixed_precision": "bf16", "checkpointing": "blocks", "micro_batch_size": 1,
-      "grad_accum_steps": 4}, 4, False),
+      "grad_accum_steps": 4}, 4, True),
 ])
 def test_a_stage_takes_the_depth_fast_path(write_config, recipe, gpus, written):
     """Each stage traced as a shallow copy of its blocks (4 of the stage's 7), its log written out at the stage's
@@ -141,6 +141,23 @@ def test_a_stage_takes_the_depth_fast_path(write_config, recipe, gpus, written):
         assert 0 <= whole["peak_bytes"] - mine["peak_bytes"] <= 4
         assert all(0 <= whole["phase_peaks"][p] - mine["phase_peaks"][p] <= 4 for p in whole["phase_peaks"])
     assert any("of the stage's 7 blocks" in n for n in fast.notes) == written
+
+
+def test_a_stage_on_the_fast_path_reserves_what_its_full_trace_reserves(write_config):
+    """Under CUDA semantics at sizes where the caching allocator's segments tell orders apart: at a stage's last
+    backward the root reduce-scatters its blocks in turn, each freeing the one before's buffer; written with the
+    freed weights of all blocks first (the written log's old order) the allocated peak was equal and a stage
+    reserved 222 MB more than its full trace (4 stages of this model at tp=1, dp=2)."""
+    path = write_config(dict(TINY, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                             num_key_value_heads=8, vocab_size=32000, num_hidden_layers=12))
+    recipe = Recipe(pp=2, parallel="fsdp", mixed_precision="bf16:fp32", checkpointing="blocks", micro_batch_size=1,
+                    grad_accum_steps=2)
+    full, fast = (memfit.estimate(path, batch_size=4, seq_len=4096, recipe=recipe, gpus=4, fast=f, gpu="h200")
+                  for f in (False, True))
+    assert any("of the stage's" in n for n in fast.notes)
+    for mine, whole in zip(fast.ranks, full.ranks):
+        assert mine["device_bytes"] == whole["device_bytes"]
+        assert 0 <= whole["peak_bytes"] - mine["peak_bytes"] <= 512
 
 
 def test_a_looped_schedule_is_traced_in_full(tiny):

@@ -121,3 +121,66 @@ def test_structures_over_several_nodes_also_shard_over_every_rank():
     assert {s["shard_over"] for s in ep_structures(None, two, 8, True, "adamw")} == {"node", "world"}
     assert {s["shard_over"] for s in ep_structures(None, World(8, MAX_SHARD), 8, True, "adamw")} == {"node"}
     assert {s["shard_over"] for s in ep_structures(None, World(8), 8, False, "adamw")} == {"node"}
+
+
+def test_pipeline_degrees_bubble_and_sends():
+    """PP is searched over several nodes only, at degrees leaving each stage two blocks and each data-parallel rank
+    pp rows (1F1B's micro-batches); its bubble is (pp - 1) / (m + pp - 1); its sends grow with the micro-batches
+    and cross the network between nodes."""
+    from memfit.hardware.gpus import gpu
+    from memfit.planner.mesh import bubble, pp_degrees, pp_seconds, pp_world
+
+    big = resolve("llama-3.1-405b")
+    assert pp_degrees(big, World(8, 64), 8, 512) == [2, 4, 8]
+    assert pp_degrees(big, World(8, 1), 8, 512) == []  # one node: FSDP2's collectives stay on NVLink
+    assert pp_degrees(big, World(8, 2), 8, 1) == []  # one row for two data-parallel ranks
+    assert pp_degrees(resolve("llama-3.2-1b"), World(8, 64), 8, 512) == [2, 4, 8]  # 16 blocks: 2 a stage at pp 8
+    assert bubble(8, 8) == pytest.approx(7 / 15) and bubble(8, 64) == pytest.approx(7 / 71) and bubble(1, 4) == 0
+    assert pp_world(World(8, 64), 8, 8) == World(1, 8) and pp_world(World(8, 4), 2, 2) == World(4, 2)
+    card = gpu("h100-sxm")
+    recipe = Recipe(parallel="fsdp", tp=8, sequence_parallel=True, pp=8, micro_batch_size=1, grad_accum_steps=8,
+                    mixed_precision="bf16:fp32", checkpointing="blocks")
+    one = pp_seconds(recipe, 1, 8192, 16384, card, between_nodes=True)
+    assert one == pytest.approx(2 * 8 * 8192 * 16384 * 2 / 8 / (50e9 * 0.8))
+    assert pp_seconds(recipe.replace(grad_accum_steps=16), 1, 8192, 16384, card, True) == pytest.approx(2 * one)
+    assert pp_seconds(recipe, 1, 8192, 16384, card, between_nodes=False) < one
+    assert pp_seconds(Recipe(), 1, 8192, 16384, card, True) == 0
+
+
+def test_a_pipeline_is_searched_over_nodes(write_config):
+    """Over two nodes FSDP2 x PP (1F1B) is a candidate: its per-rank memory is the full estimate of every stage at
+    pp micro-batches (here all of them), its step time has the bubble in it."""
+    path = write_config(dict(TINY, num_hidden_layers=8))
+    plans = memfit.plan(path, gpu="h100-sxm", gpus=1, nodes=2, global_batch_size=2, seq_len=32)
+    assert plans.settings["pp_degrees"] == [2]
+    assert any("pipeline parallel searched at pp=2" in n for n in plans.notes)
+    staged = [p for p in plans if p.recipe.pp == 2]
+    assert len(staged) == 1
+    plan = staged[0]
+    assert plan.recipe.pp_schedule == "1f1b" and plan.recipe.grad_accum_steps == 2 and plan.recipe.micro_batch_size == 1
+    full = memfit.estimate(path, recipe=plan.recipe, batch_size=2, seq_len=32, gpu="h100-sxm", gpus=1, nodes=2)
+    assert plan.device_bytes == full.device_bytes
+
+
+def test_context_parallel_is_searched_for_long_sequences(tiny):
+    """At CP_FROM tokens FSDP2 x CP is a candidate (CP peers read the same rows, so 2 rows fill 4 GPUs); its
+    ring's collectives grow with the keys' width and the degree; shorter sequences do not search it."""
+    from memfit.hardware.gpus import gpu
+    from memfit.planner.mesh import CP_FROM, cp_degrees, cp_seconds
+
+    source = resolve(tiny)
+    assert cp_degrees(source, World(4), CP_FROM, 2) == [2, 4]  # cp=4: one data-parallel rank reads both rows
+    assert cp_degrees(source, World(4), CP_FROM, 1) == [4]  # cp=2: two data-parallel ranks do not split one row
+    assert cp_degrees(source, World(4), CP_FROM // 2, 2) == []
+    assert cp_degrees(resolve("llama-3.1-8b"), World(8, 2), 32768, 16) == [2, 4, 8]
+    card = gpu("h100-sxm")
+    ring = Recipe(parallel="fsdp", cp=2, mixed_precision="bf16:fp32")
+    one = cp_seconds(ring, 1, 32768, 1024, 32, 1, card)
+    assert one == pytest.approx(32 * 3 * 2 * 32768 * 1024 * 2 * (1 / 2) / (450e9 * 0.8))
+    assert cp_seconds(ring.replace(cp=8), 1, 32768, 1024, 32, 1, card) == pytest.approx(one * (7 / 8) / (1 / 2))
+    assert cp_seconds(ring.replace(checkpointing="blocks"), 1, 32768, 1024, 32, 1, card) == pytest.approx(one * 4 / 3)
+    assert cp_seconds(Recipe(parallel="fsdp"), 1, 32768, 1024, 32, 1, card) == 0
+    plans = memfit.plan(tiny, gpu="h100-sxm", gpus=4, global_batch_size=2, seq_len=CP_FROM)
+    assert plans.settings["cp_degrees"] == [2, 4]
+    rings = [p for p in plans if p.recipe.cp > 1]
+    assert rings and all(p.recipe.parallel == "fsdp" and p.recipe.tp == 1 for p in rings)

@@ -45,9 +45,11 @@ arbitrary order come out in block order.
 from __future__ import annotations
 
 from collections import Counter
+from difflib import SequenceMatcher
 from dataclasses import dataclass, field, replace
 
 from memfit.accounting.ledger import ALLOC, FREE, MARK, OUTSIDE, SPIKE
+from memfit.categories import Category
 
 __all__ = ["Synthesis", "synthesise"]
 
@@ -121,10 +123,11 @@ def synthesise(ledger, *, depth: int, unit: int = 1) -> Synthesis:
     _absorb(ledger, labels, home, parse)
     template = _template_units(home)
     keys = _keys(records, home, where)
-    log = _write(ledger, labels, home, where, keys, template, depth // unit, unit)
-    if log.dropped:  # a second naming, from the other end of each unit's records; kept when it places every free
+    roles = _Roles(records, home, keys, parse)
+    log = _write(ledger, labels, home, where, keys, template, depth // unit, unit, roles)
+    if log.dropped:  # a second naming, from the other end of each unit's records; kept when it places more frees
         again = _write(ledger, labels, home, where, _keys_from_the_end(records, home, keys), template, depth // unit,
-                       unit)
+                       unit, roles)
         log = again if len(again.dropped) < len(log.dropped) else log
     log.parse, log.template = parse, template
     return log
@@ -194,9 +197,14 @@ def _absorb(ledger, labels, home, parse) -> None:
         halves would be written apart. Optimizer ops are all loose, so the rule above skips them.
         Only in the optimizer phase: elsewhere a loose free is the garbage collector's, at no fixed
         point (moving those made the fast path's figure vary from run to run with selective
-        checkpointing on a GPU target)."""
+        checkpointing on a GPU target). And a collective's buffer (FSDP2's reduce-scatter output),
+        freed when the next unit's reduce-scatter starts: at a pipeline stage's last backward the root
+        reduces every unit in turn, each freeing the one before's buffer among its own ops (cut there,
+        the units' freed weights came out all first, then their reductions)."""
         kind, index = events[number]
-        if kind != FREE or phases[number] != "optimizer" or not loose(number) or not isinstance(around, tuple):
+        if kind != FREE or not loose(number) or not isinstance(around, tuple):
+            return False
+        if phases[number] != "optimizer" and records[index].category != Category.COMMUNICATION:
             return False
         label = home[index]
         return isinstance(label, tuple) and label[0] == around[0] and abs(label[1] - around[1]) == 1
@@ -249,6 +257,50 @@ def _keys_from_the_end(records, home, keys) -> list:
     return [None if k is None else (*k[:3], "end", total[(home[i], k[:3])] - 1 - k[3]) for i, k in enumerate(keys)]
 
 
+class _Roles:
+    """Which record of another unit of the shallow copy plays the part a record plays in its own.
+
+    An event of unit ``t`` written as full unit ``K`` that references a record of unit ``r`` references full unit
+    ``K + r - t``, which the written log may write from another unit of the copy than ``r``: in a pipeline stage's
+    backward the middle unit, written as full unit 4, frees the all-gather output FSDP2 prefetched for it in unit 5's
+    backward, and unit 5 is written from the copy's middle unit, not from its last one, which gathers its own weights
+    too (two more records before the prefetch). The record wanted is the one of the writing unit in the same place of
+    the unit's sequence of records, matched by (path, phase, step, owner within the unit, bytes)."""
+
+    def __init__(self, records, home, keys, parse):
+        self.records, self.home, self.keys, self.parse = records, home, keys, parse
+        self.members: dict = {}
+        for i, label in enumerate(home):
+            if isinstance(label, tuple) and keys[i] is not None:
+                self.members.setdefault(label, []).append(i)
+        self.pairs: dict = {}
+
+    def _signature(self, i):
+        record = self.records[i]
+        owner = self.parse(record.owner)
+        return (self.keys[i][:3], owner[2] if owner is not None and owner[:2] == self.home[i] else record.owner,
+                record.nbytes, record.category)
+
+    def counterpart(self, index: int, unit: int) -> int | None:
+        """The record of ``unit`` (same stack) in ``index``'s place, or None when the two sequences differ there."""
+        stack, r = self.home[index]
+        pair = (stack, r, unit)
+        if pair not in self.pairs:
+            mine, theirs = self.members.get((stack, r), []), self.members.get((stack, unit), [])
+            matcher = SequenceMatcher(None, [self._signature(i) for i in mine], [self._signature(j) for j in theirs],
+                                      autojunk=False)
+            self.pairs[pair] = {mine[a + k]: theirs[b + k] for a, b, size in matcher.get_matching_blocks()
+                                for k in range(size)}
+        return self.pairs[pair].get(index)
+
+
+def _writer(t: int, template: int, units: int) -> int:
+    """The unit of the shallow copy that writes full unit ``t`` (inverse of ``_full_units``)."""
+    if t < template - 2:
+        return t
+    return template - 2 if t < units - 1 else template - 1
+
+
 def _full_units(t: int, template: int, units: int) -> range:
     if t < template - 2:
         return range(t, t + 1)
@@ -257,7 +309,7 @@ def _full_units(t: int, template: int, units: int) -> range:
     return range(units - 1, units)
 
 
-def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesis:
+def _write(ledger, labels, home, where, keys, template, units, unit, roles=None) -> Synthesis:
     records = ledger.records
     out_records, out_events = [], []
     live: dict = {}
@@ -271,6 +323,10 @@ def _write(ledger, labels, home, where, keys, template, units, unit) -> Synthesi
         stack, r = label
         if context is not None and context[0] == stack:
             full = context[2] + r - context[1]
+            writer = _writer(full, template[stack], units)
+            if roles is not None and writer != r and 0 <= full < units:
+                found = roles.counterpart(index, writer)
+                index = index if found is None else found
         else:
             full = _full_units(r, template[stack], units)[0]
         return (stack, full, keys[index])

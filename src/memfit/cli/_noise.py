@@ -28,6 +28,10 @@ WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, r"fan_in_fan_out is set to False but the target module is `Conv1D`",
      "peft, for GPT-2-style Conv1D layers: memfit's LoRA targets them by name and peft sets fan_in_fan_out "
      "itself, as the warning says; the model is right"),
+    (UserWarning, r"FSDP2-wrapped module \(FSDPStage\) returned a view tensor",
+     "torch 2.13's FSDP2 about memfit's pipeline stage under sequence parallel: the stage hands the next stage its "
+     "local shard of the residual stream (DTensor.to_local(), a view), as torchtitan's stages do; nothing writes "
+     "it in place (the schedule sends it), so the pre-backward hook it warns about is never dropped"),
     (FutureWarning, r"`torch\.utils\._pytree\._register_pytree_node` is deprecated",
      "torch, about pytree registrations an installed torchao makes at import (transformers imports it)"),
 )

@@ -302,16 +302,16 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
     from memfit.techniques.pipeline_parallel import cut
 
     layout = Layout.of_recipe(world, recipe)
-    reports, rank = [], 0
+    reports = []
     # every pipeline stage is its own kind of rank (its blocks, the micro-batches it keeps in flight); TP peers
     # and the data-parallel ranks of a stage hold equal parts
-    stages = [layout.rank(pp=s) for s in range(recipe.pp)] if recipe.pp > 1 else None
+    queue = [layout.rank(pp=s) for s in range(recipe.pp)] if recipe.pp > 1 else [0]
     if recipe.cp > 1:
         # the ring's causal chunks differ by position: the first CP rank runs every later step on half its queries,
         # the last on half the keys; the ranks between mix the two and hold no more than these (bench/distributed.py)
-        stages = [layout.rank(shard=0), layout.rank(shard=recipe.cp - 1)]
+        queue = [layout.rank(shard=0), layout.rank(shard=recipe.cp - 1)]
     parts = cut(source.depth, recipe.pp) if recipe.pp > 1 and source.depth else None
-    while True:
+    for rank in queue:  # grows while it is read: the last rank of a stage whose parameters split unevenly
         with fake_world(world, rank) as place:
             tick = _ticker(progress, phases(recipe, kwargs["steps"]))
             stage = layout.coords(rank)["pp"]
@@ -319,14 +319,10 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
                                stage=(stage, parts[stage]) if parts else None, **kwargs)
             reports.append((rank, report))
             uneven = place.notes.get("uneven")
-        if stages:
-            if len(reports) == len(stages):
-                break
-            rank = stages[len(reports)]
-            continue
-        if not uneven or rank == world.size - 1:
-            break
-        rank = world.size - 1
+        # a parameter that does not split evenly leaves the stage's last rank smaller shards (and optimizer state)
+        last = (stage + 1) * world.size // recipe.pp - 1
+        if uneven and last not in queue:
+            queue.append(last)
     top_rank, top = max(reports, key=lambda pair: (pair[1].device_bytes + (pair[1].missing_bytes or 0),
                                                    pair[1].peak_bytes))
     host = {}

@@ -333,6 +333,9 @@ def _fused_attention():
         # its flash kernel, which saves what CUDA's flash / efficient kernels save.
         return original(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
 
+    # torch's context parallel patches the function by its __name__ (``_distribute_function``): named otherwise, its
+    # ring went on a stray attribute and attention ran on each rank's local chunks, unjoined
+    sdpa.__name__ = sdpa.__qualname__ = original.__name__
     with patched(functional, "scaled_dot_product_attention", sdpa):
         yield
 

@@ -28,11 +28,18 @@ parallel, the bf16 policy, gradients reduced every micro-batch): the data-parall
 split the global batch, TP peers read the same rows. TP's collectives are added unhidden (``tp_seconds``). For a
 mixture of experts with an expert plan, FSDP2 x EP at each degree ``ep_degrees`` allows: the experts split over
 ep ranks of a node, every rank reading its own rows; the all-to-alls are added unhidden (``ep_seconds``) and
-FSDP2 gathers each expert over its copies only (``planner/mesh.py``).
+FSDP2 gathers each expert over its copies only (``planner/mesh.py``). Over several nodes, FSDP2 x TP x PP at each
+degree ``pp_degrees`` allows (1F1B, micro-batches of one row, every block checkpointed, TP at the largest degree
+searched): each candidate is a full per-rank estimate of every stage (``estimate``, each stage on the depth fast
+path) at pp micro-batches (1F1B keeps at most pp in flight, so more micro-batches of the same size add none); its
+step time is the stage's share of the kernels over ``m + pp - 1`` slots, FSDP2's collectives of a stage's weights
+(gathered once, reduced once a step under torch's ``PipelineStage``) and the point-to-point sends (``pp_seconds``).
+For sequences of ``CP_FROM`` tokens or more, FSDP2 x CP at each degree ``cp_degrees`` allows (torch's ring
+attention over cp ranks of each FSDP2 group; CP peers read the same rows), the ring's collectives added unhidden
+(``cp_seconds``); the candidate is traced on the first CP rank and the chosen one estimated on the first and last.
 A deep decoder of identical blocks is traced at 2 and 4 blocks and each candidate composed at full depth
 (``_Point.at``; a shallow copy out of memory is out of memory deep); the chosen plan is estimated in full,
-and one predicted to fit whose full estimate does not is passed over. Pipeline and context parallel are not
-searched yet.
+and one predicted to fit whose full estimate does not is passed over.
 
 Written here because no library plans these together: torchtitan's memory estimation mode and
 DeepSpeed's ``estimate_zero3_model_states_mem_needs`` give one configuration's memory (the latter
@@ -48,8 +55,9 @@ from memfit.errors import MemfitError
 from memfit.hardware.cluster import World, fake_world
 from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
 from memfit.planner.cost import EFFICIENCY, Speed
-from memfit.planner.mesh import (MAX_SHARD, MAX_TP, ep_degrees, ep_seconds, ep_structures, expert_parameters,
-                                 tp_degrees, tp_seconds, tp_structures)
+from memfit.planner.mesh import (MAX_SHARD, MAX_TP, bubble, cp_degrees, cp_seconds, cp_structures, ep_degrees,
+                                 ep_seconds, ep_structures, expert_parameters, pp_degrees, pp_seconds, pp_structure,
+                                 pp_world, tp_degrees, tp_seconds, tp_structures)
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.terms import KernelRows, Phases
 from memfit.techniques.accumulation import MAX_ACCUM_STEPS, divisors
@@ -207,6 +215,7 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     allows (the mesh: dp x tp)."""
     from memfit.estimator.estimate import estimate
     from memfit.estimator.fake_trace import fake_trace
+    from memfit.estimator.depth import at_depth
     from memfit.estimator.verdict import OOM
     from memfit.techniques.checkpointing import find_blocks
 
@@ -229,10 +238,16 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
               if global_batch_size % world.size == 0]
     shapes += [(tp, fields) for tp in degrees for fields in tp_structures(target, world, tp, has_blocks, optimizer)]
     shapes += [(1, fields) for ep in experts_at for fields in ep_structures(target, world, ep, has_blocks, optimizer)]
+    # context parallel for long sequences: CP peers read the same rows (the data-parallel ranks are size / cp)
+    rings = cp_degrees(source, world, seq_len, global_batch_size) if world.size > 1 and loss_fn is None else []
+    shapes += [(cp, fields) for cp in rings for fields in cp_structures(target, world, cp, has_blocks, optimizer)]
     depths = _shallow_depths(source)
     config = source.config
     hidden = getattr(config, "hidden_size", 0) or 0
     top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None) or 1
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (
+        getattr(config, "head_dim", None) or (hidden // heads if heads else 0))  # the keys' (and values') width
     expert_params = 0
     if experts_at:
         with _meta(source) as model:
@@ -247,19 +262,31 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     if experts_at:
         notes.append(f"expert parallel searched at ep={', '.join(map(str, experts_at))} (FSDP2 x EP, balanced "
                      "routing; memfit estimate --moe-routing worst bounds it)")
-    if degrees or experts_at:
-        notes.append("pipeline and context parallel are not searched yet")
+    # pipeline parallel over several nodes, at the largest TP degree searched (torchtitan pairs PP with TP 8)
+    staged = max(degrees, default=1)
+    pipelines = pp_degrees(source, world, staged, global_batch_size) if world.size > 1 and loss_fn is None else []
+    if pipelines:
+        mesh = f"FSDP2 x TP {staged} x PP" if staged > 1 else "FSDP2 x PP"
+        notes.append(f"pipeline parallel searched at pp={', '.join(map(str, pipelines))} ({mesh}, "
+                     "1F1B, micro-batches of one row, every block checkpointed; traced at pp micro-batches: 1F1B keeps "
+                     "at most pp in flight)")
+    if rings:
+        notes.append(f"context parallel searched at cp={', '.join(map(str, rings))} (FSDP2 x CP, torch's ring "
+                     "attention; memfit's CP is not yet checked against a GPU)")
     if depths:
         notes.append(f"each candidate traced at {depths[0]} and {depths[1]} blocks and composed at {source.depth} "
                      "(memory and kernel time affine in depth); the chosen one is estimated at full depth")
-    total = len(shapes) * (2 + max(1, (global_batch_size // world.size).bit_length())) * (len(depths or (0,)))
+    total = (len(shapes) * (2 + max(1, (global_batch_size // world.size).bit_length())) + 2 * len(pipelines)) \
+        * len(depths or (0,))
 
     def tick():
         done[0] += 1
         if progress is not None:
             progress(min(done[0], total), total)
 
-    def one(model, recipe: Recipe, micro: int, traced: int) -> _Point:
+    def kernels(model, recipe: Recipe, micro: int, traced: int):
+        """(report, seconds of one micro-batch's kernels, seconds of the optimizer step's) of ``recipe`` traced with
+        ``traced`` micro-batches of ``micro`` rows."""
         with fake_world(world, 0):
             report, replay = fake_trace(model, None, recipe=recipe.replace(grad_accum_steps=traced), loss_fn=loss_fn,
                                         optimizer=None, steps=2, batch_size=micro * traced, seq_len=seq_len, gpu=target,
@@ -269,8 +296,11 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         phases = Phases(replay.series)
         micro_rows = rows.where(phases.mask(rows.marks(), "forward", 1) | phases.mask(rows.marks(), "backward", 1))
         step_rows = rows.where(phases.mask(rows.marks(), "optimizer", 1))
-        return _Point.of(report, speed.kernel_seconds(micro_rows.cost()) * recipe.grad_accum_steps / traced
-                         + speed.kernel_seconds(step_rows.cost()))
+        return report, speed.kernel_seconds(micro_rows.cost()) / traced, speed.kernel_seconds(step_rows.cost())
+
+    def one(model, recipe: Recipe, micro: int, traced: int) -> _Point:
+        report, per_micro, step = kernels(model, recipe, micro, traced)
+        return _Point.of(report, per_micro * recipe.grad_accum_steps + step)
 
     def trace(fields: dict, micro: int, per_rank: int):
         """(recipe, point, micro-batches traced): memory stops changing after the second micro-batch, so at most
@@ -284,8 +314,9 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         low, high = (one(source.shallow(d), recipe, micro, traced) for d in depths)
         return recipe, _Point.at(low, high, *depths, source.depth, budget_bytes), traced
 
-    for tp, fields in shapes:
-        per_rank = global_batch_size // (world.size // tp)  # TP peers read the same rows
+    for split, fields in shapes:
+        per_rank = global_batch_size // (world.size // split)  # TP and CP peers read the same rows
+        tp = fields.get("tp", 1)
         sizes = sorted((d for d in divisors(per_rank) if per_rank // d <= MAX_ACCUM_STEPS), reverse=True)
         fit = _largest_fitting(lambda f, m: trace(f, m, per_rank), fields, sizes)
         if fit is None:
@@ -300,6 +331,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                               recipe.grad_accum_steps, target)
         exposed += ep_seconds(recipe, recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, top_k,
                               recipe.grad_accum_steps, target)
+        exposed += cp_seconds(recipe, recipe.micro_batch_size, seq_len or 0, kv_width, source.depth or 0,
+                              recipe.grad_accum_steps, target)
         # the host's optimizer step and the shard copies are not hidden behind the GPU's kernels
         seconds = max(point.compute, comm) + exposed + offload_seconds(recipe, dp_world, point.parameters,
                                                                         recipe.grad_accum_steps, target)
@@ -307,6 +340,48 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         tokens = samples * seq_len if seq_len else None
         results.append((Plan(recipe, point.peak_bytes, point.reserved_bytes, point.device_bytes, seconds, samples,
                              tokens, verified=False, verdict=point.verdict), point, point.compute, comm))
+    estimated = {}  # a pipeline candidate's recipe -> its full per-rank estimate (every stage)
+    for pp in pipelines:
+        fields = pp_structure(target, staged, pp, optimizer)
+        dp = world.size // (staged * pp)
+        rows = global_batch_size // dp
+        traced = Recipe(**fields, micro_batch_size=1, grad_accum_steps=pp)
+        traces[0] += 1
+        try:
+            report = estimate(source, recipe=traced, batch_size=dp * pp, seq_len=seq_len, gpu=target,
+                              budget=budget_bytes, gpus=world.gpus, nodes=world.nodes)
+        except MemfitError as err:  # a model pipelining cannot cut (no model.layers, too few blocks for a stage)
+            notes.append(f"pp={pp} passed over: {err}")
+            continue
+        finally:
+            tick()
+        if report.verdict == OOM:
+            continue
+        # the stage's kernels: the same mesh without the pipeline, one row a micro-batch, 1/pp of it a stage
+        flat = Recipe(**{k: v for k, v in fields.items() if k not in ("pp", "pp_schedule")}, micro_batch_size=1,
+                      grad_accum_steps=1)
+        if depths is None:
+            whole, per_micro, step = kernels(source, flat, 1, 1)
+            parameters = whole.parameters
+        else:
+            (low, low_micro, low_step), (high, high_micro, high_step) = (kernels(source.shallow(d), flat, 1, 1)
+                                                                          for d in depths)
+            per_micro = at_depth(low_micro, high_micro, *depths, source.depth)
+            step = at_depth(low_step, high_step, *depths, source.depth)
+            parameters = int(at_depth(low.parameters, high.parameters, *depths, source.depth))
+        recipe = traced.replace(grad_accum_steps=rows)
+        compute = (rows + pp - 1) * per_micro / pp + step / pp
+        stage_world = pp_world(world, staged, pp)
+        comm, exposed = comm_seconds(recipe.replace(grad_accum_steps=1), stage_world, parameters // pp,
+                                     (source.depth or 0) // pp + 1, 1, target)
+        exposed += tp_seconds(recipe, 1, seq_len or 0, hidden, (source.depth or 0) // pp, rows + pp - 1, target)
+        exposed += pp_seconds(recipe, 1, seq_len or 0, hidden, target, between_nodes=dp * staged >= world.gpus)
+        seconds = max(compute, comm) + exposed
+        plan = Plan(recipe, report.peak_bytes, report.reserved_bytes, report.device_bytes, seconds,
+                    global_batch_size / seconds, global_batch_size * seq_len / seconds if seq_len else None,
+                    verified=False, verdict=report.verdict)
+        estimated[recipe] = report
+        results.append((plan, _Point.of(report, compute), compute, comm))
     if not results:
         try:
             found = smallest_world(source, target, budget_bytes, global_batch_size, seq_len, optimizer, loss_fn,
@@ -331,8 +406,9 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         results.insert(0, clean[0])
     # the first whose full estimate fits (a composed candidate is a prediction: its full estimate decides)
     for index, (best, point, compute, comm) in enumerate(results[:1 + 2 * bool(depths)]):
-        checked = estimate(source, recipe=best.recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target,
-                           budget=budget_bytes, gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
+        checked = estimated.get(best.recipe) or estimate(
+            source, recipe=best.recipe, batch_size=global_batch_size, seq_len=seq_len, gpu=target, budget=budget_bytes,
+            gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
         if checked.verdict != OOM or not depths:
             break
         notes.append(f"{best.recipe.describe()} was predicted to fit and its full estimate does not: passed over")
@@ -342,30 +418,46 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                           f": {format_size(checked.device_bytes + (checked.missing_bytes or 0))} a rank)", None)
     results = results[index:]
     link, rate = peer_link(target)
-    tp, ep = best.recipe.tp, best.recipe.ep
-    mesh = f"dp={world.size // tp} x tp={tp}" if tp > 1 else f"dp={world.size}"
+    tp, ep, pp = best.recipe.tp, best.recipe.ep, best.recipe.pp
+    mesh = f"dp={world.size // tp // pp} x tp={tp}" if tp > 1 else f"dp={world.size // pp}"
+    if pp > 1:
+        mesh = f"pp={pp} x {mesh}"
     if ep > 1:
         mesh += f" x ep={ep} (experts)"
-    ep_ms = ep_seconds(best.recipe, best.recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, top_k,
-                       best.recipe.grad_accum_steps, target) * 1000
-    reasons = (f"{best.recipe.describe()} on {world.describe()} ({mesh}): {format_size(checked.device_bytes)} per rank "
+    cp = best.recipe.cp
+    if cp > 1:
+        mesh = f"dp={world.size // cp} x cp={cp} (sequence)"
+    r, depth = best.recipe, source.depth or 0
+    ep_ms = ep_seconds(r, r.micro_batch_size, seq_len or 0, hidden, depth, top_k, r.grad_accum_steps, target) * 1000
+    # a stage's TP collectives: its blocks, over the m + pp - 1 slots of a 1F1B step
+    tp_ms = tp_seconds(r, r.micro_batch_size, seq_len or 0, hidden, depth // pp, r.grad_accum_steps + pp - 1,
+                       target) * 1000
+    cp_ms = cp_seconds(r, r.micro_batch_size, seq_len or 0, kv_width, depth, r.grad_accum_steps, target) * 1000
+    p2p_ms = pp_seconds(r, 1, seq_len or 0, hidden, target, world.size // pp >= world.gpus) * 1000
+    reasons = (f"{r.describe()} on {world.describe()} ({mesh}): {format_size(checked.device_bytes)} per rank "
                f"of {format_size(budget_bytes)} (the highest rank's full estimate)",
                f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of data-parallel collectives "
                f"({link} {rate / 1e9:,.0f} GB/s within a node"
                + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
                + "), overlapped"
-               + (f"; {tp_seconds(best.recipe, best.recipe.micro_batch_size, seq_len or 0, hidden, source.depth or 0, best.recipe.grad_accum_steps, target) * 1000:,.0f} ms of TP collectives, not overlapped"
-                  if tp > 1 else "")
-               + (f"; {ep_ms:,.0f} ms of EP all-to-alls (balanced routing), not overlapped" if ep > 1 else ""))
+               + (f"; {tp_ms:,.0f} ms of TP collectives, not overlapped" if tp > 1 else "")
+               + (f"; {ep_ms:,.0f} ms of EP all-to-alls (balanced routing), not overlapped" if ep > 1 else "")
+               + (f"; {cp_ms:,.0f} ms of the ring's all-gathers and reduce-scatters, not overlapped" if cp > 1 else "")
+               + (f"; 1F1B over {pp} stages and {r.grad_accum_steps} micro-batches idles "
+                  f"{bubble(pp, r.grad_accum_steps):.0%} of the step (the bubble); {p2p_ms:,.0f} ms of point-to-point "
+                  f"sends, not overlapped; memory traced at {pp} micro-batches (1F1B keeps at most {pp} in flight)"
+                  if pp > 1 else ""))
     chosen = Plan(best.recipe, checked.peak_bytes, checked.reserved_bytes, checked.device_bytes, best.step_seconds,
                   best.samples_per_second, best.tokens_per_second, verified=True, reasons=reasons,
                   verdict=checked.verdict, seq_len=seq_len)
     rest = [plan for plan, *_ in results[1:]]
-    notes.append(f"{len(results)} of {len(shapes)} structures fit; {traces[0]} per-rank candidates traced")
+    searched = len(shapes) + len(pipelines)
+    notes.append(f"{len(results)} of {searched} structures fit; {traces[0]} per-rank candidates traced")
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": optimizer, "gpus": world.gpus, "nodes": world.nodes, "traces": traces[0],
-                "speed": speed.name, "tp_degrees": degrees, "ep_degrees": experts_at}
-    return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=len(shapes),
+                "speed": speed.name, "tp_degrees": degrees, "ep_degrees": experts_at, "pp_degrees": pipelines,
+                "cp_degrees": rings}
+    return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=searched,
                  front=[], seconds=time.perf_counter() - start, report=checked, settings=settings, notes=notes)
 
 

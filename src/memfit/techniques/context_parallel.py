@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 from memfit.errors import MemfitError, shown
+from memfit.techniques.degrees import check_degree, unchecked_pair
 
 __all__ = ["check_cp", "cp_conflict", "context_parallel", "ROTATE", "UNCHECKED_ON_GPU"]
 
@@ -47,8 +48,7 @@ _INCOMPATIBLE = (("attention", lambda r: r.attention == "eager"), ("pp", lambda 
 
 
 def check_cp(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-        raise MemfitError(f"cp must be a number of GPUs from 1 to 1024 (1: no context parallelism), got {shown(value)}")
+    check_degree("cp", value, "a number of GPUs", "no context parallelism")
 
 
 def cp_conflict(recipe) -> str | None:
@@ -60,11 +60,7 @@ def cp_conflict(recipe) -> str | None:
     if recipe.parallel != "fsdp":
         return (f"cp={recipe.cp} needs parallel=fsdp: the sequence is split over ranks of an FSDP2 group, which "
                 "reduces their gradients (--parallel fsdp)")
-    for name, clashes in _INCOMPATIBLE:
-        if clashes(recipe):
-            return (f"cp={recipe.cp} and {name}={getattr(recipe, name)} conflict: memfit has not checked that pair "
-                    "against real runs yet; drop one")
-    return None
+    return unchecked_pair(recipe, "cp", _INCOMPATIBLE)
 
 
 def context_parallel(build, mesh) -> None:
@@ -153,8 +149,11 @@ def _ring(rotate: str):
             return handler(op_call, args, kwargs)
         return run
 
-    added = {aten._scaled_dot_product_flash_attention_for_cpu.default: counted(_ring_forward),
-             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: counted(_ring_backward)}
+    # torch's own handlers (CUDA's flash and efficient kernels, which a CUDA-semantics trace may pick) counted too
+    own = dict(handlers)
+    added = {op: counted(handler) for op, handler in own.items()}
+    added.update({aten._scaled_dot_product_flash_attention_for_cpu.default: counted(_ring_forward),
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default: counted(_ring_backward)})
     old_rotate = cp_attention._cp_options.rotate_method
     handlers.update(added)
     cp_attention.set_rotate_method(rotate)
@@ -163,6 +162,7 @@ def _ring(rotate: str):
     finally:
         for op in added:
             handlers.pop(op, None)
+        handlers.update(own)
         cp_attention._cp_options.rotate_method = old_rotate
 
 

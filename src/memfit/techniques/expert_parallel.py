@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 
-from memfit.errors import MemfitError, shown
+from memfit.errors import MemfitError
+from memfit.techniques.degrees import check_degree, unchecked_pair
 
 __all__ = ["check_ep", "ep_conflict", "ep_plan", "expert_parallel", "shard_experts", "route", "routed_sizes"]
 
@@ -43,8 +44,7 @@ IMPLEMENTATION = "memfit_routed_all_to_all"
 
 
 def check_ep(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-        raise MemfitError(f"ep must be a number of GPUs from 1 to 1024 (1: no expert parallelism), got {shown(value)}")
+    check_degree("ep", value, "a number of GPUs", "no expert parallelism")
 
 
 def ep_conflict(recipe) -> str | None:
@@ -52,11 +52,7 @@ def ep_conflict(recipe) -> str | None:
     if recipe.parallel != "fsdp":
         return (f"ep={recipe.ep} needs parallel=fsdp: the experts are split over ranks of an FSDP2 group "
                 "(--parallel fsdp)")
-    for name, clashes in _INCOMPATIBLE:
-        if clashes(recipe):
-            return (f"ep={recipe.ep} and {name}={getattr(recipe, name)} conflict: memfit has not checked that pair "
-                    "against real runs yet; drop one")
-    return None
+    return unchecked_pair(recipe, "ep", _INCOMPATIBLE)
 
 
 def _library():

@@ -37,7 +37,8 @@ import contextlib
 import contextvars
 import inspect
 
-from memfit.errors import MemfitError, shown
+from memfit.errors import MemfitError
+from memfit.techniques.degrees import check_degree, unchecked_pair
 
 __all__ = ["SCHEDULES", "check_pp", "cut", "pipeline_conflict", "pipeline", "traced_as", "FAST_SCHEDULES"]
 
@@ -62,9 +63,15 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b
 STAGES_PER_RANK = {"interleaved-1f1b": 2}
 
 
+#: what pipeline parallelism is not modelled with (each an error naming it)
+_INCOMPATIBLE = (("parallel", lambda r: r.parallel == "ddp"), ("offload", lambda r: r.offload != "none"),
+                 ("compile", lambda r: bool(r.compile)), ("chunked_loss", lambda r: bool(r.chunked_loss)),
+                 ("lora", lambda r: r.lora != "off"), ("optimizer_in_backward", lambda r: r.optimizer_in_backward),
+                 ("offload_optimizer", lambda r: r.offload_optimizer))
+
+
 def check_pp(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-        raise MemfitError(f"pp must be a number of pipeline stages from 1 to 1024 (1: no pipeline), got {shown(value)}")
+    check_degree("pp", value, "a number of pipeline stages", "no pipeline")
 
 
 def pipeline_conflict(recipe) -> str | None:
@@ -73,15 +80,9 @@ def pipeline_conflict(recipe) -> str | None:
         if recipe.pp_schedule != "1f1b":
             return f"pp_schedule={recipe.pp_schedule} needs pipeline parallelism: set pp to 2 or more"
         return None
-    clashes = (("parallel", recipe.parallel == "ddp"), ("offload", recipe.offload != "none"),
-               ("compile", bool(recipe.compile)),
-               ("chunked_loss", bool(recipe.chunked_loss)), ("lora", recipe.lora != "off"),
-               ("optimizer_in_backward", bool(recipe.optimizer_in_backward)),
-               ("offload_optimizer", bool(recipe.offload_optimizer)))
-    for name, clash in clashes:
-        if clash:
-            return (f"pp={recipe.pp} and {name}={getattr(recipe, name)} conflict: memfit does not model that pair "
-                    "yet; drop one")
+    clash = unchecked_pair(recipe, "pp", _INCOMPATIBLE, "memfit does not model that pair yet")
+    if clash:
+        return clash
     if recipe.sync_grads != "last":  # what PipelineStage does with FSDP2, whatever the recipe says
         return (f"pp={recipe.pp} and sync_grads={recipe.sync_grads} conflict: torch's PipelineStage reduces FSDP2's "
                 "gradients on a step's last backward only; drop sync_grads")

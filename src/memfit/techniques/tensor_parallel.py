@@ -17,7 +17,8 @@ torch's styles are stable.
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError, shown
+from memfit.errors import MemfitError
+from memfit.techniques.degrees import check_degree, unchecked_pair
 
 __all__ = ["check_tp", "tp_plan", "tensor_parallel", "tp_conflict", "MODELLED_STYLES"]
 
@@ -31,11 +32,7 @@ _INCOMPATIBLE = (("parallel", lambda r: r.parallel == "ddp"), ("chunked_loss", l
 
 def tp_conflict(recipe) -> str | None:
     """The first technique ``recipe`` pairs with tensor parallelism that memfit has not checked, as one error line."""
-    for name, clashes in _INCOMPATIBLE:
-        if clashes(recipe):
-            return (f"tp={recipe.tp} and {name}={getattr(recipe, name)} conflict: memfit has not checked that pair "
-                    f"against real runs yet; drop one")
-    return None
+    return unchecked_pair(recipe, "tp", _INCOMPATIBLE)
 
 
 #: the styles of a model's own plan memfit lays out (a replicated weight has nothing to shard)
@@ -44,8 +41,7 @@ MODELLED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep",
 
 
 def check_tp(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-        raise MemfitError(f"tp must be a number of GPUs from 1 to 1024 (1: no tensor parallelism), got {shown(value)}")
+    check_degree("tp", value, "a number of GPUs", "no tensor parallelism")
 
 
 def tp_plan(model, tp: int, *, sequence: bool = False, loss: bool = False) -> dict:
