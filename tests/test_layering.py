@@ -36,6 +36,8 @@ RANKS = {
     "memfit.planner": 6,
     # later stages on top of the planner
     "memfit.training": 7, "memfit.profiling": 7, "memfit.distributed": 7, "memfit.generation": 7,
+    # the user's trainers: their config files read into memfit's terms (and, later, plans written back)
+    "memfit.trainers": 7,
     # the command line
     "memfit.cli": 8,
 }

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
     "estimate", "estimate_generate", "estimate_micro_batch", "fit", "measure", "profile", "Profile",
-    "parse_size", "plan", "format_size", "train",
+    "parse_size", "plan", "format_size", "train", "read_trainer_config", "TrainerConfig",
 ]
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ _WHERE = {
     "Report": "memfit.report.report",
     "format_size": "memfit.units", "parse_size": "memfit.units",
     "train": "memfit.training.loop",
+    "read_trainer_config": "memfit.trainers.read", "TrainerConfig": "memfit.trainers.read",
 }
 assert set(_WHERE) == set(__all__)
 
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
     from memfit.techniques.apply import apply
     from memfit.techniques.recipe import Recipe
     from memfit.training.loop import train
+    from memfit.trainers.read import TrainerConfig, read_trainer_config
     from memfit.units import format_size, parse_size
 
 

@@ -97,6 +97,24 @@ def add_recipe(parser) -> None:
     parser.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
 
 
+def add_from(parser) -> None:
+    parser.add_argument("--from", dest="from_config", default=None, metavar="PATH",
+                        help="your trainer's config: a Hugging Face TrainingArguments (or TRL SFTConfig) .json/.yaml; "
+                             "its batch, accumulation, precision, optim, checkpointing, compile and LoRA are read, "
+                             "a setting memfit cannot model is named; flags override it")
+
+
+def trainer_config(args):
+    """The ``--from`` file read (None without one); ``--recipe`` beside it is one error."""
+    if getattr(args, "from_config", None) is None:
+        return None
+    if args.recipe is not None:
+        raise MemfitError("--from and --recipe conflict: both give the recipe; keep one (flags override either)")
+    from memfit.trainers.read import read_trainer_config
+
+    return read_trainer_config(args.from_config)
+
+
 def add_world(parser) -> None:
     """The cluster of a data-parallel run (``--parallel ddp|fsdp``): GPUs per node and nodes."""
     parser.add_argument("--gpus", type=positive, default=None,
@@ -161,10 +179,12 @@ def recipe_flags(parser) -> None:
             parser.add_argument(flag, type=types.get(kind), choices=choices or None, default=None, help=help)
 
 
-def recipe_from_args(args):
+def recipe_from_args(args, base=None):
+    """The recipe of ``--recipe`` (or ``base``: a ``--from`` file's) with the flags' fields over it."""
     from memfit.techniques.recipe import Recipe
 
-    base = Recipe.load(args.recipe) if args.recipe else Recipe()
+    if base is None:
+        base = Recipe.load(args.recipe) if args.recipe else Recipe()
     changes = {name: getattr(args, name) for name in Recipe.fields() if getattr(args, name, None) is not None}
     return base.replace(**changes) if changes else base
 

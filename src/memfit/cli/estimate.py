@@ -18,6 +18,7 @@ def build(est) -> None:
                           "micro-batch x --grad-accum-steps)")
     _args.add_seq_len(est)
     _args.add_recipe(est)
+    _args.add_from(est)
     _args.recipe_flags(est)
     _args.add_world(est)
     est.add_argument("--device-map", default=None,
@@ -104,6 +105,10 @@ def _generate_flags(est) -> None:
 
 
 def run(args) -> int:
+    if args.from_config is not None and (args.generate or args.max_batch_size):
+        other = "--generate" if args.generate else "--max-batch-size"
+        raise MemfitError(f"--from and {other} conflict: --from reads one training run's batch and recipe (not yet "
+                          f"a search or a generation); drop one")
     if args.generate:
         return run_generate(args)
     given = [name for name, default in _GENERATE if getattr(args, name) != default]
@@ -137,7 +142,16 @@ def run(args) -> int:
     # --device-map places the model over GPUs: CUDA semantics whatever the default
     chosen = target("cuda" if args.device_map is not None and args.device is None else args.device, args.gpu)
     card, cuda = chosen.gpu, chosen.gpu is not None
-    recipe = _args.recipe_from_args(args)
+    config = _args.trainer_config(args)
+    recipe = _args.recipe_from_args(args, None if config is None else config.recipe)
+    if config is not None:
+        if args.gpus is None and args.nodes is None and (config.gpus or 1) * (config.nodes or 1) > 1:
+            args.gpus, args.nodes = config.gpus, config.nodes  # accelerate's processes
+        if args.seq_len is None:
+            args.seq_len = config.seq_len
+        if args.batch_size is None:  # the Trainer's per-device batch x accumulation x data-parallel processes
+            ranks = (args.gpus or 1) * (args.nodes or 1) // (recipe.tp * recipe.pp * recipe.cp)
+            args.batch_size = recipe.micro_batch_size * recipe.grad_accum_steps * max(1, ranks)
     with _args.progress(f"tracing {args.model} on fake tensors") as update:
         report = estimate(_args.model_of(args), _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
                           recipe=recipe, steps=args.steps, batch_size=args.batch_size,
@@ -148,6 +162,8 @@ def run(args) -> int:
                           max_memory=args.max_memory, offload_folder=args.offload_folder,
                           workload="forward" if args.forward_only else "train")
     report = targeted(chosen, report)
+    if config is not None:
+        report = dataclasses.replace(report, notes=report.notes + _from_notes(config, args.model))
     if args.json:
         data = report.to_dict()
         if args.budget is not None or report.verdict is not None:
@@ -157,6 +173,22 @@ def run(args) -> int:
         Console().print(report_view(report, args.model, args.budget, recipe=recipe))
     _write_pictures(args, report)
     return 0
+
+
+def _from_notes(config, model) -> list[str]:
+    """What ``--from`` read, for the report's notes."""
+    import os
+
+    name = os.path.basename(config.path)
+    neutral = [key for key, _, how in config.read if how.startswith("no effect")]
+    defaults = [f"{key}={value}" for key, value, how in config.read if how.endswith("default")]
+    notes = [f"read {name} ({config.kind}): {config.recipe.describe()}"
+             + (f"; the Trainer's default {', '.join(defaults)}" if defaults else "")
+             + (f"; {len(neutral)} setting(s) with no effect on device memory ({', '.join(neutral[:4])}"
+                + (", ..." if len(neutral) > 4 else "") + ")" if neutral else "")]
+    if config.model is not None and config.model != model:
+        notes.append(f"{name} names the model {config.model}; estimated for {model}, as the command says")
+    return notes
 
 
 def run_generate(args) -> int:

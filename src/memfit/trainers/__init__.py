@@ -1,0 +1,1 @@
+"""Meet users in their trainers: read a trainer's config file into memfit's terms (``read.py``)."""
