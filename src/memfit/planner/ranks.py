@@ -341,6 +341,22 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         results.append((Plan(recipe, point.peak_bytes, point.reserved_bytes, point.device_bytes, seconds, samples,
                              tokens, verified=False, verdict=point.verdict), point, point.compute, comm))
     estimated = {}  # a pipeline candidate's recipe -> its full per-rank estimate (every stage)
+
+    def _flat_kernels(fields: dict):
+        """(seconds of one micro-batch's kernels, of the optimizer step's, parameters) of the whole model on the
+        pipeline's mesh without the pipeline, one row a micro-batch; composed at depth from the shallow copies."""
+        flat = Recipe(**{k: v for k, v in fields.items() if k not in ("pp", "pp_schedule")}, micro_batch_size=1,
+                      grad_accum_steps=1)
+        if depths is None:
+            whole, per_micro, step = kernels(source, flat, 1, 1)
+            return per_micro, step, whole.parameters
+        (low, low_micro, low_step), (high, high_micro, high_step) = (kernels(source.shallow(d), flat, 1, 1)
+                                                                      for d in depths)
+        return (at_depth(low_micro, high_micro, *depths, source.depth), at_depth(low_step, high_step, *depths,
+                                                                                  source.depth),
+                int(at_depth(low.parameters, high.parameters, *depths, source.depth)))
+
+    flat = None
     for pp in pipelines:
         fields = pp_structure(target, staged, pp, optimizer)
         dp = world.size // (staged * pp)
@@ -357,18 +373,10 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
             tick()
         if report.verdict == OOM:
             continue
-        # the stage's kernels: the same mesh without the pipeline, one row a micro-batch, 1/pp of it a stage
-        flat = Recipe(**{k: v for k, v in fields.items() if k not in ("pp", "pp_schedule")}, micro_batch_size=1,
-                      grad_accum_steps=1)
-        if depths is None:
-            whole, per_micro, step = kernels(source, flat, 1, 1)
-            parameters = whole.parameters
-        else:
-            (low, low_micro, low_step), (high, high_micro, high_step) = (kernels(source.shallow(d), flat, 1, 1)
-                                                                          for d in depths)
-            per_micro = at_depth(low_micro, high_micro, *depths, source.depth)
-            step = at_depth(low_step, high_step, *depths, source.depth)
-            parameters = int(at_depth(low.parameters, high.parameters, *depths, source.depth))
+        # the stage's kernels: 1/pp of the same mesh's without the pipeline (one trace for every pp degree)
+        if flat is None:
+            flat = _flat_kernels(fields)
+        per_micro, step, parameters = flat
         recipe = traced.replace(grad_accum_steps=rows)
         compute = (rows + pp - 1) * per_micro / pp + step / pp
         stage_world = pp_world(world, staged, pp)

@@ -106,14 +106,14 @@ _TRL_NEUTRAL = {
     "assistant_only_loss", "chat_template_path", "model_init_kwargs", "dataset_name", "dataset_config",
     "dataset_train_split", "dataset_test_split", "dataset_streaming", "model_revision", "trust_remote_code",
     "use_fast_tokenizer", "pad_to_multiple_of", "shuffle_dataset", "eval_packing", "packing_strategy", "loss_type",
-    "lora_task_type", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "dataset_streaming", "max_prompt_length",
+    "lora_task_type", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "max_prompt_length",
 }
 # fields only TRL's SFTConfig / ModelConfig have: a file with any of them is read as TRL's
 _TRL_ONLY = {"max_length", "max_seq_length", "packing", "padding_free", "activation_offloading", "use_peft",
              "model_name_or_path", "load_in_4bit", "lora_r", "dataset_text_field", "completion_only_loss",
              "assistant_only_loss"}
-# TrainingArguments fields whose value, whatever it is, leaves a training step's device memory as it is (beyond the
-# mapped and refused ones every field is this; listed here only those a reader might wonder about)
+# what ``read`` says of every other known field: TrainingArguments' fields beyond the mapped and refused ones (logging,
+# saving, evaluation, the schedule, the data loader) leave a training step's device memory as it is
 _NEUTRAL_NOTE = "no effect on a training step's device memory"
 
 
@@ -327,7 +327,8 @@ def _fsdp(name: str, config: dict, read: list) -> dict:
             elif value in (False, "false", "SHARD_GRAD_OP"):
                 fields["reshard_after_forward"] = "false"
             else:
-                raise MemfitError(f"{name}: fsdp_reshard_after_forward={shown(value, 20)} is not modelled: true or false")
+                raise MemfitError(f"{name}: fsdp_reshard_after_forward={shown(value, 20)} is not modelled: set true "
+                                  "or false")
         elif key == "fsdp_offload_params":
             if value is True:
                 fields["offload"] = "cpu"
