@@ -5,8 +5,8 @@
 
 Each case runs twice, at the same time: its **truth** on the GPU (a fresh process per case, so each
 starts with an empty caching allocator; torch's own ``max_memory_allocated`` / ``max_memory_reserved``,
-``torch.cuda.host_memory_stats`` and the process's RSS for CPU offload, ``cudaMemGetInfo`` for what the
-process holds outside the allocator), and its **estimate** in a process that sees no GPU
+``torch.cuda.host_memory_stats`` and the process's RSS for CPU offload, ``cudaMemGetInfo`` and NVML (what
+nvidia-smi shows) for what the process holds outside the allocator), and its **estimate** in a process that sees no GPU
 (``CUDA_VISIBLE_DEVICES=""``), through memfit's public API under CUDA semantics for the card found. The
 cases: training recipes (fp32, bf16-mixed, pure bf16, fp16 with a scaler, checkpointing, accumulation,
 fused and foreach AdamW, LoRA, a mixture of experts, a convolutional net), a whole-model and a per-layer
@@ -218,6 +218,19 @@ def _hwm() -> int:
     return 0
 
 
+def _nvml_process() -> int | None:
+    """What nvidia-smi shows for this process (NVML's used memory for its pid); None where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return next((p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                     if p.pid == os.getpid()), None)
+    except Exception:  # noqa: BLE001 - a diagnostic, never the case's result
+        return None
+
+
 def _stats(dev) -> dict:
     import torch
 
@@ -233,6 +246,7 @@ def _stats(dev) -> dict:
            "small_pool_reserved": s.get("reserved_bytes.small_pool.peak", 0),
            "reserved_now": s["reserved_bytes.all.current"],
            "outside_allocator_now": total - free - s["reserved_bytes.all.current"],
+           "nvml_process_now": _nvml_process(),
            "host_rss": _rss(), "host_rss_peak": _hwm()}
     host = getattr(torch.cuda, "host_memory_stats", None)
     if host is not None:

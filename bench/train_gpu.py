@@ -68,7 +68,7 @@ def cli_run(model: str, data: str, out: str, *, seq: int, batch: int, budget: st
             "steps": len(lines), "tokens_per_second": round(sum(x["tokens"] for x in later)
                                                             / max(1e-9, sum(x["seconds"] for x in later)))
             if lines else None,
-            "peak_bytes": max((x.get("peak_bytes") or 0 for x in lines), default=None),
+            "peak_bytes": max((x.get("memory_peak") or 0 for x in lines), default=None),
             "predicted_step_seconds": next((x.get("predicted_step_seconds") for x in lines), None),
             "measured_step_seconds": [x["seconds"] for x in lines]}
 
