@@ -180,7 +180,7 @@ def test_bad_input_is_one_line(configs, kwargs, words):
 @pytest.mark.parametrize("recipe, words", [
     ({"parallel": "fsdp", "chunked_loss": 4}, "parallel=fsdp and chunked_loss=4 conflict"),
     ({"parallel": "fsdp", "lora": "qlora", "precision": "bf16-mixed"}, "parallel=fsdp and lora=qlora conflict"),
-    ({"parallel": "fsdp", "mixed_precision": "bf16", "precision": "bf16-mixed"}, "keep precision=fp32"),
+    ({"parallel": "fsdp", "mixed_precision": "bf16", "precision": "fp16-mixed"}, "keep precision=fp32"),
     ({"mixed_precision": "bf16"}, "needs parallel=fsdp"),
     ({"parallel": "ddp", "reshard_after_forward": "false"}, "FSDP2's"),
     ({"parallel": "fsdp", "reshard_after_forward": "maybe"}, "not understood"),

@@ -5,6 +5,7 @@ refused in one line (exit 2 from the CLI), never dropped."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -103,7 +104,7 @@ def test_estimate_from_a_config_equals_the_same_flags(llama, tmp_path, capsys):
     ({"per_device_train_batch_size": 0}, "positive whole number"),
     ({"optim": "lomo"}, "optim='lomo' is a transformers optimizer memfit cannot model"),
     ({"bf16": True, "fp16": True}, "both true"),
-    ({"fsdp": "full_shard auto_wrap"}, "FSDP from TrainingArguments is not read yet"),
+    ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 1}}, "set version: 2"),
     ("max_length: 1024\noutput_dir: out\n", "defaults for gradient_checkpointing and bf16 differ"),
     ("use_peft: true\nbf16: true\ngradient_checkpointing: true\n", "lora_target_modules"),
     ("load_in_4bit: true\nbf16: true\ngradient_checkpointing: true\n", "set use_peft: true"),
@@ -111,7 +112,7 @@ def test_estimate_from_a_config_equals_the_same_flags(llama, tmp_path, capsys):
 ])
 def test_what_memfit_cannot_model_is_one_line_exit_2(llama, tmp_path, capsys, content, words):
     path = _file(tmp_path, "args.yaml" if isinstance(content, str) else "args.json", content)
-    with pytest.raises(MemfitError, match="") as err:
+    with pytest.raises(MemfitError) as err:
         read_trainer_config(path)
     assert words in str(err.value) and "\n" not in str(err.value)
     assert main(["estimate", llama, "--from", path, "--device", "cpu"]) == 2
@@ -159,13 +160,15 @@ def test_accelerate_fsdp2_config(llama, tmp_path, capsys):
     path = _file(tmp_path, "fsdp2.yaml", ACCELERATE_FSDP2)
     config = read_trainer_config(path)
     assert config.kind == "accelerate" and (config.gpus, config.nodes) == (2, 1)
-    assert config.recipe == Recipe(parallel="fsdp", precision="bf16-mixed", checkpointing="blocks",
-                                   reshard_after_forward="true")
+    # accelerate sets FSDP2's policy from mixed_precision as well as wrapping the forward in autocast
+    assert config.recipe == Recipe(parallel="fsdp", precision="bf16-mixed", mixed_precision="bf16",
+                                   checkpointing="blocks", reshard_after_forward="true")
     assert main(["estimate", llama, "--from", path, "--batch-size", "4", "--seq-len", "32", "--device", "cpu",
                  "--json"]) == 0
     read = json.loads(capsys.readouterr().out)
-    assert main(["estimate", llama, "--parallel", "fsdp", "--precision", "bf16-mixed", "--checkpointing", "blocks",
-                 "--gpus", "2", "--batch-size", "4", "--seq-len", "32", "--device", "cpu", "--json"]) == 0
+    assert main(["estimate", llama, "--parallel", "fsdp", "--precision", "bf16-mixed", "--mixed-precision", "bf16",
+                 "--checkpointing", "blocks", "--gpus", "2", "--batch-size", "4", "--seq-len", "32", "--device", "cpu",
+                 "--json"]) == 0
     said = json.loads(capsys.readouterr().out)
     assert read["world"]["gpus"] == 2 and [r["peak_bytes"] for r in read["ranks"]] == [r["peak_bytes"]
                                                                                        for r in said["ranks"]]
@@ -185,3 +188,54 @@ def test_what_accelerate_sets_that_memfit_cannot_model_is_one_line(tmp_path, cha
     with pytest.raises(MemfitError) as err:
         read_trainer_config(path)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# the Trainer's own FSDP (transformers hands fsdp / fsdp_config to accelerate's FSDP2 plugin)
+TRAINER_FSDP = """\
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 2
+bf16: true
+fsdp: full_shard auto_wrap
+fsdp_config:
+  version: 2
+  reshard_after_forward: false
+  activation_checkpointing: true
+  transformer_layer_cls_to_wrap: [LlamaDecoderLayer]
+  state_dict_type: SHARDED_STATE_DICT
+"""
+
+
+def test_trainer_fsdp_reads_as_fsdp2(llama, tmp_path, capsys):
+    config = read_trainer_config(_file(tmp_path, "args.yaml", TRAINER_FSDP))
+    assert config.recipe == Recipe(parallel="fsdp", precision="bf16-mixed", mixed_precision="bf16",
+                                   reshard_after_forward="false", checkpointing="blocks", micro_batch_size=2,
+                                   grad_accum_steps=2, optimizer_impl="fused")
+    # full_shard in the legacy string and reshard_after_forward in fsdp_config: the config's word is transformers'
+    # last (fsdp_config is read after the string)
+    assert ("fsdp_config", None) not in [(k, v) for k, v, _ in config.read]
+    assert main(["estimate", llama, "--from", _file(tmp_path, "a.yaml", TRAINER_FSDP), "--gpus", "2", "--seq-len",
+                 "32", "--device", "cpu", "--json"]) == 0
+    read = json.loads(capsys.readouterr().out)
+    assert main(["estimate", llama, "--parallel", "fsdp", "--precision", "bf16-mixed", "--mixed-precision", "bf16",
+                 "--reshard-after-forward", "false", "--checkpointing", "blocks", "--micro-batch-size", "2",
+                 "--grad-accum-steps", "2", "--optimizer-impl", "fused", "--gpus", "2", "--batch-size", "8",
+                 "--seq-len", "32", "--device", "cpu", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert [r["peak_bytes"] for r in read["ranks"]] == [r["peak_bytes"] for r in said["ranks"]]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("fsdp: hybrid_shard auto_wrap\n", "--shard-over node"),
+    ("fsdp: true\nfsdp_config:\n  version: 1\n", "set version: 2"),
+    ("fsdp: true\nfsdp_config:\n  limit_all_gathers: true\n", "'limit_all_gathers' is not an FSDP2 setting"),
+    ("fsdp: true\nfsdp_config: fsdp.json\n", "a path to a JSON file is not read"),
+    ("activation_checkpointing: true\nactivation_checkpointing_kwargs:\n  every_n_layers: 2\n", "every n-th layer"),
+])
+def test_trainer_fsdp_refusals(tmp_path, text, words):
+    with pytest.raises(MemfitError, match=re.escape(words)):
+        read_trainer_config(_file(tmp_path, "args.yaml", text))
+
+
+def test_activation_checkpointing_is_transformers_new_name(tmp_path):
+    config = read_trainer_config(_file(tmp_path, "args.yaml", "activation_checkpointing: true\n"))
+    assert config.recipe.checkpointing == "blocks"

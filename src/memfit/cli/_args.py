@@ -58,10 +58,13 @@ def number(text: str) -> float:
 # The flags estimate, fit and plan share. Type, default and name are fixed here; the help says what
 # the flag means for the verb, so the verbs whose meaning differs pass their own.
 
-def add_model(parser) -> None:
-    parser.add_argument("model", help="a Hugging Face Hub id (Qwen/Qwen3-8B: its config.json only, never weights), "
+def add_model(parser, optional: bool = False) -> None:
+    """The model argument; ``optional``: it may be left to a ``--from`` file that names one."""
+    parser.add_argument("model", nargs="?" if optional else None, default=None,
+                        help="a Hugging Face Hub id (Qwen/Qwen3-8B: its config.json only, never weights), "
                         "a local folder or config.json, a catalog name (see `memfit models`), or "
-                        "package.module:function")
+                        "package.module:function" + (" (with --from: the file's model_name_or_path where it names "
+                                                      "one)" if optional else ""))
     parser.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit to read")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the repository's own model code (auto_map in config.json), as transformers asks")
@@ -99,9 +102,10 @@ def add_recipe(parser) -> None:
 
 def add_from(parser) -> None:
     parser.add_argument("--from", dest="from_config", default=None, metavar="PATH",
-                        help="your trainer's config: a Hugging Face TrainingArguments (or TRL SFTConfig) .json/.yaml; "
-                             "its batch, accumulation, precision, optim, checkpointing, compile and LoRA are read, "
-                             "a setting memfit cannot model is named; flags override it")
+                        help="your trainer's config: a Hugging Face TrainingArguments (or TRL SFTConfig) .json/.yaml, "
+                             "an accelerate config YAML or a LightningCLI config; its batch, accumulation, precision, "
+                             "optim, checkpointing, compile, FSDP2 and LoRA are read, a setting memfit cannot model is "
+                             "named; flags override it")
 
 
 def trainer_config(args):

@@ -12,7 +12,7 @@ from memfit.errors import MemfitError
 
 
 def build(est) -> None:
-    _args.add_model(est)
+    _args.add_model(est, optional=True)
     est.add_argument("--batch-size", type=_args.positive, default=None,
                      help="examples per optimizer step (default 1; with --micro-batch-size it must equal "
                           "micro-batch x --grad-accum-steps)")
@@ -105,6 +105,12 @@ def _generate_flags(est) -> None:
 
 
 def run(args) -> int:
+    if args.model is None:
+        named = _args.trainer_config(args) if args.from_config is not None else None
+        if named is None or named.model is None:
+            raise MemfitError("name the model: memfit estimate MODEL (a catalog name, a Hub id or a config.json)"
+                              + (f", or put model_name_or_path in {args.from_config}" if named is not None else ""))
+        args.model = named.model
     if args.from_config is not None and (args.generate or args.max_batch_size):
         other = "--generate" if args.generate else "--max-batch-size"
         raise MemfitError(f"--from and {other} conflict: --from reads one training run's batch and recipe (not yet "
@@ -146,10 +152,11 @@ def run(args) -> int:
     recipe = _args.recipe_from_args(args, None if config is None else config.recipe)
     if config is not None:
         if args.gpus is None and args.nodes is None and (config.gpus or 1) * (config.nodes or 1) > 1:
-            args.gpus, args.nodes = config.gpus, config.nodes  # accelerate's processes
+            args.gpus, args.nodes = config.gpus, config.nodes  # accelerate's processes, Lightning's devices
         if args.seq_len is None:
             args.seq_len = config.seq_len
-        if args.batch_size is None:  # the Trainer's per-device batch x accumulation x data-parallel processes
+        if args.batch_size is None and recipe.micro_batch_size is not None:
+            # the Trainer's per-device batch x accumulation x data-parallel processes
             ranks = (args.gpus or 1) * (args.nodes or 1) // (recipe.tp * recipe.pp * recipe.cp)
             args.batch_size = recipe.micro_batch_size * recipe.grad_accum_steps * max(1, ranks)
     with _args.progress(f"tracing {args.model} on fake tensors") as update:

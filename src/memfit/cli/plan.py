@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 from memfit.cli import _args
@@ -29,6 +30,14 @@ def build(pl) -> None:
     pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
     _args.add_world(pl)
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
+    pl.add_argument("--emit", default=None, metavar="TOOL[,TOOL]",
+                    help="also write the chosen recipe in your trainer's terms: hf-trainer (TrainingArguments YAML), "
+                         "accelerate (accelerate config YAML), lightning (LightningCLI config), pytorch "
+                         "(memfit.apply lines), or all; the plan then keeps to what those trainers can say (no "
+                         "chunked loss, optimizer in backward...; pytorch alone: every technique), and what a tool "
+                         "cannot express is said beside it")
+    pl.add_argument("--emit-dir", default=None, metavar="DIR",
+                    help="write the --emit files into DIR (default: print them)")
     _args.add_json(pl, help="print the plans as JSON")
 
 
@@ -41,6 +50,9 @@ def run(args) -> int:
     _args.check_gpu_device(args)
     if args.out is not None:
         _args.check_out(args.out)
+    tools = _tools(args.emit)
+    if args.emit_dir is not None and not tools:
+        raise MemfitError("--emit-dir names where --emit's files go: add --emit TOOL (or all)")
     batch = _args.import_spec(args.batch)
     gbs = args.global_batch_size
     if gbs is None and batch is None:  # 8, or across GPUs the smallest multiple of 8 that gives each one a row
@@ -50,7 +62,7 @@ def run(args) -> int:
             plans = plan(_args.model_of(args), batch, budget=args.budget, gpu=args.gpu, device=args.device,
                          global_batch_size=gbs, seq_len=args.seq_len, allow=args.allow,
                          optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss), progress=update,
-                         gpus=args.gpus, nodes=args.nodes)
+                         gpus=args.gpus, nodes=args.nodes, fixed=_within(tools, args))
         except NothingFits as err:
             if args.json:
                 smallest = err.smallest.to_dict() if err.smallest is not None else None
@@ -63,8 +75,57 @@ def run(args) -> int:
             plans.best.recipe.save(args.out)
         except OSError as err:
             raise MemfitError(f"cannot write --out {args.out}: {err.strerror or err}") from None
+    emitted = _emit(plans.best.recipe, tools, args)
     if args.json:
-        print(json.dumps({"fits": True, **plans.to_dict()}, indent=2))
+        print(json.dumps({"fits": True, **plans.to_dict()} | ({"emitted": [e.to_dict() for e in emitted]}
+                                                               if emitted else {}), indent=2))
     else:
-        Console().print(plan_view(plans, args.model, args.out))
+        console = Console()
+        console.print(plan_view(plans, args.model, args.out))
+        for e in emitted:
+            where = f" -> {os.path.join(args.emit_dir, e.filename)}" if args.emit_dir else ""
+            console.print(f"\n[bold]{e.tool}[/bold] ({e.filename}){where}", highlight=False)
+            if not args.emit_dir:
+                console.print(e.text.rstrip(), markup=False, highlight=False)
+            for note in e.notes:
+                console.print(f"  note: {note}", markup=False, highlight=False)
     return 0
+
+
+def _tools(value) -> list:
+    if value is None:
+        return []
+    from memfit.trainers.emit import TOOLS
+
+    tools = list(TOOLS) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
+    bad = [t for t in tools if t not in TOOLS]
+    if bad or not tools:
+        raise MemfitError(f"--emit {bad[0] if bad else value!r} is not a tool memfit writes: use "
+                          f"{', '.join(TOOLS)} or all (comma-separated)")
+    return tools
+
+
+def _within(tools: list, args):
+    """With --emit, a one-GPU plan searches only what the named trainers can say (the multi-GPU search's recipes
+    are DDP / FSDP2 and checkpointing, which they all can)."""
+    if not tools or (args.gpus or 1) * (args.nodes or 1) > 1:
+        return None
+    from memfit.trainers.emit import within
+
+    return within(tools) or None
+
+
+def _emit(recipe, tools: list, args) -> list:
+    from memfit.trainers.emit import emit
+
+    emitted = [emit(recipe, tool, gpus=args.gpus or 1, nodes=args.nodes or 1, seq_len=args.seq_len,
+                    model=args.model if isinstance(args.model, str) else None) for tool in tools]
+    if args.emit_dir:
+        try:
+            os.makedirs(args.emit_dir, exist_ok=True)
+            for e in emitted:
+                with open(os.path.join(args.emit_dir, e.filename), "w", encoding="utf-8") as f:
+                    f.write(e.text)
+        except OSError as err:
+            raise MemfitError(f"cannot write --emit-dir {args.emit_dir}: {err.strerror or err}") from None
+    return emitted

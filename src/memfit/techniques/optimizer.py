@@ -27,8 +27,8 @@ import torch
 from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["PAGED_MIN_NUMEL", "page_state", "OPTIMIZERS", "APPROXIMATE", "HF_OPTIM", "hf_optim", "EXACT_OPTIMIZERS",
-           "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
+__all__ = ["PAGED_MIN_NUMEL", "page_state", "OPTIMIZERS", "APPROXIMATE", "HF_OPTIM", "hf_optim", "hf_optim_name",
+           "EXACT_OPTIMIZERS", "APPROXIMATE_OPTIMIZERS", "make_optimizer", "IMPLEMENTATIONS", "TECHNIQUE"]
 
 OptimizerSpec = str | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -144,6 +144,15 @@ def hf_optim(name: str) -> dict:
         "not a transformers optimizer name"
     raise MemfitError(f"optim={shown(name, 40)} is {what}: use one of {', '.join(HF_OPTIM)}, or pass your "
                       "optimizer as a callable params -> Optimizer")
+
+
+def hf_optim_name(optimizer: str, optimizer_impl: str = "auto") -> str | None:
+    """The Trainer's ``optim`` name that builds memfit's ``optimizer`` / ``optimizer_impl`` (the inverse of
+    ``hf_optim``); None where transformers has none."""
+    for name, fields in HF_OPTIM.items():
+        if fields["optimizer"] == optimizer and fields.get("optimizer_impl", "auto") == optimizer_impl:
+            return name
+    return None
 
 
 def _normalize(values: dict) -> dict:

@@ -164,9 +164,13 @@ def _conflicts(recipe):
             default = next(f.default for f in TECHNIQUE.fields if f.name == name)
             if getattr(recipe, name) != default:
                 yield f"parallel=ddp and {name}={getattr(recipe, name)} conflict: {name} is FSDP2's; use parallel=fsdp"
-    if mixed_dtypes(recipe.mixed_precision) and recipe.precision != "fp32":
+    dtypes = mixed_dtypes(recipe.mixed_precision)
+    # autocast over FSDP2's policy of the same dtype is what accelerate (and so the Trainer) runs with FSDP2 and
+    # mixed_precision bf16/fp16; any other pair is one or the other
+    if dtypes and recipe.precision != "fp32" and recipe.precision != f"{dtypes[0]}-mixed":
         yield (f"mixed_precision={recipe.mixed_precision} and precision={recipe.precision} conflict: FSDP2's policy "
-               "casts the gathered parameters itself; keep precision=fp32")
+               f"casts the gathered parameters itself; keep precision=fp32 (or {dtypes[0]}-mixed: autocast over the "
+               "policy, as accelerate runs it)")
 
 
 def _apply(build) -> None:

@@ -6,18 +6,20 @@ scripts read the ``ModelConfig`` fields of the same file: ``model_name_or_path``
 ``load_in_4bit``...) into a ``TrainerConfig``: the ``Recipe``, the sequence length and the model where the file
 names them. Every setting is one of three kinds:
 
-- mapped (``_MAPPED``): per-device batch, accumulation, bf16/fp16 autocast, ``optim`` (transformers' names, through
-  ``techniques.optimizer.HF_OPTIM``), gradient checkpointing (non-reentrant: the Trainer's default), torch.compile,
-  TRL's ``max_length``, ``activation_offloading`` and its LoRA / QLoRA fields;
+- mapped: per-device batch, accumulation, bf16/fp16 autocast, ``optim`` (transformers' names, through
+  ``techniques.optimizer.HF_OPTIM``), gradient (activation) checkpointing (non-reentrant: the Trainer's default),
+  torch.compile, ``fsdp`` / ``fsdp_config`` (FSDP2, as transformers hands them to accelerate: bf16/fp16 then set
+  FSDP2's MixedPrecisionPolicy as well as autocast), TRL's ``max_length``, ``activation_offloading`` and its
+  LoRA / QLoRA fields;
 - not modelled yet, refused in one line naming the setting and the fix when set away from its default
-  (``_REFUSED``: DeepSpeed, FSDP from TrainingArguments, reentrant checkpointing, Liger kernels, packing...);
+  (``_REFUSED``: DeepSpeed, reentrant checkpointing, Liger kernels, packing...);
 - without effect on a training step's device memory (logging, saving, evaluation, the schedule, the data loader's
   workers): every other field transformers' ``TrainingArguments`` (or TRL's known fields) has.
 A key none of these know is refused too (a typo, or another trainer's file): nothing is dropped silently.
 
 An accelerate config YAML (``accelerate config`` writes it; ``distributed_type`` tells it apart) gives the processes
 (``num_processes`` over ``num_machines``), the autocast dtype (``mixed_precision``: accelerate wraps the model's
-forward in autocast; FSDP2 keeps its default policy, fp32 weights, unless the file sets one) and FSDP2's settings
+forward in autocast and, with FSDP2, sets the same dtype as FSDP2's MixedPrecisionPolicy) and FSDP2's settings
 (``fsdp_version: 2``, ``fsdp_reshard_after_forward``, ``fsdp_offload_params``, ``fsdp_activation_checkpointing``);
 the batch is the training script's, given with memfit's flags. DeepSpeed, FSDP1, fp8 and the other plugins are
 refused in one line.
@@ -34,40 +36,14 @@ import os
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
+from memfit.trainers.config import _NEUTRAL_NOTE, MAX_FILE_BYTES, TrainerConfig, _count
 
 __all__ = ["TrainerConfig", "read_trainer_config"]
-
-#: the largest config file read (a TrainingArguments file is a few dozen lines)
-MAX_FILE_BYTES = 256 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    """What a trainer's config file says of one training run: the recipe (per-device micro-batch and accumulation
-    included), the sequence length and the model where it names them, and how each setting was read."""
-
-    path: str
-    kind: str  # "hf-trainer" (TrainingArguments, TRL's SFTConfig / ModelConfig) or "accelerate"
-    recipe: Recipe
-    seq_len: int | None = None
-    model: str | None = None
-    read: tuple = ()  # (setting, value, what memfit made of it), in the file's order
-    gpus: int | None = None  # processes per machine, where the file says (accelerate's num_processes / num_machines)
-    nodes: int | None = None
-
-    def batch_size(self, ranks: int = 1) -> int:
-        """Examples per optimizer step over ``ranks`` data-parallel ranks (the Trainer's per-device batch x
-        accumulation x processes)."""
-        return self.recipe.micro_batch_size * self.recipe.grad_accum_steps * ranks
-
 
 # settings that change a step's memory and are not modelled from this file yet: (default, the fix)
 _REFUSED = {
     "deepspeed": (None, "memfit models FSDP2 and DDP, not DeepSpeed: estimate with --parallel fsdp (ZeRO-3-like) or "
                         "--parallel fsdp --reshard-after-forward false (ZeRO-2-like)"),
-    "fsdp": ((None, "", [], False), "FSDP from TrainingArguments is not read yet: drop it and pass --parallel fsdp "
-                                    "(with --gpus) to memfit"),
-    "fsdp_config": (None, "FSDP from TrainingArguments is not read yet: drop it and pass --parallel fsdp to memfit"),
     "parallelism_config": (None, "transformers' parallelism_config (TP / CP in the Trainer) is not read yet: pass "
                                  "--tp / --cp to memfit"),
     "use_liger_kernel": (False, "Liger's fused kernels are not modelled: memfit traces transformers' own layers "
@@ -114,7 +90,6 @@ _TRL_ONLY = {"max_length", "max_seq_length", "packing", "padding_free", "activat
              "assistant_only_loss"}
 # what ``read`` says of every other known field: TrainingArguments' fields beyond the mapped and refused ones (logging,
 # saving, evaluation, the schedule, the data loader) leave a training step's device memory as it is
-_NEUTRAL_NOTE = "no effect on a training step's device memory"
 
 
 def _training_argument_fields() -> set:
@@ -155,6 +130,10 @@ def read_trainer_config(path) -> TrainerConfig:
     name = os.path.basename(os.fspath(path))
     if "distributed_type" in data or "compute_environment" in data:
         return _accelerate(path, name, data)
+    if isinstance(data.get("trainer"), dict):  # a LightningCLI config: trainer:, model:, data:, optimizer:
+        from memfit.trainers.lightning import read_lightning
+
+        return read_lightning(path, name, data)
     return _training_arguments(path, name, data)
 
 
@@ -164,7 +143,7 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
     known = _training_argument_fields()
     fields: dict = {}
     read: list = []
-    seq_len = model = None
+    seq_len = model = fsdp_config = None
     lora = {}
 
     def refuse(key, why):
@@ -190,24 +169,39 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
                 raise MemfitError(f"{name}: {key} must be true or false, got {shown(value, 40)}")
         elif key == "optim":
             fields.update(hf_optim(value))
-        elif key == "gradient_checkpointing":
+        elif key in ("gradient_checkpointing", "activation_checkpointing"):  # the second: transformers >= 5.20's name
             if value is True:
                 fields["checkpointing"] = "blocks"
             elif value not in (False, None):
-                raise MemfitError(f"{name}: gradient_checkpointing must be true or false, got {shown(value, 40)}")
-        elif key == "gradient_checkpointing_kwargs":
+                raise MemfitError(f"{name}: {key} must be true or false, got {shown(value, 40)}")
+        elif key in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
             if isinstance(value, dict) and value.get("use_reentrant") is True:
                 refuse(key, "reentrant checkpointing is not modelled: memfit checkpoints as the Trainer does by "
                             "default (use_reentrant: false)")
             if value is not None and not isinstance(value, dict):
-                raise MemfitError(f"{name}: gradient_checkpointing_kwargs must be a mapping, got {shown(value, 40)}")
-            unknown = set(value or {}) - {"use_reentrant"}
+                raise MemfitError(f"{name}: {key} must be a mapping, got {shown(value, 40)}")
+            if (value or {}).get("every_n_layers", 1) != 1:
+                refuse(key, "checkpointing every n-th layer is not modelled: memfit checkpoints every block "
+                            "(every_n_layers: 1) or a selective policy (--checkpointing selective)")
+            if (value or {}).get("offload", False) is not False:
+                refuse(key, "the Trainer's offload of checkpointed activations is not read: drop it and pass "
+                            "--offload-activations to memfit")
+            unknown = set(value or {}) - {"use_reentrant", "every_n_layers", "offload"}
             if unknown:
                 refuse(key, f"checkpoint arguments other than use_reentrant ({', '.join(sorted(unknown))}) are "
                             "not modelled")
         elif key == "torch_compile":
             if value is True:
                 fields["compile"] = True
+        elif key == "fsdp":
+            fsdp = _trainer_fsdp(name, value)
+            if fsdp is None:
+                read.append((key, value, "off"))
+                continue
+            fields.update(fsdp)
+        elif key == "fsdp_config":  # read with fsdp, after the loop
+            fsdp_config = value
+            continue
         elif key in ("max_length", "max_seq_length"):  # TRL's SFTConfig (max_seq_length: TRL before 0.20)
             if value is not None:
                 seq_len = _count(name, key, value)
@@ -227,6 +221,15 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
             continue
         read.append((key, value, "read"))
     fields.update(_lora(name, lora))
+    if fields.get("parallel") == "fsdp":
+        fsdp_fields = _fsdp(name, fsdp_config or {}, read, prefix="", default_version=2)
+        if fields.get("offload") == "cpu":  # fsdp's legacy "offload" option: one offload, said either way
+            fsdp_fields.setdefault("offload", "cpu")
+        fields.update(fsdp_fields)
+        if fields.get("precision") in ("bf16-mixed", "fp16-mixed"):  # accelerate gives FSDP2 the policy too
+            fields["mixed_precision"] = fields["precision"].split("-")[0]
+    elif fsdp_config:
+        read.append(("fsdp_config", fsdp_config, "unused: fsdp is off"))
     trl = [k for k in data if k in _TRL_ONLY]
     unset = [k for k in ("gradient_checkpointing", "bf16") if k not in data]
     if trl and unset:  # TRL's SFTConfig turns both on by default, the Trainer's TrainingArguments neither
@@ -249,14 +252,14 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
 _ACCELERATE_NEUTRAL = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "machine_rank",
                        "main_training_function", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster",
                        "tpu_use_sudo", "main_process_ip", "main_process_port", "gpu_ids", "num_cpu_threads_per_process"}
-_FSDP_NEUTRAL = {"fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type", "fsdp_transformer_layer_cls_to_wrap",
-                 "fsdp_sync_module_states", "fsdp_use_orig_params", "fsdp_min_num_params"}
+_FSDP_NEUTRAL = {"cpu_ram_efficient_loading", "state_dict_type", "transformer_layer_cls_to_wrap", "sync_module_states",
+                 "use_orig_params", "min_num_params"}  # fsdp_config keys, without accelerate's fsdp_ prefix
 
 
 def _accelerate(path, name: str, data: dict) -> TrainerConfig:
     """An accelerate config YAML (``accelerate config`` / ``accelerate launch --config_file``): the processes, the
-    mixed precision (autocast: accelerate wraps the model's forward in it; FSDP2 keeps its default policy unless the
-    file gives one) and FSDP2's settings. The batch is the script's, not the file's: memfit's flags give it."""
+    mixed precision (autocast: accelerate wraps the model's forward in it; with FSDP2 also the policy's dtype) and
+    FSDP2's settings. The batch is the script's, not the file's: memfit's flags give it."""
     fields: dict = {}
     read: list = []
 
@@ -302,6 +305,10 @@ def _accelerate(path, name: str, data: dict) -> TrainerConfig:
         else:
             raise MemfitError(f"{name}: {shown(key, 40)} is not an accelerate config setting memfit knows: a typo, or "
                               "another tool's file; remove it or fix its name")
+    if fields.get("parallel") == "fsdp" and fields.get("precision") in ("bf16-mixed", "fp16-mixed"):
+        # accelerate sets FSDP2's MixedPrecisionPolicy from mixed_precision (AcceleratorState) and wraps the forward
+        # in autocast as well
+        fields["mixed_precision"] = fields["precision"].split("-")[0]
     try:
         recipe = Recipe(**fields)
     except MemfitError as err:
@@ -310,49 +317,77 @@ def _accelerate(path, name: str, data: dict) -> TrainerConfig:
                          nodes=machines)
 
 
-def _fsdp(name: str, config: dict, read: list) -> dict:
-    """accelerate's ``fsdp_config`` -> memfit's FSDP2 fields (FSDP2 only: ``fsdp_version: 2``)."""
+def _fsdp(name: str, config: dict, read: list, prefix: str = "fsdp_", default_version: int = 1) -> dict:
+    """FSDP2's settings -> memfit's fields: accelerate's ``fsdp_config`` (keys ``fsdp_*``, version 1 unless set) or
+    TrainingArguments' (keys with or without ``fsdp_``, version 2 unless set: transformers' own reading)."""
     if not isinstance(config, dict):
-        raise MemfitError(f"{name}: fsdp_config must be a mapping of fsdp_* settings")
-    if config.get("fsdp_version", 1) != 2:
-        raise MemfitError(f"{name}: fsdp_version={shown(config.get('fsdp_version', 1), 20)} is not modelled: memfit "
-                          "models FSDP2; set fsdp_version: 2 (accelerate's FSDP2)")
+        raise MemfitError(f"{name}: fsdp_config must be a mapping of {prefix}* settings (a path to a JSON file is not "
+                          "read: put its settings in this file)")
+    config = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in config.items()}
+    version = config.get("version", default_version)
+    if str(version) != "2":
+        raise MemfitError(f"{name}: {prefix}version={shown(version, 20)} is not modelled: memfit models FSDP2; set "
+                          f"{prefix}version: 2")
     fields = {}
     for key, value in config.items():
-        if key == "fsdp_version":
+        shown_key = prefix + key
+        if key == "version":
             pass
-        elif key == "fsdp_reshard_after_forward":
-            if value in (True, "true", "FULL_SHARD"):
+        elif key == "reshard_after_forward":
+            if value in (True, "true", "True", "FULL_SHARD"):
                 fields["reshard_after_forward"] = "true"
-            elif value in (False, "false", "SHARD_GRAD_OP"):
+            elif value in (False, "false", "False", "SHARD_GRAD_OP"):
                 fields["reshard_after_forward"] = "false"
             else:
-                raise MemfitError(f"{name}: fsdp_reshard_after_forward={shown(value, 20)} is not modelled: set true "
-                                  "or false")
-        elif key == "fsdp_offload_params":
-            if value is True:
+                raise MemfitError(f"{name}: {shown_key}={shown(value, 20)} is not modelled: set true or false")
+        elif key in ("offload_params", "cpu_offload"):  # accelerate's name, transformers' name
+            if value in (True, "true", "True"):
                 fields["offload"] = "cpu"
-        elif key == "fsdp_activation_checkpointing":
-            if value is True:
+        elif key == "activation_checkpointing":
+            if value in (True, "true", "True"):
                 fields["checkpointing"] = "blocks"
-        elif key == "fsdp_auto_wrap_policy":
+        elif key == "auto_wrap_policy":
             if value not in ("TRANSFORMER_BASED_WRAP", None):
-                raise MemfitError(f"{name}: fsdp_auto_wrap_policy={shown(value, 30)} is not modelled: memfit shards "
-                                  "each decoder block and the root (TRANSFORMER_BASED_WRAP)")
+                raise MemfitError(f"{name}: {shown_key}={shown(value, 30)} is not modelled: memfit shards each decoder "
+                                  "block and the root (TRANSFORMER_BASED_WRAP)")
+        elif key == "xla":
+            if value not in (False, None, "false"):
+                raise MemfitError(f"{name}: {shown_key}={shown(value, 20)} is not modelled: memfit models FSDP2 on "
+                                  "CUDA")
         elif key in _FSDP_NEUTRAL:
-            read.append((key, value, _NEUTRAL_NOTE))
+            read.append((shown_key, value, _NEUTRAL_NOTE))
             continue
         else:
-            raise MemfitError(f"{name}: fsdp_config's {shown(key, 40)} is not an FSDP2 setting memfit reads: remove it "
-                              "or fix its name")
-        read.append((key, value, "read"))
+            raise MemfitError(f"{name}: fsdp_config's {shown(shown_key, 40)} is not an FSDP2 setting memfit reads: "
+                              "remove it or fix its name")
+        read.append((shown_key, value, "read"))
     return fields
 
 
-def _count(name, key, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MemfitError(f"{name}: {key} must be a positive whole number, got {shown(value, 40)}")
-    return value
+def _trainer_fsdp(name: str, value) -> dict | None:
+    """TrainingArguments' ``fsdp``: true, or transformers' legacy options (``"full_shard auto_wrap"``, a list);
+    None when off."""
+    if value in (None, False, "", []):
+        return None
+    if value is True:
+        return {"parallel": "fsdp"}
+    options = value.split() if isinstance(value, str) else value
+    if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
+        raise MemfitError(f"{name}: fsdp must be true, false or transformers' options (\"full_shard auto_wrap\"), "
+                          f"got {shown(value, 40)}")
+    fields = {"parallel": "fsdp"}
+    for option in options:
+        if option == "full_shard":
+            fields["reshard_after_forward"] = "true"
+        elif option == "shard_grad_op":
+            fields["reshard_after_forward"] = "false"
+        elif option == "offload":
+            fields["offload"] = "cpu"
+        elif option != "auto_wrap":
+            raise MemfitError(f"{name}: fsdp={shown(value, 40)} is not modelled: memfit reads full_shard, "
+                              "shard_grad_op, offload and auto_wrap (FSDP2); for hybrid sharding pass --parallel fsdp "
+                              "--shard-over node to memfit")
+    return fields
 
 
 def _lora(name, given: dict) -> dict:

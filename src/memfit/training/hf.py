@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from memfit.errors import MemfitError
-from memfit.techniques.optimizer import HF_OPTIM
+from memfit.techniques.optimizer import HF_OPTIM, hf_optim_name
 from memfit.techniques.recipe import Recipe
 from memfit.accounting.budget import VirtualBudget
 
@@ -34,13 +34,11 @@ _HANDLED = {"precision", "checkpointing", "optimizer", "optimizer_impl", "micro_
 
 
 def _optim(recipe: Recipe) -> str:
-    wanted = {"optimizer": recipe.optimizer, "optimizer_impl": recipe.optimizer_impl}
-    for name, fields in HF_OPTIM.items():
-        if all(wanted.get(k) == v for k, v in fields.items()) and \
-                (fields.get("optimizer_impl", "auto") == recipe.optimizer_impl):
-            return name
-    raise MemfitError(f"optimizer={recipe.optimizer} (optimizer_impl={recipe.optimizer_impl}) has no Trainer optim "
-                      f"name: use one of {', '.join(HF_OPTIM)}'s optimizers, or pass optimizers= to the Trainer")
+    name = hf_optim_name(recipe.optimizer, recipe.optimizer_impl)
+    if name is None:
+        raise MemfitError(f"optimizer={recipe.optimizer} (optimizer_impl={recipe.optimizer_impl}) has no Trainer optim "
+                          f"name: use one of {', '.join(HF_OPTIM)}'s optimizers, or pass optimizers= to the Trainer")
+    return name
 
 
 def trainer_fields(recipe: Recipe) -> dict:
