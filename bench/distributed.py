@@ -56,6 +56,9 @@ CASES = [
     ("ddp", TINY, 2, {"parallel": "ddp"}, 4, 1),
     ("fsdp-bf16-policy", TINY, 2, {"parallel": "fsdp", "mixed_precision": "bf16:fp32"}, 4, 1),
     ("fsdp-autocast", TINY, 2, {"parallel": "fsdp", "precision": "bf16-mixed"}, 4, 1),
+    # accelerate's (and the Trainer's) FSDP2 with mixed_precision bf16: autocast over a bf16 policy
+    ("fsdp-autocast-bf16-policy", TINY, 2, {"parallel": "fsdp", "precision": "bf16-mixed", "mixed_precision": "bf16"},
+     4, 1),
     ("fsdp-checkpointing", TINY, 2, {"parallel": "fsdp", "checkpointing": "blocks"}, 4, 1),
     ("fsdp-accumulation", TINY, 2, {"parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
     ("ddp-accumulation", TINY, 2, {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}, 4, 1),
