@@ -38,8 +38,10 @@ RANKS = {
     "memfit.training": 7, "memfit.profiling": 7, "memfit.distributed": 7, "memfit.generation": 7,
     # the user's trainers: their config files read into memfit's terms (and, later, plans written back)
     "memfit.trainers": 7,
-    # the command line
-    "memfit.cli": 8,
+    # the local page (Gradio) over the public API
+    "memfit.ui": 8,
+    # the command line (``memfit ui`` serves the page)
+    "memfit.cli": 9,
 }
 TOP = "memfit"  # memfit/__init__.py: the public API, may import anything
 

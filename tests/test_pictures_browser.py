@@ -5,36 +5,18 @@ Skipped where Chromium, its driver or selenium is missing (``.ci/run`` installs 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from test_pictures import COLOURS, profile, write_html  # the hand-made profile; skips without plotly
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="no selenium: pip install selenium (or 'memfit[dev]')")
-CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-DRIVER = shutil.which("chromedriver")
-if CHROMIUM is None or DRIVER is None:
-    pytest.skip("no headless Chromium: apt-get install chromium chromium-driver (and pip install selenium)",
-                allow_module_level=True)
-
+from _browser import chromium  # skips without selenium or a headless Chromium  # noqa: E402
 from PIL import Image  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1400"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
+    yield from chromium(1400, 1400)
 
 
 def test_the_page_renders_in_chromium(browser, tmp_path):

@@ -34,6 +34,7 @@ _VERBS = {
     "profile": ("profile", "build", "run", "watch a real training script's memory: steps, categories, leaks, pictures"),
     "serve-plan": ("serve_plan", "build", "run", "requests x context that fit a card when serving, beside vLLM's blocks"),
     "doctor": ("doctor", "build", "run", "explain an out-of-memory error and rank the fixes by the bytes they save"),
+    "ui": ("ui", "build", "run", "a local page (Gradio): estimate, plan, configs and serving plan; pip install 'memfit[ui]'"),
     "models": ("catalog", "build_models", "models", "list the built-in model catalog"),
     "gpus": ("catalog", "build_gpus", "gpus", "list the GPU catalog"),
 }
