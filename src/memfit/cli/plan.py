@@ -106,8 +106,8 @@ def _tools(value) -> list:
 
 
 def _within(tools: list, args):
-    """With --emit, a one-GPU plan searches only what the named trainers can say (the multi-GPU search's recipes
-    are DDP / FSDP2 and checkpointing, which they all can)."""
+    """With --emit, a one-GPU plan searches only what the named trainers can say. The multi-GPU search takes no
+    fixed fields: what its recipe holds that a trainer cannot say (TP, PP, CP, EP) is one of the file's notes."""
     if not tools or (args.gpus or 1) * (args.nodes or 1) > 1:
         return None
     from memfit.trainers.emit import within

@@ -84,10 +84,15 @@ def _yaml(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
+_MESH = {"tp", "sequence_parallel", "loss_parallel", "pp", "pp_schedule", "ep", "cp", "cp_rotate"}
+
+
 def _by_hand(fields: dict, tool: str) -> list:
     """One note per recipe field the tool has no setting for."""
-    return [f"{name}={value}: {tool} has no setting for it; memfit.apply(model, recipe) applies it to your model, or "
-            "train with memfit train" for name, value in fields.items()]
+    return [f"{name}={value}: {tool} has no setting for it; "
+            + ("torchtitan runs this mesh (memfit estimates it; memfit train does not run it yet)" if name in _MESH
+               else "memfit.apply(model, recipe) applies it to your model, or train with memfit train")
+            for name, value in fields.items()]
 
 
 def _launch(gpus: int, nodes: int, how: str) -> list:
