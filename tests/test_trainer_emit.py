@@ -120,6 +120,8 @@ def test_pytorch_lines_rebuild_the_recipe():
 def test_what_a_tool_cannot_say_is_a_note(tool):
     emitted = emit(CHUNKED, tool)
     assert any(note.startswith("chunked_loss=4:") for note in emitted.notes)
+    unpinned = emit(FSDP2.replace(offload="cpu-unpinned"), tool, gpus=2)
+    assert any(note.startswith("offload=cpu-unpinned:") for note in unpinned.notes)
 
 
 def test_emitted_estimate_equals_the_plan(llama, tmp_path, capsys):

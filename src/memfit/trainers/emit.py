@@ -162,6 +162,9 @@ def _hf_trainer(recipe: Recipe, gpus: int, nodes: int, seq_len, model) -> Emitte
         if recipe.reshard_after_forward not in ("true", "false"):
             notes.append(f"reshard_after_forward={recipe.reshard_after_forward}: the Trainer reshards fully or not")
         out["fsdp"] = True  # transformers 5: fsdp true and everything in fsdp_config (its strings are deprecated)
+        if recipe.offload not in ("none", "cpu"):
+            notes.append(f"offload={recipe.offload}: the Trainer's FSDP2 offload is torch's pinned CPUOffloadPolicy "
+                         "(offload=cpu) or none")
         out["fsdp_config"] = {"version": 2, "reshard_after_forward": recipe.reshard_after_forward == "true",
                               "cpu_offload": recipe.offload == "cpu",
                               "activation_checkpointing": recipe.checkpointing == "blocks",
@@ -214,6 +217,9 @@ def _accelerate(recipe: Recipe, gpus: int, nodes: int, seq_len, model) -> Emitte
                  "mixed_precision": mixed.split("-")[0].split(":")[0], "num_machines": nodes,
                  "num_processes": gpus * nodes, "rdzv_backend": "static", "same_network": True, "use_cpu": False}
     if fsdp:
+        if recipe.offload not in ("none", "cpu"):
+            notes.append(f"offload={recipe.offload}: accelerate's FSDP2 offload is torch's pinned CPUOffloadPolicy "
+                         "(offload=cpu) or none")
         out["fsdp_config"] = {"fsdp_activation_checkpointing": recipe.checkpointing == "blocks",
                               "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                               "fsdp_cpu_ram_efficient_loading": True,
