@@ -63,6 +63,10 @@ CASES = {
     "qwen3moe-4l": dict(kind="train", model=("qwen3-30b-a3b", {"num_hidden_layers": 4}), bs=2, seq=1024,
                         recipe={"precision": "bf16-mixed"}),
     "cnn-fp32": dict(kind="train", model="zoo:cnn", bs=None, seq=None, recipe={}),
+    # ViT-L/16: its patch embedding is a 16x16 stride-16 convolution, whose cuDNN workspaces (issue 37) are
+    # modelled from bench/cuda_outside.py's measurements; these runs check them inside a whole step
+    "vit-large-fp32-b8": dict(kind="train", model="vit-large", bs=8, seq=None, recipe={}),
+    "vit-large-bf16-b32": dict(kind="train", model="vit-large", bs=32, seq=None, recipe={"precision": "bf16-mixed"}),
     "qwen06b-compile": dict(kind="train", model="qwen3-0.6b", bs=4, seq=1024,
                             recipe={"precision": "bf16-mixed", "compile": True}),
     "qwen06b-compile-layers": dict(kind="train", model="qwen3-0.6b", bs=4, seq=1024,
@@ -467,6 +471,12 @@ def _row(name: str, est: dict, real: dict) -> dict:
     else:
         row["error_allocated"] = _error(est["allocated"], real["allocated"])
         row["error_reserved"] = _error(est["reserved"], real["reserved"])
+    if real.get("outside_allocator_now") is not None and est.get("device_bytes") and CASES[name]["kind"] not in ("profile", "oom"):
+        # what nvidia-smi's device line shows at the peak: the allocator's reserved peak (it keeps its segments)
+        # plus what the process holds outside it (cudaMemGetInfo's used - reserved, read after the run)
+        row["device_truth"] = real["reserved"] + real["outside_allocator_now"]
+        row["error_device"] = _error(est["device_bytes"], row["device_truth"])
+        row["error_outside"] = _error(est["device_bytes"] - est["reserved"], real["outside_allocator_now"])
     return row
 
 
@@ -481,6 +491,10 @@ def _summary(rows: dict) -> dict:
         out |= {"allocated_median_abs": statistics.median(alloc), "allocated_max_abs": max(alloc)}
     if res:
         out |= {"reserved_median_abs": statistics.median(res), "reserved_max_abs": max(res)}
+    for key in ("device", "outside"):
+        errors = [abs(r[f"error_{key}"]) for r in rows.values() if r.get(f"error_{key}") is not None]
+        if errors:
+            out |= {f"{key}_median_abs": statistics.median(errors), f"{key}_max_abs": max(errors)}
     return out
 
 

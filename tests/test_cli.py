@@ -64,7 +64,7 @@ def test_estimate_for_a_gpu_uses_its_memory_and_counts_reserved_and_context(caps
     assert main(["estimate", "gpt2", "--seq-len", "64", "--gpu", "rtx-4090", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device"] == "cuda" and data["gpu"] == "rtx-4090"
-    assert data["device_bytes"] == data["reserved_bytes"] + data["context_bytes"] >= data["peak_bytes"]
+    assert data["device_bytes"] == data["reserved_bytes"] + data["outside_bytes"] >= data["peak_bytes"]
     assert data["budget"]["budget_bytes"] == 25_757_220_864  # the card's memory when no --budget
     assert data["budget"]["margin_bytes"] == 25_757_220_864 - data["device_bytes"]
 

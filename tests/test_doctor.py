@@ -245,7 +245,7 @@ def test_another_process_on_the_card(tmp_path):
     message = (f"CUDA out of memory. Tried to allocate 80.00 MiB. GPU 0 has a total capacity of "
                f"{c10_size(card.memory_bytes)} of which 10.00 MiB is free. Process 4242 has {c10_size(other)} memory "
                f"in use. Including non-PyTorch memory, this process has {c10_size(held)} memory in use. Of the "
-               f"allocated memory {c10_size(held - card.cuda_context_bytes - 30 * MiB)} is allocated by PyTorch, and "
+               f"allocated memory {c10_size(held - card.outside_bytes - 30 * MiB)} is allocated by PyTorch, and "
                "30.00 MiB is reserved by PyTorch but unallocated.")
     found = diagnose(message, model=model, plan=False, **shape)
     assert found.cause == "other_process" and found.fixes[0].name == "free_other_processes"

@@ -28,7 +28,7 @@ def _config():
 
 
 def _context():
-    return resolve_target("cuda", GPU).cuda_context_bytes
+    return resolve_target("cuda", GPU).outside_bytes
 
 
 def _gpt():

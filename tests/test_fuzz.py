@@ -171,7 +171,7 @@ def test_plan_of_a_divisor_rich_global_batch_is_bounded():
 
 
 @pytest.mark.parametrize("kwargs, error, needle", [
-    ({"budget": 1}, memfit.NothingFits, "CUDA context alone"),  # no search: nothing can fit
+    ({"budget": 1}, memfit.NothingFits, "CUDA context and the libraries"),  # no search: nothing can fit
     ({"budget": "10TiB"}, MemfitError, "more than the h100-sxm"),  # refused before the traces, not after
     ({"budget": 10**30}, MemfitError, "over 1 EiB"),
     ({"gpus": 131072, "gpu": "h100-sxm", "global_batch_size": 131072}, MemfitError, "GPUs per node"),

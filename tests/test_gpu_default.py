@@ -89,7 +89,7 @@ def test_generate_on_cuda_has_reserved_context_verdict_and_the_workspace(no_env)
     # the cuBLAS workspace (what a CPU-semantics estimate missed on an H200), 512-byte rounding, no CPU scratch
     assert workspace <= cuda.peak_bytes - cpu.peak_bytes + 64 * 1024 <= workspace + 128 * 1024
     assert memfit.estimate_generate(TINY, **kw).settings["target"] == "default"
-    tight = memfit.estimate_generate(TINY, gpu="h100-sxm", budget=cuda.context_bytes + 1024 * 1024, **kw)
+    tight = memfit.estimate_generate(TINY, gpu="h100-sxm", budget=cuda.outside_bytes + 1024 * 1024, **kw)
     assert tight.verdict == "out_of_memory"
     with pytest.raises(MemfitError, match="budget"):
         memfit.estimate_generate(TINY, device="cpu", budget="1GiB", **kw)

@@ -116,7 +116,7 @@ def _ledger(events):
 
 def _card(capacity):
     card = gpu("rtx-4090")
-    return dataclasses.replace(card, memory_bytes=capacity + card.cuda_context_bytes)
+    return dataclasses.replace(card, memory_bytes=capacity + card.outside_bytes)
 
 
 # 30 MiB of device memory (one 30 MiB segment), and two parameters' paged state: 2 x 8 MiB and 2 x 4 MiB

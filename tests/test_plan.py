@@ -25,7 +25,7 @@ def _config(layers=2):
 
 
 def _plan(budget_mib, global_batch_size=8, cache=CACHE, **kw):
-    context = resolve_target("cuda", GPU).cuda_context_bytes
+    context = resolve_target("cuda", GPU).outside_bytes
     return plan(_config(), gpu=GPU, budget=context + budget_mib * 2**20, global_batch_size=global_batch_size,
                 seq_len=128, cache=cache, **kw)
 
@@ -78,7 +78,7 @@ def test_nothing_fits_names_the_smallest_and_it_is_the_smallest():
     err = caught.value
     assert "nothing fits" in str(err) and "needs" in str(err) and "\n" not in str(err)
     smallest = err.smallest
-    assert smallest.device_bytes > resolve_target("cuda", GPU).cuda_context_bytes + 4 * 2**20
+    assert smallest.device_bytes > resolve_target("cuda", GPU).outside_bytes + 4 * 2**20
     # no candidate is smaller by a full estimate: the extreme memory savers, checked directly
     for recipe in (Recipe(precision="bf16-mixed", checkpointing="blocks", chunked_loss=8, offload_activations=True,
                           micro_batch_size=1, grad_accum_steps=2),

@@ -88,7 +88,7 @@ def test_cuda_shapes_are_judged_as_the_planner_judges_them():
     batch = {k: torch.cat([v, v]) for k, v in rows.items()}
     free = memfit.estimate(lambda: meta_copy(model), batch=batch, recipe=recipe, device="cuda", gpu=card, fast=False)
     for share, fits in ((0.99, True), (0.97, False)):
-        budget = card.cuda_context_bytes + int(free.reserved_bytes * share)
+        budget = card.outside_bytes + int(free.reserved_bytes * share)
         assert card.allowed_bytes(budget) < free.reserved_bytes  # more than the allocator may hold, uncapped
         capped = memfit.estimate(lambda: meta_copy(model), batch=batch, recipe=recipe, device="cuda", gpu=card,
                                  fast=False, budget=budget)
@@ -103,8 +103,8 @@ def test_a_budget_is_the_process_s_the_allocator_gets_it_less_the_context():
 
     card = gpu("h200")
     assert card.allowed_bytes(None) == card.usable_bytes()
-    assert card.allowed_bytes(24 * 2**30) == 24 * 2**30 - card.cuda_context_bytes
-    assert card.allowed_bytes(card.cuda_context_bytes // 2) == 0  # a budget below the context: nothing fits
+    assert card.allowed_bytes(24 * 2**30) == 24 * 2**30 - card.outside_bytes
+    assert card.allowed_bytes(card.outside_bytes // 2) == 0  # a budget below the context: nothing fits
     assert card.allowed_bytes(2 * card.memory_bytes) == card.usable_bytes()
 
 

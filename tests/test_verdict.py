@@ -49,7 +49,7 @@ def _ledger(events):
 def _card(capacity):
     """The RTX 4090 of the catalog with just enough memory that the allocator may hold ``capacity``."""
     card = gpu("rtx-4090")
-    return dataclasses.replace(card, memory_bytes=capacity + card.cuda_context_bytes)
+    return dataclasses.replace(card, memory_bytes=capacity + card.outside_bytes)
 
 
 # A 40 MiB segment reused for 12 MiB (split, 28 MiB free), then 30 MiB: see test_cuda_allocator.py
@@ -89,16 +89,16 @@ def test_a_budget_is_a_memory_fraction_and_checks_whole_alloc_sizes():
     # z's alloc_size (30 MiB) over the 40 MiB held and refuses, even with expandable segments; the
     # retry unmaps the wholly free page 1 (20 MiB held), 20 + 30 passes, and pages 1-2 are mapped.
     card = gpu("rtx-4090")
-    budget = card.cuda_context_bytes + 64 * MiB
+    budget = card.outside_bytes + 64 * MiB
     f = cuda_fit(_ledger(FRAGMENTING), card, budget)
     assert (f.verdict, f.capacity_bytes, f.budget_bytes, f.reserved, f.retries) == (EXPANDABLE, 64 * MiB, budget,
                                                                                        60 * MiB, 1)
     assert cuda_fit(_ledger(FRAGMENTING), _card(64 * MiB)).retries == 0  # the card itself: no retry
     # At 50 MiB the retry's check passes (20 + 30 <= 50) and torch maps two whole pages: 60 MiB held,
     # more than the fraction allows. The model follows torch there, as it does the device's limit.
-    over = cuda_fit(_ledger(FRAGMENTING), card, card.cuda_context_bytes + 50 * MiB)
+    over = cuda_fit(_ledger(FRAGMENTING), card, card.outside_bytes + 50 * MiB)
     assert (over.verdict, over.reserved, over.capacity_bytes) == (EXPANDABLE, 60 * MiB, 50 * MiB)
-    short = cuda_fit(_ledger(FRAGMENTING), card, card.cuda_context_bytes + 40 * MiB)
+    short = cuda_fit(_ledger(FRAGMENTING), card, card.outside_bytes + 40 * MiB)
     assert short.verdict == OOM and short.missing_bytes == 30 * MiB  # the default allocator's 70 MiB
     with pytest.raises(MemfitError, match="more than the rtx-4090"):
         cuda_fit(_ledger(RETRY), card, card.memory_bytes + 1)
@@ -208,7 +208,7 @@ def test_recorded_traces_under_a_smaller_card(name):
 def test_an_8b_estimate_never_reserves_more_than_the_card():
     report = memfit.estimate("llama-3.1-8b", seq_len=256, gpu="h100-sxm", precision="bf16-mixed")
     card = gpu("h100-sxm")
-    assert report.capacity_bytes == card.memory_bytes - card.cuda_context_bytes
+    assert report.capacity_bytes == card.memory_bytes - card.outside_bytes
     assert report.reserved_bytes <= report.capacity_bytes and report.device_bytes <= card.memory_bytes
     assert report.verdict == OOM and report.missing_bytes > 0  # 8B with AdamW states: ~16 bytes/param
     assert report.peak_bytes > card.memory_bytes  # the step's own need, above the card
@@ -218,7 +218,7 @@ def test_estimate_with_a_budget_replays_under_it():
     cfg = dict(seq_len=64, gpu="rtx-4090", fast=False)
     whole = memfit.estimate("gpt2", **cfg)
     assert whole.verdict == FITS and whole.retries == 0 and whole.budget_bytes is None
-    ctx = gpu("rtx-4090").cuda_context_bytes
+    ctx = gpu("rtx-4090").outside_bytes
     tight = memfit.estimate("gpt2", budget=whole.reserved_bytes - 100 * MiB + ctx, **cfg)
     assert tight.verdict in (FITS, EXPANDABLE) and tight.reserved_bytes <= tight.capacity_bytes
     assert tight.verdict == EXPANDABLE or tight.retries >= 1

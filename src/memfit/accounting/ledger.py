@@ -56,6 +56,7 @@ _IN_PLACE_OPS = {op for _, op in _IN_PLACE_IN_BACKWARD}
 # (``distributed/truth.py``), as NCCL's buffers are outside the caching allocator.
 _NOT_PROBED = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
+_CONV_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
 _MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
     "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
@@ -129,6 +130,9 @@ class Ledger(TorchDispatchMode):
         self.model = model
         self.cublas_workspace = cublas_workspace
         self._workspaces: set[tuple] = set()
+        # the CUDA libraries the step loads ("cublas" at its first matmul): what the process then holds
+        # outside the allocator (hardware/outside.py)
+        self.libraries: set[str] = set()
         self.records: list[Record] = []
         self.events: list[tuple[int, int]] = []
         self.sites: list[Site] = []
@@ -303,6 +307,7 @@ class Ledger(TorchDispatchMode):
         thread = "backward" if self.phase == "backward" else "forward"
         if func.overloadpacket not in _MATMUL_OPS:
             return
+        self.libraries.add("cublas")
         device = self.placer.device_of(self, args, kwargs) if self.placer is not None else None
         if (thread, device) not in self._workspaces:  # one cuBLAS handle per thread and device
             self._workspaces.add((thread, device))
@@ -311,6 +316,19 @@ class Ledger(TorchDispatchMode):
             self.records.append(Record(self.cublas_workspace, Category.TEMPORARIES, self.phase, self.step,
                                        f"(cuBLAS workspace, {thread} thread{where})", device=device))
             self.events.append((ALLOC, index))
+
+    def _conv_workspaces(self, func, args, out) -> None:
+        """cuDNN's workspace of each call a convolution makes on CUDA: allocated after its outputs, freed when
+        the call returns (``hardware/cuda.conv_workspaces``)."""
+        from memfit.hardware.cuda import conv_workspaces
+
+        args = tree_map(_local, args)
+        for nbytes in conv_workspaces(func, args, _local(out) if isinstance(out, torch.Tensor) else None):
+            index = len(self.records)
+            self.records.append(Record(nbytes, Category.TEMPORARIES, self.phase, self.step, self._module(),
+                                       stream=self.stream))
+            self.events.append((ALLOC, index))
+            self.events.append((FREE, index))
 
     def _module(self) -> str:
         return self._modules.current()
@@ -420,6 +438,8 @@ class Ledger(TorchDispatchMode):
         if donor is not None and out_records and out_records[0] is not None:
             self.records[out_records[0]].donor = donor
             self.records[donor].donated = True
+        if self.cublas_workspace is not None and func in _CONV_OPS:
+            self._conv_workspaces(func, args, out)
         if self.device.type == "cpu" and self.cublas_workspace is None:
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)

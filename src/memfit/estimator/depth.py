@@ -200,7 +200,8 @@ def estimate_by_depth(source: Source, *, recipe, loss_fn, optimizer, steps, batc
     cuda = {}
     if gpu is not None:
         # the written log is replayed under the card's limit like a full trace's (``verdict.py``)
-        cuda = dict(cuda_fit(log, gpu, budget).report_fields(), context_bytes=small.context_bytes, gpu=small.gpu)
+        outside = dict(context_bytes=small.context_bytes, outside_bytes=small.outside_bytes, outside=small.outside)
+        cuda = dict(cuda_fit(log, gpu, budget, outside=small.outside_total).report_fields(), **outside, gpu=small.gpu)
     parameters, trainable = _parameters(result.ledger, log)
     of = f"the stage's {depth}" if part is not None else f"{depth}"
     notes = small.notes + [f"traced {blocks} of {of} blocks and wrote the step's allocations out for all "

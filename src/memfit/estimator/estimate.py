@@ -52,8 +52,8 @@ def estimate(model, batch=None, *, loss_fn=None, optimizer="adamw", precision: s
     precision  ``fp32``, ``bf16-mixed``, ``fp16-mixed`` or ``bf16``.
     device     whose semantics to follow: ``cuda`` (the default: ``memfit.cuda``: CUDA autocast lists, fused
                attention, foreach optimizers, cuBLAS workspaces, and the caching allocator's rounding and
-               segments; the report adds ``reserved_bytes``, ``context_bytes``, ``device_bytes`` and a
-               verdict) or ``cpu`` (byte-exact against the CPU allocator). ``None``: CUDA, unless the
+               segments, cuDNN's convolution workspaces; the report adds ``reserved_bytes``, ``outside_bytes``
+               (the CUDA context and libraries outside the allocator), ``device_bytes`` and a verdict) or ``cpu`` (byte-exact against the CPU allocator). ``None``: CUDA, unless the
                environment sets ``MEMFIT_DEVICE=cpu``.
     gpu        a GPU of the catalog (``"rtx-4090"``, ``memfit.hardware.gpus.gpu(...)``) for CUDA semantics:
                its memory, workspace size and context. Default: the GPU torch sees, else ``h100-sxm``

@@ -27,8 +27,10 @@ __all__ = ["placed_sides", "placement_of", "on_one_gpu", "DISK_BANDWIDTH"]
 DISK_BANDWIDTH = 3e9
 
 
-def placed_sides(ledger, scratch, placer, gpu, budget):
-    """(the highest GPU's view of the log, report fields for every device)."""
+def placed_sides(ledger, scratch, placer, gpu, budget, outside: int | None = None):
+    """(the highest GPU's view of the log, report fields for every device); ``outside``: the bytes each GPU's
+    process share holds outside the allocator (default a training process's)."""
+    outside = gpu.outside_bytes if outside is None else outside
     placement = placer.placement
     sides: dict[str, set[int]] = {d: set() for d in placement.devices}
     for index, record in enumerate(ledger.records):
@@ -44,10 +46,10 @@ def placed_sides(ledger, scratch, placer, gpu, budget):
         if device == "disk":
             row["peak_bytes"] = sum(ledger.records[i].nbytes for i in sides[device])
         elif device not in HOST_SIDES:
-            verdict = cuda_fit(view, gpu, budget)
+            verdict = cuda_fit(view, gpu, budget, outside=outside)
             fields = verdict.report_fields()
             row.update(peak_bytes=fields["peak_bytes"], reserved_bytes=fields["reserved_bytes"],
-                       device_bytes=fields["reserved_bytes"] + gpu.cuda_context_bytes, verdict=fields["verdict"],
+                       device_bytes=fields["reserved_bytes"] + outside, verdict=fields["verdict"],
                        missing_bytes=fields.get("missing_bytes"))
             need = row["device_bytes"] + (fields.get("missing_bytes") or 0)
             if need > top_need:

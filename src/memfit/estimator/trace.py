@@ -19,7 +19,7 @@ from memfit.accounting.replay import LedgerView, event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
 from memfit.hardware.cuda import cuda_semantics
-from memfit.estimator.verdict import cuda_fit
+from memfit.estimator.verdict import cuda_fit, outside_fields, process_outside
 from memfit.report.report import Report
 from memfit.techniques.apply import run_steps
 from memfit.techniques.step import batch_tensors
@@ -79,18 +79,19 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     params = list(model.parameters())
     cuda, host = {}, {}
     device_side = ledger
+    found = process_outside(gpu, ledger, recipe, workload) if gpu is not None else None
     if placed is not None:
         from memfit.estimator.placed import placed_sides
 
-        device_side, host = placed_sides(ledger, scratch, placer, gpu, budget)
+        device_side, host = placed_sides(ledger, scratch, placer, gpu, budget, found.bytes if found else None)
         result = replay(device_side, scratch)
     elif getattr(recipe, "offload", "none") != "none":
         device_side, host = _offloaded(ledger, scratch, recipe, cuda=gpu is not None)
         if gpu is not None:  # the GPU's figures are of what stays on it; on the CPU all is one memory
             result = replay(device_side, scratch)
     if gpu is not None:
-        verdict = cuda_fit(device_side, gpu, budget)
-        cuda = dict(verdict.report_fields(), context_bytes=gpu.cuda_context_bytes, gpu=gpu.name)
+        verdict = cuda_fit(device_side, gpu, budget, outside=found.bytes)
+        cuda = dict(verdict.report_fields(), **outside_fields(found), gpu=gpu.name)
         result.allocator = verdict.unlimited  # the planner composes unlimited figures
     if keep:
         result.ledger, result.scratch = ledger, scratch

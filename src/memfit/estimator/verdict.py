@@ -15,10 +15,11 @@ would:
 * ``out_of_memory``: both run out; ``missing_bytes`` is how much more memory the allocator would
   need to never reach the limit (an upper bound: with release-and-retry a little less may do).
 
-The limit: the card's memory less its CUDA context (``gpus.py``), which is what ``cudaMalloc`` can
-get. A ``budget`` stands for the whole process's memory (context included) enforced the way torch
-enforces one, ``torch.cuda.set_per_process_memory_fraction((budget - context) / total)``: the
-allocator then refuses a new segment when ``reserved + alloc_size`` would pass ``budget - context``
+The limit: the card's memory less what the process holds outside the allocator (its CUDA context and the
+libraries it loads: ``hardware/outside.py``), which is what ``cudaMalloc`` can get. A ``budget`` stands
+for the whole process's memory (what nvidia-smi shows) enforced the way torch enforces one,
+``torch.cuda.set_per_process_memory_fraction((budget - outside) / total)``: the allocator then refuses a
+new segment when ``reserved + alloc_size`` would pass ``budget - outside``
 (its ``allowed_memory_maximum``), and only then does ``garbage_collection_threshold`` act.
 
 Managed memory (bitsandbytes' paged optimizer state, ``cudaMallocManaged``) is not the allocator's:
@@ -79,8 +80,8 @@ class CudaFit:
 
     verdict         FITS, EXPANDABLE or OOM.
     gpu             catalog name of the card.
-    capacity_bytes  what the allocator may hold: card memory (or budget) less the CUDA context.
-    budget_bytes    the budget asked for (context included), None for the whole card.
+    capacity_bytes  what the allocator may hold: card memory (or budget) less what is outside it.
+    budget_bytes    the budget asked for (what is outside the allocator included), None for the whole card.
     allocated       ``max_memory_allocated`` in the run the verdict describes (unlimited run on OOM).
     reserved        ``max_memory_reserved`` in that run (on OOM, what was reserved when it failed):
                     never above the card's memory less its context, nor above ``capacity_bytes``
@@ -129,10 +130,12 @@ class CudaFit:
                     managed_resident_bytes=self.managed_resident_bytes, paged_bytes=self.paged_bytes)
 
 
-def limits(gpu, budget: int | None) -> tuple[int, int | None]:
+def limits(gpu, budget: int | None, outside: int | None = None) -> tuple[int, int | None]:
     """(capacity, allowed): what cudaMalloc can get on ``gpu``, and the memory-fraction limit a
-    ``budget`` (bytes, context included) stands for (None without one)."""
-    physical = gpu.memory_bytes - gpu.cuda_context_bytes
+    ``budget`` (bytes, as nvidia-smi counts them) stands for (None without one). ``outside``: what the
+    process holds outside the allocator (default: a training process's, ``gpu.outside_bytes``)."""
+    outside = gpu.outside_bytes if outside is None else outside
+    physical = gpu.memory_bytes - outside
     if budget is None:
         return physical, None
     if not isinstance(budget, int) or isinstance(budget, bool):
@@ -140,7 +143,7 @@ def limits(gpu, budget: int | None) -> tuple[int, int | None]:
     if budget > gpu.memory_bytes:
         raise MemfitError(f"budget {format_size(budget)} is more than the {gpu.name}'s {format_size(gpu.memory_bytes)}: "
                           "drop the budget or pick a bigger card")
-    allowed = max(budget - gpu.cuda_context_bytes, 0)  # a budget below the context: nothing fits
+    allowed = max(budget - outside, 0)  # a budget below what is outside the allocator: nothing fits
     return min(physical, allowed), allowed
 
 
@@ -166,16 +169,18 @@ def replay(ledger, **knobs) -> tuple[AllocatorStats, SimulatedOutOfMemory | None
 
 
 def cuda_fit(ledger, gpu, budget: int | None = None, *, garbage_collection_threshold: float = 0.0,
-        unlimited: AllocatorStats | None = None) -> CudaFit:
+        unlimited: AllocatorStats | None = None, outside: int | None = None) -> CudaFit:
     """Replay ``ledger`` under ``gpu``'s limit (or ``budget``'s) and say what torch would do.
 
-    ``unlimited``: the default allocator's statistics with no limit, if already replayed."""
-    capacity, allowed = limits(gpu, budget)
+    ``unlimited``: the default allocator's statistics with no limit, if already replayed. ``outside``: the
+    bytes the process holds outside the allocator (``hardware/outside.py``; default a training process's)."""
+    outside = gpu.outside_bytes if outside is None else outside
+    capacity, allowed = limits(gpu, budget, outside)
     gc = garbage_collection_threshold if allowed is not None else 0.0
     # the device's own limit and the fraction's are checked apart: torch checks the fraction with
     # the request's alloc_size and then maps whole pages, so with expandable segments it can hold up
     # to one page more than the fraction allows, never more than the device has
-    knobs = dict(capacity=gpu.memory_bytes - gpu.cuda_context_bytes, allowed_memory=allowed,
+    knobs = dict(capacity=gpu.memory_bytes - outside, allowed_memory=allowed,
                  garbage_collection_threshold=gc)
     if unlimited is None:
         unlimited, _ = replay(ledger)
@@ -248,3 +253,29 @@ def fit_reserved(allocated: int, reserved: int, gpu, budget: int | None = None,
                    missing_bytes=missing, error_margin_bytes=margin,
                    tight=fits and capacity - reserved - (extra["managed_resident_bytes"] or 0) < margin,
                    replayed=False, **extra)
+
+
+def process_outside(gpu, ledger, recipe, workload: str = "train"):
+    """What the traced process holds outside torch's allocator on ``gpu`` (``hardware/outside.py``): whether
+    its ``ledger`` saw a matmul (cuBLAS), whether it trains, and the
+    NCCL communicators of its parallel layout (one per process group with peers; FSDP2 or DDP at world size 1
+    still makes one)."""
+    import torch.distributed as dist
+
+    from memfit.hardware.outside import Workload, outside
+
+    libraries = getattr(ledger, "libraries", set())
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    parallel = getattr(recipe, "parallel", "none")
+    degrees = [getattr(recipe, name, 1) for name in ("tp", "pp", "cp", "ep")]
+    communicators = sum(1 for d in degrees if d > 1) + (1 if parallel in ("fsdp", "ddp") else 0)
+    work = Workload(kind="train" if workload == "train" else "generate", matmul="cublas" in libraries,
+                    communicators=communicators, world_size=world,
+                    offload=parallel == "fsdp" and getattr(recipe, "offload", "none") != "none")
+    return outside(gpu, work)
+
+
+def outside_fields(found) -> dict:
+    """The ``Report`` keyword arguments of an ``Outside``."""
+    return dict(context_bytes=found.context_bytes, outside_bytes=found.bytes, outside=found.to_dict())
+

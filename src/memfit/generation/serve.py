@@ -2,7 +2,8 @@
 weight format, beside vLLM's paged-cache block arithmetic and the textbook KV formula.
 
 Memory of a serving process on one card (CUDA semantics as ``memfit estimate --gpu`` reports them: the
-card's ``total_memory`` less its CUDA context is what torch's allocator can hold; the cuBLAS workspace and
+card's ``total_memory`` less what a generating process holds outside the allocator (its CUDA context,
+cuBLAS, attention kernels: ``hardware/outside.py``) is what torch's allocator can hold; the cuBLAS workspace and
 the allocator's 512-byte rounding are in the traces)::
 
     weights + B x kv(L) + max(prefill_chunk(C), decode(B)) <= usable
@@ -58,6 +59,8 @@ import dataclasses
 import functools
 
 from memfit.errors import MemfitError, shown
+from memfit.hardware.outside import Workload, outside
+from memfit.units import format_size
 
 __all__ = ["ServePlan", "FormatRow", "Measured", "serve_plan", "measure", "kv_layout", "max_batch", "max_context",
            "vllm_blocks", "analytic", "FORMATS", "CHUNKS"]
@@ -109,7 +112,7 @@ class ServePlan:
     model: str
     gpu: str
     context: int
-    usable_bytes: int  # card memory less its CUDA context
+    usable_bytes: int  # card memory less what the process holds outside torch's allocator
     memory_bytes: int  # the card's (or the budget's) total
     kv_analytic_per_token: int  # 2 x layers x kv_heads x head_dim x 2
     kv_measured_per_token: int
@@ -280,9 +283,12 @@ def serve_plan(model, *, gpu="h100-sxm", context: int, gpus: int = 1, chunks=Non
         raise MemfitError(f"gpu_memory_utilization must be in (0, 1], got {shown(gpu_memory_utilization)}")
     formats = ("bf16",) + tuple(f for f in FORMATS[1:] if f in _formats(allow))
     memory = card.memory_bytes if budget is None else parse_size(budget)
-    usable = memory - card.cuda_context_bytes  # the cuBLAS workspace is in the traces (CUDA semantics)
+    # the context and the libraries' memory outside the allocator (the cuBLAS workspace is in the traces)
+    held = outside(card, Workload(kind="generate")).bytes
+    usable = memory - held
     if usable <= 0:
-        raise MemfitError(f"budget {shown(budget)} is below the CUDA context of {card.name}")
+        raise MemfitError(f"budget {shown(budget)} is below the {format_size(held)} a process on the {card.name} "
+                          "holds outside torch's allocator (CUDA context, cuBLAS): give a larger budget")
     default_tokens, max_seqs = vllm_defaults(memory, card.name)
     tokens = _count("max_num_batched_tokens", max_num_batched_tokens or default_tokens, MAX_CONTEXT)
     chunks = sorted({min(_count("chunk", c, MAX_CONTEXT), context) for c in (chunks or CHUNKS)})

@@ -37,6 +37,16 @@ rules torch itself uses on CUDA:
   backward and keeps both.
 * **No CPU scratch, no CPU RNG state.** oneDNN scratch replays and the CPU generator state that
   checkpointing saves are host memory on a GPU run, so they are not counted.
+* **cuDNN's convolution workspaces.** A convolution's forward, its input-gradient and its weight-gradient
+  calls each take a workspace from the caching allocator for as long as the call runs, sized by the engine
+  cuDNN's heuristics pick (``torch.backends.cudnn.benchmark`` off, torch's default). No published rule
+  gives that size; ``conv_workspaces`` follows the one measured on an H200 (cuDNN 9.19, TF32 on, torch's
+  default; ``bench/cuda_outside.py``, 10 shapes x fp32/bf16 x 3 calls): twice the bytes the call
+  writes — the output for the forward and the weight gradient (from the output gradient's size), the
+  input for the input gradient — and none for 1x1 kernels (GEMM engines) or grouped/depthwise
+  convolutions (torch's own kernels for most). Measured/rule over the 60 calls: 1,639 / 1,720 MiB, median
+  |error| 4.2 MiB; the largest misses: ResNet-50's 7x7 stem (rule 196 MiB, measured 116-128), small bf16
+  calls (a 5 MiB floor the rule does not have), and input gradients cuDNN computes without one.
 * **The caching allocator.** Every request is rounded up to 512 bytes and served from cached
   segments (``accounting/cuda_allocator.py``): the replayed event stream gives
   ``max_memory_allocated`` and ``max_memory_reserved``, under the card's memory less its context,
@@ -44,12 +54,11 @@ rules torch itself uses on CUDA:
 
 Not modelled (measured where a GPU was lent; see README):
 
-* cuDNN's own buffers, whose sizes cuDNN decides internally (no published rule): the RNN workspace
-  and reserve of ``_cudnn_rnn`` (``cudnnGetRNNTempSpaceSizes``; for the 2-layer LSTM of the zoo on an
-  H100, a 19,874,112-byte workspace in forward, backward-data and backward-weights and a
-  1,081,600-byte reserve kept from forward to backward, in fp32), and the convolution workspaces of
-  the engine cuDNN's heuristics pick (0.67 to 2.9 MB for the zoo's CNN: above 1 MiB, a request takes a
-  fresh 20 MiB segment). On CPU the LSTM traces as oneDNN layers instead.
+* cuDNN's RNN buffers, whose sizes cuDNN decides internally (no published rule): the workspace and
+  reserve of ``_cudnn_rnn`` (``cudnnGetRNNTempSpaceSizes``; for the 2-layer LSTM of the zoo on an H100, a
+  19,874,112-byte workspace in forward, backward-data and backward-weights and a 1,081,600-byte reserve
+  kept from forward to backward, in fp32). On CPU the LSTM traces as oneDNN layers instead. Convolution
+  workspaces with TF32 off or with ``cudnn.benchmark`` (which may pick engines with larger ones).
 * Kernels' scratch freed inside one op: the memory-efficient attention backward's fp32 workspace
   (the size of grad_q, plus a row of fp32 per query), the reduction buffers of ``sum`` over many rows
   (a Linear's bias gradient), ``_safe_softmax``'s bool row mask.
@@ -69,7 +78,7 @@ from torch.utils._pytree import tree_map_only
 
 from memfit.scoped import patched
 
-__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active"]
+__all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "conv_workspaces"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
 
@@ -350,3 +359,25 @@ def cuda_semantics():
             yield
     finally:
         _ACTIVE.reset(token)
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def conv_workspaces(func, args, out) -> list[int]:
+    """The cuDNN workspaces (bytes, one per cuDNN call, each freed when its call returns) of ``aten.convolution``
+    or ``aten.convolution_backward`` called with ``args`` on CUDA, which returned ``out``: twice what each call
+    writes (module docstring: the rule measured on an H200); none for 1x1 kernels, grouped convolutions or
+    3-D ones (not measured)."""
+    if func is torch.ops.aten.convolution.default:
+        inp, weight, groups = args[0], args[1], args[8]
+        writes = [_nbytes(out)]
+    elif func is torch.ops.aten.convolution_backward.default:
+        grad_out, inp, weight, groups, mask = args[0], args[1], args[2], args[9], args[10]
+        writes = [size for wanted, size in ((mask[0], _nbytes(inp)), (mask[1], _nbytes(grad_out))) if wanted]
+    else:
+        return []
+    if groups != 1 or weight.dim() not in (3, 4) or math.prod(weight.shape[2:]) <= 1 or not inp.is_floating_point():
+        return []
+    return [2 * size for size in writes]

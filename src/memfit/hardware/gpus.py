@@ -61,6 +61,13 @@ def _cublas_workspace(cc: tuple[int, int]) -> int:
 _CONTEXT_SM86 = 256 * MiB  # measured
 _CONTEXT_SM89 = 426 * MiB  # measured
 _CONTEXT_VOLTA_TURING = 384 * MiB  # measured range 300-400 MB
+#  - Hopper GH100 (sm90): 552,402,944 bytes (526.8 MiB) measured on an H200 (torch 2.11.0+cu130, driver 580):
+#    device used less reserved after torch.cuda.init() and a 1-element tensor (bench/cuda_outside.py); the
+#    H100 is the same die with the same SM count. What the libraries add on top: hardware/outside.py.
+_CONTEXT_SM86 = 256 * MiB  # measured
+_CONTEXT_SM89 = 426 * MiB  # measured
+_CONTEXT_HOPPER = 552_402_944  # measured (H200)
+_CONTEXT_VOLTA_TURING = 384 * MiB  # measured range 300-400 MB
 _CONTEXT_TYPICAL = 512 * MiB  # typical, not measured on these parts
 
 # Host link, bytes/s per direction: the datasheets' bidirectional x16 figure halved
@@ -91,23 +98,32 @@ class GPU:
     def memory(self) -> int:
         return self.memory_bytes
 
+    @property
+    def outside_bytes(self) -> int:
+        """What a training process holds outside torch's allocator on this card: the CUDA context and the
+        libraries it loads (cuBLAS, attention and step kernels; ``hardware/outside.py``)."""
+        from memfit.hardware.outside import outside
+
+        return outside(self).bytes
+
     def usable_bytes(self) -> int:
-        """What torch's allocator can get: total memory less the CUDA context."""
-        return self.memory_bytes - self.cuda_context_bytes
+        """What torch's allocator can get: total memory less what a training process holds outside it."""
+        return self.memory_bytes - self.outside_bytes
 
     def allowed_bytes(self, budget: int | None = None) -> int:
-        """What torch's allocator may hold under a process ``budget`` (bytes, CUDA context included; None:
-        the whole card): the budget less the context, never more than the card's usable bytes. A run keeps
+        """What torch's allocator may hold under a process ``budget`` (bytes, what nvidia-smi counts; None:
+        the whole card): the budget less ``outside_bytes``, never more than the card's usable bytes. A run keeps
         to a budget with ``set_per_process_memory_fraction(allowed_bytes(budget) / total_memory)``, and
         ``estimator/verdict.py`` replays the step under the same limit."""
         if budget is None:
             return self.usable_bytes()
-        return min(self.usable_bytes(), max(int(budget) - self.cuda_context_bytes, 0))
+        return min(self.usable_bytes(), max(int(budget) - self.outside_bytes, 0))
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["compute_capability"] = list(self.compute_capability)
         out["usable_bytes"] = self.usable_bytes()
+        out["outside_bytes"] = self.outside_bytes
         return out
 
 
@@ -202,15 +218,15 @@ CATALOG: dict[str, GPU] = {
     # bidir. Memory: SXM 85,029,158,912 bytes (81090 MiB; torch 2.7 repr "81089MB", others 81082-81090);
     # PCIe torch repr "total_memory=81008MB" (84,943,044,608 bytes).
     "h100-sxm": _gpu("h100-sxm", "NVIDIA H100 80GB HBM3 (SXM5)", 85_029_158_912, (9, 0), 3350, "PCIe 5.0 x16",
-                     _PCIE5, 989.4, 989.4, 66.9, 494.7, _CONTEXT_TYPICAL),
+                     _PCIE5, 989.4, 989.4, 66.9, 494.7, _CONTEXT_HOPPER),
     "h100-pcie": _gpu("h100-pcie", "NVIDIA H100 PCIe", 81008 * MiB, (9, 0), 2000, "PCIe 5.0 x16",
-                      _PCIE5, 756.5, 756.5, 51.2, 378, _CONTEXT_TYPICAL),
+                      _PCIE5, 756.5, 756.5, 51.2, 378, _CONTEXT_HOPPER),
     # H200 SXM: datasheet (https://www.nvidia.com/en-us/data-center/h200/): 141 GB HBM3e at 4.8 TB/s;
     # compute identical to H100 SXM (FP32 67 — 66.9 in the Hopper whitepaper — TF32 989 / BF16
     # 1979 sparse); PCIe Gen5 128 GB/s bidir.
     # Memory: torch repr "total_memory=143156MB" (150,109,945,856 bytes; nvidia-smi 143771 MiB).
     "h200": _gpu("h200", "NVIDIA H200 (SXM)", 143156 * MiB, (9, 0), 4800, "PCIe 5.0 x16",
-                 _PCIE5, 989.4, 989.4, 66.9, 494.7, _CONTEXT_TYPICAL),
+                 _PCIE5, 989.4, 989.4, 66.9, 494.7, _CONTEXT_HOPPER),
     # B200 (HGX, 1000 W): HGX B200 spec (https://www.nvidia.com/en-us/data-center/hgx/), per GPU of 8:
     # 8 TB/s; FP16/BF16 4.5 PFLOPS sparse -> 2.25 dense; TF32 2.2 sparse -> 1.1 dense; FP32 75
     # (600 TFLOPS per 8-GPU board; some tables say 80). Less firm than the rest: NVIDIA's per-GPU

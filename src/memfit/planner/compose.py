@@ -295,9 +295,9 @@ class Engine:
         micro = g.forward_seconds + g.backward_seconds + 2 * self.speed.transfer_seconds(g.offloaded)
         seconds = k * micro + step_extra
         # The caching allocator's reserved memory is known only by a full estimate (``verify``):
-        # a prediction is allocated bytes plus the CUDA context.
+        # a prediction is allocated bytes plus what the process holds outside the allocator.
         allocated = int(peak + max(0.0, o.rounding))
-        device = allocated + (0 if self.target is None else self.target.cuda_context_bytes)
+        device = allocated + (0 if self.target is None else self.target.outside_bytes)
         if o.managed and budget is not None:  # paged state beyond the card's room moves each step
             seconds += self.speed.paging_seconds(o.managed - max(budget - device, 0))
         reserved = None

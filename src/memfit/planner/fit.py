@@ -10,7 +10,7 @@ the edge points to the next size to try (bisection if that keeps missing), down 
 size fits by a full estimate and the next size up does not. ``Fit.estimates``
 says how many full estimates that took.
 
-What the answer means: by ``estimate``'s own account (allocated + reserved + CUDA context on a
+What the answer means: by ``estimate``'s own account (reserved + the memory outside the allocator on a
 GPU, the allocator's peak on the CPU), micro-batch ``n`` of this recipe fits and ``n + 1`` does
 not. It inherits the estimate's accuracy; the test checks it against the CPU allocator.
 

@@ -3,8 +3,8 @@
 The search covers precision x checkpointing (off, selective, every block, every N-th block) x
 activation offload x chunked loss x optimizer (the user's, plus 8-bit states or LoRA/QLoRA when
 named in ``allow``) x optimizer-in-backward x micro-batch / accumulation (exact divisors of the
-global batch). Each candidate gets a predicted peak (allocated bytes, plus the CUDA context on a
-GPU) and a predicted step time (``cost.py``), and the fastest candidate whose prediction fits is
+global batch). Each candidate gets a predicted peak (allocated bytes, plus what the process holds outside the
+allocator on a GPU) and a predicted step time (``cost.py``), and the fastest candidate whose prediction fits is
 checked with a full ``estimate``, which replays the caching allocator under the budget
 (``fit.py``); a candidate whose verdict is out of memory is passed over, so a plan never exceeds its
 budget by the estimate's own account. A plan that fits only with
@@ -119,9 +119,10 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         from memfit.estimator.verdict import limits
 
         limits(target, budget_bytes)
-        if budget_bytes <= target.cuda_context_bytes:  # nothing can fit: no search (its traces take seconds)
-            raise NothingFits(f"nothing fits {format_size(budget_bytes)}: the {target.name}'s CUDA context alone takes "
-                              f"{format_size(target.cuda_context_bytes)} of a budget; give a budget above that", None)
+        if budget_bytes <= target.outside_bytes:  # nothing can fit: no search (its traces take seconds)
+            raise NothingFits(f"nothing fits {format_size(budget_bytes)}: on the {target.name} the CUDA context and "
+                              f"the libraries a step loads alone take {format_size(target.outside_bytes)} of a "
+                              "budget; give a budget above that", None)
     source, stored = dequantised(resolve(model))
     if callable(batch):  # made once: its rows are the global batch
         batch = batch()

@@ -31,7 +31,7 @@ def clean(report) -> bool:
 class Plan:
     """One recipe with its predicted (or, when ``verified``, fully estimated) memory and speed.
 
-    device_bytes is what the budget is checked against: reserved + CUDA context on a GPU, the
+    device_bytes is what the budget is checked against: reserved + what the process holds outside the allocator on a GPU (nvidia-smi's figure), the
     peak on the CPU. Step time covers one optimizer step of the whole global batch.
     """
 

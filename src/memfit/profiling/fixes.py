@@ -86,7 +86,7 @@ class Failing:
         return report.device_bytes <= self.capacity
 
     def context(self) -> int:
-        return 0 if self.target is None else self.target.cuda_context_bytes
+        return 0 if self.target is None else self.target.outside_bytes
 
     # -- the cause -----------------------------------------------------------------------------------------
     def diagnose(self, message: OomMessage | None, found: Diagnosis | None) -> Diagnosis:
@@ -129,7 +129,7 @@ class Failing:
 
     def model_cause(self, base) -> tuple[str, str]:
         cat, cap, ctx = base.by_category, format_size(self.capacity), self.context()
-        plus = f" with the {format_size(ctx)} CUDA context" if ctx else ""
+        plus = f" with the {format_size(ctx)} outside torch's allocator (CUDA context, libraries)" if ctx else ""
         states = base.model_state_bytes
         if states + ctx > self.capacity:
             return "model_states", (f"parameters {format_size(cat.get('parameters', 0))}, gradients "
@@ -324,12 +324,12 @@ class Failing:
 
 def _room(message: OomMessage | None, target) -> int | None:
     """What the process could use by the message: the device less the other processes, or its cap plus the
-    CUDA context (torch's cap is on what it reserves; memfit's budget includes the context)."""
+    memory outside the allocator (torch's cap is on what it reserves; memfit's budget includes the rest)."""
     if message is None or message.capacity is None:
         return None
     room = message.capacity - message.other_bytes
     if message.allowed is not None:
-        room = min(room, message.allowed + (target.cuda_context_bytes if target is not None else 0))
+        room = min(room, message.allowed + (target.outside_bytes if target is not None else 0))
     return room
 
 

@@ -50,8 +50,12 @@ class Report:
     would report (each allocation rounded up to 512 bytes), and three more fields are set:
     reserved_bytes  the caching allocator's reserved peak (``max_memory_reserved``), modelled.
     context_bytes   the CUDA context of ``gpu``, outside the allocator (catalog figure).
+    outside_bytes   all the process holds outside the allocator: the context and what the libraries the
+                    step loads add (cuBLAS, attention and step kernels, NCCL); ``outside`` has it term by
+                    term with ranges and sources (``hardware/outside.py``).
     gpu             the catalog GPU whose semantics were followed.
-    ``device_bytes`` is what the device needs: reserved + context (``peak_bytes`` on the CPU).
+    ``device_bytes`` is what the device needs, what nvidia-smi shows: reserved + outside (``peak_bytes`` on
+    the CPU).
     by_category, phase_peaks and modules are in unrounded bytes.
 
     The CUDA figures are those of the allocator replayed under the card's limit (``memfit/estimator/verdict.py``),
@@ -135,6 +139,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     reserved_bytes: int | None = None
     context_bytes: int | None = None
+    outside_bytes: int | None = None
+    outside: dict | None = None
     gpu: str | None = None
     verdict: str | None = None
     capacity_bytes: int | None = None
@@ -162,10 +168,25 @@ class Report:
 
     @property
     def device_bytes(self) -> int:
-        """Memory the device needs: reserved + CUDA context on a GPU, the peak on the CPU."""
+        """Memory the device needs, what nvidia-smi shows: reserved + what the process holds outside the
+        allocator on a GPU, the peak on the CPU."""
         if self.reserved_bytes is None:
             return self.peak_bytes
-        return self.reserved_bytes + (self.context_bytes or 0)
+        return self.reserved_bytes + self.outside_total
+
+    @property
+    def outside_total(self) -> int:
+        """Bytes outside torch's allocator: ``outside_bytes``, or the context alone where only it is known."""
+        return self.outside_bytes if self.outside_bytes is not None else (self.context_bytes or 0)
+
+    def device_line(self) -> str:
+        """``allocated A, reserved R (torch's allocator) + outside it O (context c, cuBLAS b, ...) = D on the
+        device``: the device's share, split between torch's allocator and the rest."""
+        terms = (self.outside or {}).get("terms") or []
+        parts = ", ".join(f"{t['name']} {format_size(t['bytes'])}" for t in terms)
+        what = f"outside it {format_size(self.outside_total)}" + (f" ({parts})" if parts else " (CUDA context)")
+        return (f"allocated {format_size(self.peak_bytes)}, reserved {format_size(self.reserved_bytes or 0)} "
+                f"(torch's allocator) + {what} = {format_size(self.device_bytes)} on the device")
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -202,8 +223,7 @@ class Report:
         lines = [f"peak {format_size(self.peak_bytes)} ({self.method}, {self.device} semantics, "
                  f"{self.bytes_per_parameter:.1f} bytes/param over {self.parameters:,} params)"]
         if self.reserved_bytes is not None:
-            lines.append(f"{self.gpu}: reserved {format_size(self.reserved_bytes)} + CUDA context "
-                         f"{format_size(self.context_bytes or 0)} = {format_size(self.device_bytes)} on the device")
+            lines.append(f"{self.gpu}: {self.device_line()}")
         if self.verdict is not None:
             lines.append(verdict_line(self))
         if self.managed_bytes:
@@ -269,7 +289,9 @@ def target_line(report: Report) -> str:
     word = {FITS: "fits", EXPANDABLE: "fits only with expandable segments", OOM: "OUT OF MEMORY"}.get(report.verdict)
     if word is None or report.capacity_bytes is None:
         return f"on {said}"
-    room = format_size(report.capacity_bytes + (report.context_bytes or 0))
+    # the budget (what nvidia-smi would show) or the card; capacity + outside is the card's memory without one
+    room = format_size(report.budget_bytes if report.budget_bytes is not None
+                       else report.capacity_bytes + report.outside_total)
     if report.verdict == OOM:
         return f"on {said}: {word}, {format_size(report.missing_bytes or 0)} more than its {room} is needed"
     return f"on {said}: {word}, {format_size(report.device_bytes)} of its {room}"

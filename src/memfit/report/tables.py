@@ -36,7 +36,7 @@ def verdict(report: Report, budget: int | None = None) -> dict:
         margin = budget - report.device_bytes
         return {"budget_bytes": budget, "needed_bytes": report.device_bytes, "fits": margin >= 0,
                 "margin_bytes": margin}
-    limit = report.capacity_bytes + (report.context_bytes or 0)
+    limit = report.capacity_bytes + report.outside_total
     managed = {} if not report.managed_bytes else {
         "managed_bytes": report.managed_bytes, "managed_resident_bytes": report.managed_resident_bytes,
         "paged_bytes": report.paged_bytes}
@@ -89,9 +89,7 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
         parts.append(Text(f"host RAM (offloaded shards, gradients, optimizer step): {format_size(report.host_bytes)}, "
                           f"{format_size(report.pinned_bytes or 0)} pinned; {side}"))
     if report.reserved_bytes is not None:
-        parts.append(Text(f"{report.gpu}: allocated {format_size(report.peak_bytes)}, reserved "
-                          f"{format_size(report.reserved_bytes)} + CUDA context {format_size(report.context_bytes or 0)} "
-                          f"= {format_size(report.device_bytes)} on the device"
+        parts.append(Text(f"{report.gpu}: {report.device_line()}"
                           + (f"; managed memory (paged optimizer state) {format_size(report.managed_bytes)} beside it"
                              if report.managed_bytes else "")))
     if report.verdict is not None:

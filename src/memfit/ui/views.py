@@ -37,9 +37,7 @@ def estimate_text(report, name: str, recipe) -> str:
              f"({md(report.method)} on {md(report.device)} semantics); peak {format_size(report.peak_bytes)}, "
              f"{report.bytes_per_parameter:.1f} bytes/param"]
     if report.reserved_bytes is not None:
-        lines.append(f"{md(report.gpu)}: allocated {format_size(report.peak_bytes)}, reserved "
-                     f"{format_size(report.reserved_bytes)} + CUDA context {format_size(report.context_bytes or 0)} "
-                     f"= {format_size(report.device_bytes)} on the device")
+        lines.append(f"{md(report.gpu)}: {md(report.device_line())}")
     if report.verdict is not None:
         lines.append(f"**{md(verdict_line(report))}**")
     if not recipe.is_exact:
