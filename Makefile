@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo train-demo train-demo-2 test bench setup clean
+.PHONY: demo train-demo train-demo-2 test bench docs docs-regenerate setup clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,15 @@ train-demo-2: setup
 # tests stay on one worker (loadscope), so its module fixtures (shared traces, sweeps) are made once
 test: setup
 	$(BIN)/python -m pytest tests -n auto --dist loadscope --durations=10
+
+# the manual as a site (mkdocs, material theme) in site/; strict: a warning, a broken link or anchor fails it
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# every command output shown in README.md and docs/ rerun and rewritten (--fast-only: the few-second ones;
+# --check: rewrite nothing, exit 1 naming each block that differs, as tests/test_docs.py does)
+docs-regenerate: setup
+	$(BIN)/python docs/regenerate.py
 
 bench: setup
 	$(BIN)/python bench/accuracy.py
