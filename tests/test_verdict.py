@@ -131,13 +131,13 @@ def test_margin_is_the_measured_90th_percentile():
     assert (len(big), len(small)) == (10, 32)
     assert math.ceil(nearest_rank(big, 0.9) * 1000) / 1000 == RESERVED_ERROR_P90
     assert nearest_rank(small, 0.9) == SMALL_RUN_ERROR_P90
-    assert error_margin(10 * GiB) == int(0.043 * 10 * GiB) and error_margin(100 * MiB) == 20 * MiB
+    assert error_margin(10 * GiB) == int(0.043 * 10 * GiB) and error_margin(100 * MiB) == 18 * MiB
 
 
 def test_tight_when_headroom_is_under_the_margin():
-    f = cuda_fit(_ledger(RETRY), _card(26 * MiB + 19 * MiB))  # 19 MiB left < 20 MiB
+    f = cuda_fit(_ledger(RETRY), _card(26 * MiB + 17 * MiB))  # 17 MiB left < 18 MiB
     assert f.verdict == FITS and f.tight
-    assert not cuda_fit(_ledger(RETRY), _card(26 * MiB + 20 * MiB)).tight
+    assert not cuda_fit(_ledger(RETRY), _card(26 * MiB + 18 * MiB)).tight
 
 
 # ------------------------------------------------------------------------------------ recorded traces

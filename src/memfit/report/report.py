@@ -20,7 +20,7 @@ FITS, EXPANDABLE, OOM = "fits", "fits_with_expandable_segments", "out_of_memory"
 EXPANDABLE_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 # Where the margin of a tight fit comes from (``estimator.verdict.error_margin``).
 ERROR_SOURCE = ("90th percentile of the reserved-memory error over 42 H100 runs "
-                "(bench/results/gpu-accuracy-h100.json): 4.3 % of the estimate, at least 20 MiB")
+                "(bench/results/gpu-accuracy-h100.json): 4.3 % of the estimate, at least 18 MiB")
 
 
 @dataclass(frozen=True)
