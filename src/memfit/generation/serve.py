@@ -287,7 +287,7 @@ def serve_plan(model, *, gpu="h100-sxm", context: int, gpus: int = 1, chunks=Non
     held = outside(card, Workload(kind="generate")).bytes
     usable = memory - held
     if usable <= 0:
-        raise MemfitError(f"budget {shown(budget)} is below the {format_size(held)} a process on the {card.name} "
+        raise MemfitError(f"budget {format_size(memory)} is below the {format_size(held)} a process on the {card.name} "
                           "holds outside torch's allocator (CUDA context, cuBLAS): give a larger budget")
     default_tokens, max_seqs = vllm_defaults(memory, card.name)
     tokens = _count("max_num_batched_tokens", max_num_batched_tokens or default_tokens, MAX_CONTEXT)
