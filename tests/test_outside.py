@@ -173,3 +173,18 @@ def test_a_cnn_estimate_holds_the_workspaces_and_says_what_is_outside():
     data = report.to_dict()
     assert data["outside_bytes"] == 804_061_184 and data["device_bytes"] == report.device_bytes
     assert [t["name"] for t in data["outside"]["terms"]] == ["CUDA context", "cuBLAS/cuBLASLt", "step kernels"]
+
+
+def test_a_rank_counts_one_communicator_per_process_group_with_peers():
+    from memfit.estimator.verdict import run_outside
+    from memfit.techniques.recipe import Recipe
+
+    card = gpu("h200")
+    alone = run_outside(card, Recipe(), 1)
+    assert alone.bytes == card.outside_bytes and not any(t.name.startswith("NCCL") for t in alone.terms)
+    fsdp = run_outside(card, Recipe(parallel="fsdp"), 8)
+    assert _term(fsdp, "NCCL").bytes == 587_202_560 and fsdp.bytes == card.outside_bytes + 587_202_560
+    mesh = run_outside(card, Recipe(parallel="fsdp", tp=2, pp=2), 8)
+    assert _term(mesh, "NCCL").name == "NCCL (3 communicators)"
+    world1 = run_outside(card, Recipe(parallel="fsdp"), 1)
+    assert _term(world1, "NCCL").bytes == 73_465_856  # FSDP2 at world size 1: the lazily made communicator

@@ -262,15 +262,21 @@ def process_outside(gpu, ledger, recipe, workload: str = "train"):
     still makes one)."""
     import torch.distributed as dist
 
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return run_outside(gpu, recipe, world, workload, matmul="cublas" in getattr(ledger, "libraries", set()))
+
+
+def run_outside(gpu, recipe, world_size: int = 1, workload: str = "train", matmul: bool = True):
+    """What one process of a run of ``recipe`` over ``world_size`` ranks holds outside torch's allocator on
+    ``gpu``: ``hardware/outside.py`` with one NCCL communicator per process group with peers (tp, pp, cp, ep
+    above 1) and one for FSDP2 or DDP (even at world size 1)."""
     from memfit.hardware.outside import Workload, outside
 
-    libraries = getattr(ledger, "libraries", set())
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     parallel = getattr(recipe, "parallel", "none")
     degrees = [getattr(recipe, name, 1) for name in ("tp", "pp", "cp", "ep")]
     communicators = sum(1 for d in degrees if d > 1) + (1 if parallel in ("fsdp", "ddp") else 0)
-    work = Workload(kind="train" if workload == "train" else "generate", matmul="cublas" in libraries,
-                    communicators=communicators, world_size=world,
+    work = Workload(kind="train" if workload == "train" else "generate", matmul=matmul,
+                    communicators=communicators, world_size=world_size,
                     offload=parallel == "fsdp" and getattr(recipe, "offload", "none") != "none")
     return outside(gpu, work)
 

@@ -229,7 +229,7 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
 
     cap = None if budget is None else parse_size(budget)
     card = None
-    if device.type == "cuda":  # the budget is the process's, its CUDA context included, as the planner counts it
+    if device.type == "cuda":  # the budget is the process's, what is outside the allocator included, as plan counts it
         from memfit.hardware.gpus import gpu as catalog_gpu
 
         card = gpu or "h100-sxm"
@@ -306,8 +306,12 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
                        map(_local, list(model.parameters()) + list(model.buffers()))}.values())
         vb = VirtualBudget(cap, resident=resident, inject=inject)
     elif cap is not None:
+        from memfit.estimator.verdict import limits, run_outside
+
+        # the budget is what nvidia-smi shows: less what this rank holds outside the allocator (its communicators)
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, card.allowed_bytes(cap) / total), device)
+        allowed = limits(card, min(cap, card.memory_bytes), run_outside(card, recipe, world).bytes)[1]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
