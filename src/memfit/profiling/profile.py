@@ -68,8 +68,9 @@ __all__ = ["profile", "Profile", "Enough"]
 
 
 
-class Enough(Exception):
-    """Raised from the optimizer's step once ``max_steps`` steps are profiled: ends the script."""
+class Enough(BaseException):
+    """Raised from the optimizer's step once ``max_steps`` steps are profiled: ends the script. A
+    ``BaseException`` (as ``KeyboardInterrupt`` is), so a script's own ``except Exception`` lets it through."""
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -87,6 +88,7 @@ class _Watch(Ledger):
 
     def __init__(self, *, device: torch.device, owner: "Profile"):
         super().__init__(device=device, model=None)
+        self._kinds = (device.type, "meta") if owner.fake else (device.type,)
         self.owner = owner
         self.captured: list = []  # per record: torch's CapturedTraceback of its allocation (None: before the profile)
         self._frames: dict[int, tuple] = {}
@@ -121,7 +123,7 @@ class _Watch(Ledger):
         return frames[site:site + FRAMES], 0  # from the user's innermost frame outwards
 
     def _track(self, storage, category: Category) -> int | None:
-        if storage.device.type != self.device.type:  # a CUDA profile does not count host tensors, and back
+        if storage.device.type not in self._kinds:  # a CUDA profile does not count host tensors, and back
             return None
         index = super()._track(storage, category)
         if index is not None:
@@ -161,7 +163,7 @@ class Profile:
     """
 
     def __init__(self, *, model=None, device=None, max_steps: int | None = None, budget=None,
-                 record_history: bool | None = None):
+                 record_history: bool | None = None, fake: bool = False):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type not in ("cpu", "cuda"):
             raise MemfitError(f"memfit profile watches cpu or cuda memory, not {self.device.type!r}")
@@ -172,6 +174,9 @@ class Profile:
                               "torch.cuda.set_per_process_memory_fraction")
         self.record_history = self.device.type == "cuda" if record_history is None else record_history
         self._model = model
+        # the block runs on fake tensors (``memfit.estimate_script``): every storage it makes counts (a fake
+        # tensor's storage is on the meta device), none made before it does
+        self.fake = fake
         self.report: Report | None = None
         self.steps = 0
         self.oom: dict | None = None
@@ -191,8 +196,9 @@ class Profile:
     def __enter__(self) -> "Profile":
         watch = self.watch = _Watch(device=self.device, owner=self)
         with contextlib.ExitStack() as scope:
-            gc.collect()
-            self._existing(watch)
+            if not self.fake:
+                gc.collect()
+                self._existing(watch)
             if self.budget is not None:
                 resident = sum(r.nbytes for r in watch.records)
                 scope.enter_context(VirtualBudget(self.budget, resident=resident))

@@ -1,0 +1,168 @@
+"""The answer to a script's run on fake tensors: the usual Report, and the script's lines at the peak and the OOM.
+
+The card's side of the log (``device.py``'s placer marks the host's storages) is replayed through memfit's
+caching allocator (``estimator/verdict.cuda_fit``) for allocated, reserved and the verdict; the categories,
+phases and steps are the ledger's (tensor bytes), as for a profile on CUDA. Two sites are read from the
+log: the allocation that brings ``max_memory_allocated`` to its peak, and, when the card runs out, the
+allocation torch would fail on (a replay under the card's limit, ``accounting/cuda_allocator.py``), each
+as the innermost frame of the user's code with its source line.
+"""
+
+from __future__ import annotations
+
+import linecache
+
+from memfit.accounting.events import ALLOC, FREE, RENAME, storage_events
+from memfit.accounting.replay import LedgerView, replay
+from memfit.accounting.scratch import measure_scratch
+from memfit.estimator.trace import fold_peaks, numel
+from memfit.estimator.verdict import cuda_fit, limits, outside_fields, process_outside
+from memfit.profiling.sites import largest_at, short
+from memfit.report.report import Report
+from memfit.units import format_size
+
+__all__ = ["report", "site_of"]
+
+
+def site_of(watch, index: int) -> dict | None:
+    """Record ``index``'s allocation site in the user's code: file, line, code, site ("file.py:LINE"), the
+    stack (innermost first); None when no user frame made it."""
+    stack, at = watch.stack(index)
+    if at < 0 or not stack:
+        return None
+    filename, line, function = stack[0]
+    return {"file": short(filename), "line": line, "function": function, "site": f"{short(filename)}:{line}",
+            "code": linecache.getline(filename, line).strip(),
+            "stack": [f"{short(f)}:{n} in {name}" for f, n, name in stack]}
+
+
+def _card_side(watch):
+    keep = {i for i, record in enumerate(watch.records) if record.device is None}
+    return LedgerView(watch, keep, spikes=False)
+
+
+def _allocator_walk(view, records, capacity=None, allowed=None):
+    """(record index at the allocated peak, peak allocated, record index whose malloc fails or None, the
+    failing request's bytes): the card's events through a fresh caching allocator."""
+    from memfit.accounting.cuda_allocator import CachingAllocator
+    from memfit.accounting.cuda_blocks import SimulatedOutOfMemory
+
+    allocator = CachingAllocator(capacity=capacity, allowed_memory=allowed) if capacity is not None \
+        else CachingAllocator()
+    handles: dict[int, int] = {}
+    peak, at = -1, None
+    for kind, index in storage_events(view):
+        if kind == ALLOC:
+            try:
+                handles[index] = allocator.malloc(records[index].nbytes, stream=records[index].stream)
+            except SimulatedOutOfMemory as oom:
+                return at, peak, index, oom.alloc_size
+            allocated = allocator.stats.allocated
+            if allocated > peak:
+                peak, at = allocated, index
+        elif kind == RENAME and records[index].donor in handles:
+            handles[index] = handles.pop(records[index].donor)
+        elif kind == FREE and index in handles:
+            allocator.free(handles.pop(index))
+    return at, peak, None, 0
+
+
+def report(prof, card, *, budget, what, status, files, shim, reads, steps_asked) -> Report:
+    watch = prof.watch
+    steps = max(prof.steps, 1)
+    if card is None:
+        scratch, unprobed = measure_scratch(watch)
+        view = watch
+    else:
+        scratch, unprobed = [0] * len(watch.sites), 0
+        view = _card_side(watch)
+    result = replay(view, scratch)
+    notes = [f"{prof.steps} optimizer step(s) of {what.name} run on fake tensors"
+             + (" (then stopped)" if steps_asked and prof.steps >= steps_asked else " (the whole script)")]
+    fields, script = {}, {"argv": what.argv, "module": what.module, "exit_status": status, "steps": prof.steps}
+    if card is not None:
+        found = process_outside(card, watch, _NoRecipe())
+        verdict = cuda_fit(view, card, budget, outside=found.bytes)
+        fields = dict(verdict.report_fields(), **outside_fields(found), gpu=card.name)
+        at, peak, _, _ = _allocator_walk(view, watch.records)
+        script["peak"] = None if at is None else site_of(watch, at)
+        if verdict.verdict == "out_of_memory":
+            capacity, allowed = limits(card, budget, found.bytes)
+            _, _, failing, size = _allocator_walk(view, watch.records, card.memory_bytes - found.bytes, allowed)
+            if failing is not None:
+                script["oom"] = dict(site_of(watch, failing) or {}, request_bytes=size,
+                                     missing_bytes=verdict.missing_bytes)
+        host = [i for i, r in enumerate(watch.records) if r.device is not None]
+        if host:
+            on_host = replay(LedgerView(watch, set(host), spikes=False), [0] * len(watch.sites))
+            fields["host_bytes"] = on_host.peak_bytes
+            notes.append(f"host tensors (data on the CPU, left out of the card's figures) peaked at "
+                         f"{format_size(on_host.peak_bytes)}")
+    else:
+        at = _peak_record(view, result.peak_event)
+        script["peak"] = None if at is None else site_of(watch, at)
+    if files.skipped:
+        shown = ", ".join(f"{path} ({call})" for path, call in files.skipped[:4])
+        more = f" and {len(files.skipped) - 4} more" if len(files.skipped) > 4 else ""
+        notes.append(f"not written: {shown}{more} (a save's host copy is not the card's memory)")
+    script["not_written"] = [{"path": p, "call": c} for p, c in files.skipped]
+    script["built_from_config"] = files.built
+    if files.built:
+        notes.append(f"from_pretrained built from the config, no weights read: {', '.join(files.built)}")
+    placeholders = reads + (shim.placeholders if shim is not None else 0)
+    if placeholders:
+        notes.append(f"{placeholders} value(s) the script read back (.item(), printing a loss, .numpy()) were "
+                     "placeholders: 0, no inf found, masks all true")
+    if unprobed:
+        notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")
+    model = watch.model
+    params = list(model.parameters()) if model is not None else []
+    settings = {"steps": prof.steps, "workload": "train", "inputs": prof.inputs, "budget": budget, "script": script}
+    peak = fields.pop("peak_bytes", result.peak_bytes)
+    return Report(
+        peak_bytes=peak,
+        by_category=result.by_category,
+        **fold_peaks(result.phase_peaks, steps),
+        modules=result.modules,
+        timeline=result.timeline,
+        stacked=result.stacked,
+        device="cpu" if card is None else "cuda",
+        method="script",
+        modelled_bytes=result.scratch_at_peak,
+        unprobed_ops=unprobed,
+        parameters=sum(numel(p) for p in params),
+        trainable=sum(numel(p) for p in params if p.requires_grad),
+        settings=settings,
+        notes=notes,
+        top_allocations=largest_at(watch, _in_watch(view, watch, result.peak_event)),
+        **fields,
+    )
+
+
+def _peak_record(view, peak_event: int):
+    """The record whose allocation is at or last before the peak's event."""
+    events = view.events
+    for number in range(min(peak_event, len(events) - 1), -1, -1):
+        kind, index = events[number]
+        if kind == ALLOC:
+            return index
+    return None
+
+
+def _in_watch(view, watch, event: int) -> int:
+    """The watch's event number of ``view``'s event ``event`` (the same ALLOC or FREE)."""
+    if view is watch or not view.events:
+        return event
+    target = view.events[min(event, len(view.events) - 1)]
+    for number, entry in enumerate(watch.events):
+        if entry == target:
+            return number
+    return len(watch.events) - 1
+
+
+class _NoRecipe:
+    """What ``process_outside`` asks of a recipe, for a script: it says no parallel layout of memfit's."""
+
+    parallel = "none"
+    tp = pp = cp = ep = 1
+    offload = "none"

@@ -1,0 +1,264 @@
+"""``memfit.estimate_script``: a user's own, unchanged training script, run on fake tensors for a card.
+
+The script runs as ``python SCRIPT.py args`` would (``runner.py``), inside ``memfit.profile()``'s watch
+(its steps from the optimizer's step hooks, phases from module and autograd hooks, roles from the model,
+optimizer and saved tensors, the user's file:line of every allocation) on fake tensors
+(``FakeTensorMode``: no memory, no GPU), with ``'cuda'`` answered as the card (``device.py``) and files
+kept off disk (``files.py``). After ``steps`` optimizer steps the script is stopped. The card's storages
+are replayed through memfit's caching allocator under the card's memory (``estimator/verdict.py``): the
+usual Report and verdict, plus where the peak happens in the script and, on an out-of-memory verdict, the
+line whose allocation would fail.
+
+Why it stands beside ``memfit.profile`` and not below it: the watch that finds a loop's steps, phases and
+roles without annotations is the profiler's; a script estimate is that watch on fake tensors.
+
+With ``device="cpu"`` the script runs under CPU semantics (its ``cuda`` is not faked: a script that asks
+for ``cuda`` falls back as it would on a CPU-only machine) and the figures are the CPU allocator's bytes,
+kernel scratch replayed (the byte-exact mode, checked against a real run's allocator events).
+
+Left out: the script's host memory beyond tensors (Python objects, numpy arrays, DataLoader workers: run
+them in-process, ``num_workers=0``, or their memory is theirs); ``torch.compile`` of the script's own code
+is run as eager (its savings are not estimated for scripts yet: a note says so); several ranks
+(``gpus>1``) run as rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.script.runner import Target, run, target as make_target
+
+__all__ = ["estimate_script", "ScriptFailed", "DEFAULT_STEPS"]
+
+DEFAULT_STEPS = 2  # the second step holds the optimizer state the first one made
+
+
+class ScriptFailed(MemfitError):
+    """The script raised (``error`` its exception, shown as Python shows it) or could not run on fake
+    tensors (``error`` None: the message names the script's line and the operation)."""
+
+    def __init__(self, message: str, error: BaseException | None = None, report=None):
+        super().__init__(message)
+        self.error = error
+        self.report = report
+
+
+def estimate_script(path, argv=(), *, module: bool = False, gpu=None, device=None, gpus: int = 1, steps: int = DEFAULT_STEPS,
+                    budget=None):
+    """The memory of ``path`` (a script; with ``module=True`` a module's name) run with ``argv``, for a card.
+
+    gpu      a catalog card (name or ``GPU``) whose CUDA semantics and memory the script's ``cuda`` gets;
+             default as ``memfit.estimate``'s: the GPU torch sees, else the default card.
+    device   "cpu": CPU semantics instead (the byte-exact mode); "cuda" (default) the card's.
+    gpus     what ``torch.cuda.device_count()`` answers.
+    steps    optimizer steps to run before the script is stopped (0: to its end).
+    budget   bytes (or "20GiB") the process may use on the card, as for ``memfit.estimate``.
+
+    Returns the Report (``settings["script"]``: argv, steps run, exit status, the peak's site and line, the
+    out-of-memory site, files not written). Raises ``ScriptFailed`` when the script raised or an operation
+    cannot run on fake tensors, ``MemfitError`` on bad input."""
+    from memfit.hardware.gpus import target as card_target
+    from memfit.units import parse_size
+
+    what = make_target(path, argv, module=module)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise MemfitError(f"steps must be 0 (run to the end) or more, got {steps!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise MemfitError(f"gpus must be 1 or more, got {gpus!r}")
+    budget = None if budget is None else parse_size(budget)
+    card = card_target(device, gpu).gpu
+    preload(what)
+    return _Run(what, card, gpus=gpus, steps=steps, budget=budget).go()
+
+
+class _Run:
+    def __init__(self, what: Target, card, *, gpus: int, steps: int, budget: int | None):
+        self.what, self.card, self.gpus, self.steps, self.budget = what, card, gpus, steps, budget
+
+    def go(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from memfit.estimator.fake import ScalarReads, quiet_fake_log
+        from memfit.hardware.cuda import cuda_semantics
+        from memfit.profiling.profile import Enough, Profile
+        from memfit.script.device import FakeCuda
+        from memfit.script.files import Files
+
+        card = self.card
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        reads = ScalarReads()
+        shim = FakeCuda(card, gpus=self.gpus) if card is not None else None
+        files = Files(mode)
+        prof = Profile(device="cpu", max_steps=self.steps or None, record_history=False, fake=True)
+        status, failed = 0, None
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(quiet_fake_log())
+            scope.enter_context(_cuda_hidden() if card is None else shim)
+            scope.enter_context(files)
+            if shim is not None:
+                from memfit.script.device import counted_dispatch
+
+                scope.enter_context(counted_dispatch(mode, shim))
+            scope.enter_context(mode)
+            scope.enter_context(reads)
+            if card is not None:
+                scope.enter_context(cuda_semantics())
+            try:
+                with prof:
+                    watch = prof.watch
+                    if shim is not None:
+                        watch.placer = shim.placer
+                        watch.cublas_workspace = card.cublas_workspace_bytes
+                        shim.ledger = watch
+                    status = run(self.what)
+            except Enough:  # pragma: no cover (the block swallows it)
+                pass
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:  # the script's own, or an op fake tensors cannot run
+                failed = err
+        if failed is not None and prof.report is not None and prof.steps == 0 and not _fake_failure(failed):
+            raise ScriptFailed(f"{self.what.name} raised {type(failed).__name__}: {_first_line(failed)}",
+                               failed) from None
+        if failed is not None and _fake_failure(failed):
+            raise ScriptFailed(_unfakeable(failed, prof, self.what)) from None
+        if failed is not None:
+            raise ScriptFailed(f"{self.what.name} raised {type(failed).__name__} after {prof.steps} step(s): "
+                               f"{_first_line(failed)}", failed) from None
+        if prof.steps == 0:
+            raise MemfitError(f"{self.what.name} ran no optimizer step (exit status {status}): memfit counts "
+                              "torch.optim optimizers' steps (HF Trainer, accelerate and Lightning use them); "
+                              "does the script train, and with these arguments?")
+        from memfit.script.answer import report
+
+        return report(prof, card, budget=self.budget, what=self.what, status=status, files=files,
+                      shim=shim, reads=reads.reads, steps_asked=self.steps)
+
+
+# libraries a script may import that read the CUDA runtime when imported (bitsandbytes binds CUDA functions
+# when torch says CUDA is there) or cache whether it is there (transformers' and accelerate's lru_caches):
+# imported before the run, as this machine is, and their caches cleared around it (``device.py``)
+PRELOAD = ("torch.distributed.checkpoint", "safetensors.torch", "bitsandbytes", "transformers", "peft", "accelerate",
+           "lightning", "pytorch_lightning", "datasets", "torchao")
+
+
+def preload(what: Target) -> None:
+    """Import the libraries of ``PRELOAD`` that the script's own source names (and that are installed)."""
+    import importlib
+    import importlib.util
+    import re
+
+    path = what.name
+    if what.module:
+        spec = importlib.util.find_spec(what.name)
+        path = getattr(spec, "origin", None) or ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            text = source.read()
+    except OSError:
+        return
+    for name in PRELOAD:
+        top = name.split(".")[0]
+        if name in sys.modules or not re.search(rf"\b(import|from)\s+{top}\b", text):
+            if name.startswith(("torch.", "safetensors")):
+                with contextlib.suppress(Exception):
+                    importlib.import_module(name)
+            continue
+        if importlib.util.find_spec(top) is not None:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _fake_failure(err: BaseException) -> bool:
+    """An operation fake tensors cannot run (a custom kernel without a fake implementation, a
+    data-dependent shape, a CUDA-only library), not the script's own error."""
+    from torch._subclasses import fake_tensor
+
+    kinds = tuple(getattr(fake_tensor, name) for name in (
+        "UnsupportedOperatorException", "DynamicOutputShapeException", "DataDependentOutputException",
+        "UnsupportedFakeTensorException") if hasattr(fake_tensor, name))
+    if isinstance(err, kinds):
+        return True
+    text = str(err)
+    return any(words in text for words in ("FakeTensor", "fake tensor", "Torch not compiled with CUDA",
+                                           "not linked with support for cuda", "meta tensor",
+                                           "Cannot access data pointer", "data-dependent"))
+
+
+def _user_frame(err: BaseException, what: Target):
+    """(file, line) of the innermost frame of the user's own code in ``err``'s traceback."""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    script = os.path.realpath(what.name) if not what.module else None
+    best, fallback = None, None
+    tb = err.__traceback__
+    library = _library_roots()
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        path = os.path.realpath(name)
+        if not name.startswith("<") and not path.startswith(own) and not path.startswith(library):
+            best = (name, tb.tb_lineno)
+        if script is not None and path == script:
+            fallback = (name, tb.tb_lineno)
+        tb = tb.tb_next
+    return best or fallback
+
+
+def _library_roots() -> tuple[str, ...]:
+    import sysconfig
+
+    roots = {os.path.dirname(torch.__file__)}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(os.path.realpath(path))
+    return tuple(sorted(r + os.sep for r in roots))
+
+
+def _unfakeable(err: BaseException, prof, what: Target) -> str:
+    from memfit.profiling.sites import short
+
+    where = _user_frame(err, what)
+    place = f"{short(where[0])}:{where[1]}" if where else what.name
+    code = linecache.getline(where[0], where[1]).strip() if where else ""
+    op = _first_line(err)
+    if len(op) > 160:
+        op = op[:157] + "..."
+    return (f"{place}: cannot run on fake tensors ({type(err).__name__}: {op})" + (f" in `{code}`" if code else "")
+            + "; memfit estimates what torch's own ops do: a custom CUDA/Triton kernel or a value read back to "
+              "drive the run needs a fake implementation (torch.library.register_fake) or a real GPU "
+              "(memfit profile)")
+
+
+@contextlib.contextmanager
+def _cuda_hidden():
+    """CPU semantics: the script sees no CUDA device, as on a CPU-only machine."""
+    from memfit.scoped import patched
+
+    with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0):
+        yield
+
+
+def _script_exception_text(err: BaseException) -> str:
+    """The script's traceback as Python prints it, from its own frames (memfit's and runpy's left out)."""
+    import traceback
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tb = err.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+                              or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
+
+
+ScriptFailed.traceback_text = staticmethod(_script_exception_text)
