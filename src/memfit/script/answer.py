@@ -67,7 +67,7 @@ def _allocator_walk(view, records, capacity=None, allowed=None):
     return at, peak, None, 0
 
 
-def report(prof, card, *, budget, what, status, files, shim, reads, steps_asked) -> Report:
+def report(prof, card, *, budget, what, status, files, reads, steps_asked) -> Report:
     watch = prof.watch
     steps = max(prof.steps, 1)
     if card is None:
@@ -109,9 +109,8 @@ def report(prof, card, *, budget, what, status, files, shim, reads, steps_asked)
     script["built_from_config"] = files.built
     if files.built:
         notes.append(f"from_pretrained built from the config, no weights read: {', '.join(files.built)}")
-    placeholders = reads + (shim.placeholders if shim is not None else 0)
-    if placeholders:
-        notes.append(f"{placeholders} value(s) the script read back (.item(), printing a loss, .numpy()) were "
+    if reads:
+        notes.append(f"{reads} value(s) the script read back (.item(), printing a loss, .numpy()) were "
                      "placeholders: 0, no inf found, masks all true")
     if unprobed:
         notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")

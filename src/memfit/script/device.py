@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit.accounting.events import ALLOC, FREE, RENAME, storage_events
 from memfit.scoped import patched
 
-__all__ = ["FakeCuda", "Counters"]
+__all__ = ["FakeCuda", "Counters", "swap_or_set", "counted_dispatch"]
 
 # "card" / "host": where the storages of the call in progress go, when the call named a device
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("memfit_script_target", default=None)
@@ -114,7 +114,6 @@ class _OnCard(TorchFunctionMode):
         self._special = {tensor.to: self._to, tensor.cuda: self._cuda, tensor.cpu: self._cpu,
                          tensor.pin_memory: lambda t, *a, **k: t, tensor.is_pinned: lambda t, *a, **k: True,
                          tensor.record_stream: lambda t, *a, **k: None,
-                         tensor.numpy: self._numpy,
                          tensor.get_device: lambda t: self.shim.current if self._on_card(t) else -1,
                          # Module.to parses its arguments first: the device it names is the one to move to
                          torch._C._nn._parse_to: torch._C._nn._parse_to,
@@ -198,23 +197,6 @@ class _OnCard(TorchFunctionMode):
     def _cpu(self, tensor, memory_format=None):
         return self._move(tensor, False, memory_format=memory_format)
 
-    def _numpy(self, tensor, *, force=False):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if isinstance(tensor, FakeTensor):  # a placeholder of the right shape: values are not simulated
-            import numpy
-
-            self.shim.placeholders += 1
-            return numpy.zeros(tuple(tensor.shape), dtype=_numpy_dtype(tensor.dtype))
-        return torch.Tensor.numpy(tensor, force=force)
-
-
-def _numpy_dtype(dtype):
-    import numpy
-
-    return {torch.bfloat16: numpy.float32, torch.bool: numpy.bool_}.get(
-        dtype, getattr(numpy, str(dtype).replace("torch.", ""), numpy.float32))
-
 
 class Counters:
     """``torch.cuda``'s memory counters from the card's events so far, replayed through memfit's caching
@@ -281,7 +263,7 @@ class FakeCuda:
     """While active, the script's ``cuda`` is ``card`` (a catalog ``GPU``), ``gpus`` of them.
 
     ``ledger`` (set once the ledger exists) is where the card's storages are recorded; ``placer`` goes into
-    its ``placer``. ``placeholders`` counts values a script read that memfit had to make up (``.numpy()``)."""
+    its ``placer``. """
 
     def __init__(self, card, *, gpus: int = 1, expandable: bool = False):
         self.card = card
@@ -293,7 +275,6 @@ class FakeCuda:
         self.placer = _Placer(self)
         self.counters = Counters(self)
         self.fraction = None  # set_per_process_memory_fraction
-        self.placeholders = 0
         self._scope = None
 
     def default_on_card(self) -> bool:
@@ -308,7 +289,6 @@ class FakeCuda:
             scope.enter_context(patched(torch.cuda.memory, "mem_get_info", self._mem_get_info))
             scope.enter_context(_autocast_on_cpu())
             scope.enter_context(_optimizers_as_on_cuda(self))
-            scope.enter_context(_swap_or_set())
             scope.enter_context(_fake_device_says_cuda(self))
             scope.enter_context(_OnCard(self))
             self._scope = scope.pop_all()
@@ -410,7 +390,7 @@ def counted_dispatch(mode, shim: "FakeCuda"):
 
 
 @contextlib.contextmanager
-def _swap_or_set():
+def swap_or_set():
     """``Module.to`` swaps a fake parameter with its moved copy (``torch.utils.swap_tensors``), which torch
     refuses while a weak reference to it exists (fake tensor mode's converter keeps some); ``.data =`` does
     the same for two fake tensors of one class, which is what is done then."""

@@ -87,18 +87,21 @@ class _Run:
         from memfit.estimator.fake import ScalarReads, quiet_fake_log
         from memfit.hardware.cuda import cuda_semantics
         from memfit.profiling.profile import Enough, Profile
-        from memfit.script.device import FakeCuda
+        from memfit.script.device import FakeCuda, swap_or_set
         from memfit.script.files import Files
+        from memfit.script.values import Values
 
         card = self.card
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         reads = ScalarReads()
+        values = Values()
         shim = FakeCuda(card, gpus=self.gpus) if card is not None else None
         files = Files(mode)
         prof = Profile(device="cpu", max_steps=self.steps or None, record_history=False, fake=True)
         status, failed = 0, None
         with contextlib.ExitStack() as scope:
             scope.enter_context(quiet_fake_log())
+            scope.enter_context(swap_or_set())
             scope.enter_context(_cuda_hidden() if card is None else shim)
             scope.enter_context(files)
             if shim is not None:
@@ -107,12 +110,15 @@ class _Run:
                 scope.enter_context(counted_dispatch(mode, shim))
             scope.enter_context(mode)
             scope.enter_context(reads)
+            scope.enter_context(values)
             if card is not None:
                 scope.enter_context(cuda_semantics())
             try:
                 with prof:
                     watch = prof.watch
+                    values.ledger = watch
                     if shim is not None:
+                        values.host = "cpu"
                         watch.placer = shim.placer
                         watch.cublas_workspace = card.cublas_workspace_bytes
                         shim.ledger = watch
@@ -138,7 +144,7 @@ class _Run:
         from memfit.script.answer import report
 
         return report(prof, card, budget=self.budget, what=self.what, status=status, files=files,
-                      shim=shim, reads=reads.reads, steps_asked=self.steps)
+                      reads=reads.reads + values.reads, steps_asked=self.steps)
 
 
 # libraries a script may import that read the CUDA runtime when imported (bitsandbytes binds CUDA functions
