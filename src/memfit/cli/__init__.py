@@ -27,7 +27,8 @@ __all__ = ["main", "version"]
 # verb: (module in memfit.cli, its build function, its run function, its line in `memfit --help`); the
 # help lines live here so that `memfit --help` imports no verb module
 _VERBS = {
-    "estimate": ("estimate", "build", "run", "memory of one training step, on fake tensors (no GPU, no memory)"),
+    "estimate": ("estimate", "build", "run", "memory of one training step, or of your own script.py, on fake "
+                 "tensors (no GPU, no memory)"),
     "fit": ("fit", "build", "run", "the largest micro-batch of a recipe that fits a card or a budget"),
     "plan": ("plan", "build", "run", "the fastest recipe that fits a budget, and why"),
     "train": ("train", "build", "run", "train inside a budget: OOMs survived, no sample lost, resumable"),
@@ -108,13 +109,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["estimate"] and not {"-h", "--help"} & set(words[1:2]):
+        from memfit.cli import estimate_script
+
+        found = estimate_script.split(words[1:])
+        if found is not None:  # a user's script: its words are its own, memfit's come before it
+            return _guarded(lambda: estimate_script.run(*found))
+    args = _parser().parse_args(argv)
+    args.argv = words  # as given: `train --nproc-per-node` relaunches it
+    return _guarded(lambda: _verb(args.command, _VERBS[args.command][2])(args))
+
+
+def _guarded(work) -> int:
+    """``work()``'s exit status; memfit's errors one line and status 2, an interrupt 130."""
     from memfit.cli import _noise
 
-    args = _parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `train --nproc-per-node` relaunches it
     try:
         with _noise.quiet():
-            return _verb(args.command, _VERBS[args.command][2])(args)
+            return work()
     except MemfitError as err:
         print(f"memfit: error: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,9 @@ from memfit.errors import MemfitError
 
 
 def build(est) -> None:
+    est.description = ("A model by name with recipe flags, or your own training script: memfit estimate [--gpu CARD] "
+                       "[--steps N] [--device cpu] [--json] SCRIPT.py [its args] (or -m MODULE): the script runs on "
+                       "fake tensors, its 'cuda' is the card; memfit's flags go before the script.")
     _args.add_model(est, optional=True)
     est.add_argument("--batch-size", type=_args.positive, default=None,
                      help="examples per optimizer step (default 1; with --micro-batch-size it must equal "

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit.accounting.events import ALLOC, FREE, RENAME, storage_events
 from memfit.scoped import patched
 
-__all__ = ["FakeCuda", "Counters", "swap_or_set", "counted_dispatch"]
+__all__ = ["FakeCuda", "Counters", "swap_or_set", "counted_dispatch", "forget_devices"]
 
 # "card" / "host": where the storages of the call in progress go, when the call named a device
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("memfit_script_target", default=None)
@@ -256,7 +256,8 @@ class _Stream:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return lambda *a, **k: (True if name in ("query",) else 0.0 if name == "elapsed_time" else None)
+        return lambda *a, **k: (True if name == "query" else False if name == "is_capturing"
+                                else 0.0 if name == "elapsed_time" else None)
 
 
 class FakeCuda:
@@ -282,11 +283,12 @@ class FakeCuda:
 
     def __enter__(self) -> "FakeCuda":
         with contextlib.ExitStack() as scope:
-            scope.callback(_clear_caches)
-            _clear_caches()
             for name, value in self._cuda_api().items():
                 scope.enter_context(patched(torch.cuda, name, value))
             scope.enter_context(patched(torch.cuda.memory, "mem_get_info", self._mem_get_info))
+            for name, value in self._accelerator_api().items():  # torch.accelerator: accelerate asks it
+                if hasattr(torch, "accelerator"):
+                    scope.enter_context(patched(torch.accelerator, name, value))
             scope.enter_context(_autocast_on_cpu())
             scope.enter_context(_optimizers_as_on_cuda(self))
             scope.enter_context(_fake_device_says_cuda(self))
@@ -327,6 +329,20 @@ class FakeCuda:
         out.update({"num_alloc_retries": stats.num_alloc_retries, "num_ooms": stats.num_ooms,
                     "segment.all.current": stats.segments, "num_device_alloc": stats.num_device_alloc})
         return out
+
+    def _accelerator_api(self) -> dict:
+        counters = self.counters
+        return {"is_available": lambda *a, **k: True, "current_accelerator": lambda *a, **k: torch.device("cuda"),
+                "device_count": lambda: self.gpus, "current_device_index": lambda: self.current,
+                "current_device_idx": lambda: self.current, "set_device_index": self._set_device,
+                "set_device_idx": self._set_device, "synchronize": lambda *a, **k: None,
+                "memory_allocated": lambda *a, **k: counters.stats()[0].allocated,
+                "max_memory_allocated": lambda *a, **k: counters.stats()[1],
+                "memory_reserved": lambda *a, **k: counters.stats()[0].reserved,
+                "max_memory_reserved": lambda *a, **k: counters.stats()[2],
+                "reset_peak_memory_stats": lambda *a, **k: counters.reset(),
+                "empty_cache": lambda *a, **k: None, "memory_stats": self._memory_stats,
+                "current_stream": lambda *a, **k: _Stream(), "set_stream": lambda *a, **k: None}
 
     def _cuda_api(self) -> dict:
         counters = self.counters
@@ -412,10 +428,19 @@ def swap_or_set():
         yield
 
 
-def _clear_caches() -> None:
-    """Forget what transformers and accelerate cached about CUDA (``lru_cache``-d availability checks)."""
+def forget_devices() -> None:
+    """Forget what transformers and accelerate cached about the devices of this process (``lru_cache``-d
+    availability checks, accelerate's process-wide state): a run for the card, or for the CPU, asks afresh."""
     import sys
 
+    for owner in ("PartialState", "AcceleratorState", "GradientState"):
+        state = getattr(sys.modules.get("accelerate.state"), owner, None)
+        reset = getattr(state, "_reset_state", None)
+        if reset is not None:
+            try:
+                reset(True) if owner == "AcceleratorState" else reset()
+            except TypeError:
+                reset()
     for name in ("transformers.utils.import_utils", "accelerate.utils.imports"):
         module = sys.modules.get(name)
         for value in vars(module).values() if module is not None else ():

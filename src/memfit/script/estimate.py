@@ -87,7 +87,7 @@ class _Run:
         from memfit.estimator.fake import ScalarReads, quiet_fake_log
         from memfit.hardware.cuda import cuda_semantics
         from memfit.profiling.profile import Enough, Profile
-        from memfit.script.device import FakeCuda, swap_or_set
+        from memfit.script.device import FakeCuda, forget_devices, swap_or_set
         from memfit.script.files import Files
         from memfit.script.values import Values
 
@@ -102,6 +102,8 @@ class _Run:
         with contextlib.ExitStack() as scope:
             scope.enter_context(quiet_fake_log())
             scope.enter_context(swap_or_set())
+            forget_devices()
+            scope.callback(forget_devices)
             scope.enter_context(_cuda_hidden() if card is None else shim)
             scope.enter_context(files)
             if shim is not None:

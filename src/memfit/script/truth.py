@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memfit.estimator.truth import allocator_peak
 from memfit.scoped import patched
+from memfit.script.device import forget_devices
 from memfit.script.runner import run, target as make_target
 
 __all__ = ["script_peak"]
@@ -35,6 +36,7 @@ def script_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> tuple
             raise _Stop
 
     def body():
+        forget_devices()
         handle = register_optimizer_step_post_hook(counted)
         try:
             with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0):
@@ -43,5 +45,6 @@ def script_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> tuple
             pass
         finally:
             handle.remove()
+            forget_devices()
 
     return allocator_peak(body), seen[0]

@@ -7,7 +7,8 @@ does not format itself), ``.tolist()`` and ``.numpy()`` (zeros of the tensor's s
 ``reads`` counts the placeholders handed out.
 
 Host-side values stay real where they drive the script's own arithmetic: an integer tensor made on the
-host (``torch.randint`` of sample offsets, ``torch.arange``, ``torch.tensor(list)``) and every op whose
+host (``torch.randint`` of sample offsets, ``torch.arange``), a tensor made from Python numbers
+(``torch.tensor(0.0)``: an optimizer's step count, whose value Adam divides by) and every op whose
 tensor arguments are all real run for real, outside fake tensor mode (``i + block_size`` of a real offset
 slices the memmap as the script means it; a placeholder would make an empty batch). Their storages are
 entered in the ledger (the CPU allocator counts them in a real run; on a card they are the host's).
@@ -83,6 +84,8 @@ class Values(TorchFunctionMode):
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) or t.requires_grad for t in tensors) or _names_card(args, kwargs):
             return False
+        if func in (torch.tensor, torch.as_tensor) and not tensors:
+            return True  # from Python numbers: small, and their values are meant (an optimizer's step count)
         if func in _INTEGER_FACTORIES:
             dtype = kwargs.get("dtype")
             return dtype is None or not dtype.is_floating_point
