@@ -38,6 +38,8 @@ RANKS = {
     "memfit.training": 7, "memfit.profiling": 7, "memfit.distributed": 7, "memfit.generation": 7,
     # the user's trainers: their config files read into memfit's terms (and, later, plans written back)
     "memfit.trainers": 7,
+    # a user's own script on fake tensors: the profiler's watch under a device shim (``memfit.script``)
+    "memfit.script": 8,
     # the local page (Gradio) over the public API
     "memfit.ui": 8,
     # the command line (``memfit ui`` serves the page)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
-    "estimate", "estimate_generate", "estimate_micro_batch", "fit", "measure", "profile", "Profile",
+    "estimate", "estimate_generate", "estimate_micro_batch", "estimate_script", "ScriptFailed", "fit", "measure", "profile", "Profile",
     "parse_size", "plan", "format_size", "train", "read_trainer_config", "TrainerConfig",
 ]
 __version__ = "0.1.0"
@@ -30,6 +30,8 @@ _WHERE = {
     # estimate: every workload, training and forward (memfit.estimator) and generate (memfit.generation)
     "estimate": "memfit.generation.workloads", "estimate_micro_batch": "memfit.estimator.estimate",
     "estimate_generate": "memfit.generation.generate",
+    # a user's own script (``memfit estimate train.py``)
+    "estimate_script": "memfit.script.estimate", "ScriptFailed": "memfit.script.estimate",
     "Fit": "memfit.planner.fit", "NoBatchFits": "memfit.planner.fit", "fit": "memfit.planner.fit",
     "measure": "memfit.estimator.measure",
     "NothingFits": "memfit.planner.plan", "Plan": "memfit.planner.plan", "Plans": "memfit.planner.plan",
@@ -53,6 +55,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
     from memfit.planner.fit import Fit, NoBatchFits, fit
     from memfit.planner.plan import NothingFits, Plan, Plans, plan
     from memfit.profiling.profile import Profile, profile
+    from memfit.script.estimate import ScriptFailed, estimate_script
     from memfit.report.report import Report
     from memfit.techniques.apply import apply
     from memfit.techniques.recipe import Recipe

@@ -131,11 +131,11 @@ class _Run:
                 raise
             except BaseException as err:  # the script's own, or an op fake tensors cannot run
                 failed = err
-        if failed is not None and prof.report is not None and prof.steps == 0 and not _fake_failure(failed):
-            raise ScriptFailed(f"{self.what.name} raised {type(failed).__name__}: {_first_line(failed)}",
-                               failed) from None
         if failed is not None and _fake_failure(failed):
             raise ScriptFailed(_unfakeable(failed, prof, self.what)) from None
+        if failed is not None and prof.steps == 0:
+            raise ScriptFailed(f"{self.what.name} raised {type(failed).__name__}: {_first_line(failed)}",
+                               failed) from None
         if failed is not None:
             raise ScriptFailed(f"{self.what.name} raised {type(failed).__name__} after {prof.steps} step(s): "
                                f"{_first_line(failed)}", failed) from None
@@ -201,7 +201,8 @@ def _fake_failure(err: BaseException) -> bool:
     text = str(err)
     return any(words in text for words in ("FakeTensor", "fake tensor", "Torch not compiled with CUDA",
                                            "not linked with support for cuda", "meta tensor",
-                                           "Cannot access data pointer", "data-dependent"))
+                                           "Cannot access data pointer", "data-dependent",
+                                           "no fake impl", "register_fake", "Triton", "triton"))
 
 
 def _user_frame(err: BaseException, what: Target):

@@ -138,7 +138,7 @@ def _from_config(files: Files):
         if isinstance(dtype, str):
             dtype = getattr(config, "torch_dtype", None) if dtype == "auto" else getattr(torch, dtype)
         options = {"dtype": dtype} if isinstance(dtype, torch.dtype) else {}
-        for key in ("attn_implementation", "trust_remote_code"):
+        for key in ("attn_implementation",):
             if key in kwargs:
                 options[key] = kwargs[key]
         files.built.append(str(name))

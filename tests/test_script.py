@@ -1,0 +1,188 @@
+"""``memfit estimate SCRIPT.py``: users' own unchanged scripts (tests/scripts/) against the same scripts run for real.
+
+Truth: each script run for real on this CPU under the allocator's own events (``memfit.script.truth``), stopped
+after the same optimizer steps, against ``estimate_script(..., device="cpu")``; then the same scripts with their
+default ``cuda`` for a card: exit 0 and a CUDA verdict. Each runs in its own temporary folder (a script's saves
+and data stay there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.cli.estimate_script import split
+from memfit.script.truth import script_peak
+
+SCRIPTS = Path(__file__).parent / "scripts"
+# (script, its arguments, steps, the largest relative error allowed under CPU semantics)
+CASES = {
+    "plain_loop": ([], 2),
+    "gpt_train": ([], 4),  # memmapped data, accumulation, clipping, a GradScaler, an evaluation and a save at step 3
+    "hf_trainer": (["out"], 2),
+    "accelerate_train": ([], 2),
+    "lightning_train": (["out"], 2),
+}
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data")
+    rng = np.random.default_rng(0)
+    for split_name in ("train", "val"):
+        rng.integers(0, 1024, size=20000).astype(np.uint16).tofile(f"data/{split_name}.bin")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_script_equals_its_real_run_on_cpu(here, name):
+    argv, steps = CASES[name]
+    path = SCRIPTS / f"{name}.py"
+    truth, ran = script_peak(path, argv, steps=steps)
+    assert ran == steps
+    report = memfit.estimate_script(path, argv, steps=steps, device="cpu")
+    assert report.settings["script"]["steps"] == steps
+    assert abs(report.peak_bytes - truth) / truth < 0.01, (name, report.peak_bytes, truth)
+    if name == "gpt_train":  # its checkpoint was not written by the estimate (the truth wrote it)
+        assert report.settings["script"]["not_written"][0]["call"] == "torch.save"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_script_for_a_card(here, name):
+    argv, steps = CASES[name]
+    report = memfit.estimate_script(SCRIPTS / f"{name}.py", argv, steps=steps, gpu="rtx-4090")
+    assert report.device == "cuda" and report.verdict == "fits"
+    assert report.by_category["parameters"] > 0 and report.by_category["optimizer_state"] > 0
+    assert report.reserved_bytes >= report.peak_bytes > 0
+    peak = report.settings["script"]["peak"]
+    assert peak is not None and peak["line"] > 0 and peak["code"]
+
+
+def test_the_scripts_own_counters_print_the_estimate(here, capsys):
+    report = memfit.estimate_script(SCRIPTS / "plain_loop.py", ["--steps", "2"], steps=0, gpu="h100-sxm")
+    printed = capsys.readouterr().out
+    assert report.settings["script"]["steps"] == 2  # ran to its end
+    assert f"peak {report.peak_bytes / 2**20:.1f} MiB" in printed
+
+
+def test_torch_cuda_answers_as_the_card(here):
+    Path("ask.py").write_text(textwrap.dedent("""
+        import torch
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 2
+        props = torch.cuda.get_device_properties(0)
+        assert props.total_memory == 24 * 2**30 or props.total_memory > 20 * 2**30, props
+        assert torch.cuda.get_device_name() == "NVIDIA GeForce RTX 4090"
+        x = torch.zeros(1024, 1024, device="cuda")
+        assert x.is_cuda and x.device.type == "cuda" and torch.zeros(3, device=x.device).is_cuda
+        assert torch.cuda.memory_allocated() == 4 * 2**20, torch.cuda.memory_allocated()
+        y = x.cpu()
+        assert not y.is_cuda and torch.cuda.memory_allocated() == 4 * 2**20
+        with torch.device("cuda"):
+            z = torch.ones(256)
+        assert z.is_cuda
+        m = torch.nn.Linear(8, 8).cuda()
+        assert m.weight.is_cuda and next(m.parameters()).device == torch.device("cuda", 0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(torch.randn(2, 8).to("cuda")).sum().backward()
+        opt.step()
+        print("ok")
+    """))
+    report = memfit.estimate_script("ask.py", gpu="rtx-4090", gpus=2, steps=1)
+    assert report.settings["script"]["steps"] == 1
+
+
+def test_a_script_that_raises_shows_its_own_traceback_then_one_line(here, capsys):
+    Path("bad.py").write_text("import torch\n\ndef f():\n    raise ValueError('no data here')\n\nf()\n")
+    assert main(["estimate", "--device", "cpu", "bad.py"]) == 2
+    err = capsys.readouterr().err
+    assert 'File "bad.py", line 4, in f' in err or "bad.py\", line 4" in err
+    assert err.strip().splitlines()[-1] == "memfit: error: bad.py raised ValueError: no data here"
+    assert "memfit/script" not in err
+
+
+def test_bad_input_is_one_line(here, capsys):
+    assert main(["estimate", "missing.py"]) == 2
+    assert capsys.readouterr().err.strip() == ("memfit: error: no script 'missing.py': give the path of a Python file "
+                                               "(or -m package.module)")
+    Path("idle.py").write_text("import torch\nprint(torch.zeros(3).sum())\n")
+    assert main(["estimate", "idle.py"]) == 2
+    assert "ran no optimizer step" in capsys.readouterr().err
+    assert main(["estimate", "--steps", "-1", "idle.py"]) == 2
+
+
+def test_an_op_fake_tensors_cannot_run_names_the_line(here, capsys):
+    Path("custom.py").write_text(textwrap.dedent("""
+        import torch
+
+        @torch.library.custom_op("memfit_test::opaque", mutates_args=())
+        def opaque(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        w = torch.nn.Parameter(torch.randn(4, device="cuda"))
+        y = opaque(w)
+    """))
+    assert main(["estimate", "custom.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: error: custom.py:9: cannot run on fake tensors"), err
+
+
+def test_the_scripts_words_are_its_own():
+    assert split(["--gpu", "a100-80gb", "train.py", "--compile=False", "--json"]) == (
+        ["--gpu", "a100-80gb"], ["train.py", "--compile=False", "--json"], False)
+    assert split(["-m", "pkg.train", "--steps", "3"]) == ([], ["pkg.train", "--steps", "3"], True)
+    assert split(["llama-3.1-8b", "--gpu", "rtx-4090"]) is None
+
+
+def test_cli_json_and_module(here, capsys, monkeypatch):
+    Path("pkg").mkdir()
+    Path("pkg/__init__.py").write_text("")
+    Path("pkg/train.py").write_text((SCRIPTS / "plain_loop.py").read_text())
+    assert main(["estimate", "--gpu", "rtx-4090", "--json", "-m", "pkg.train", "--steps", "3"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["device"] == "cuda" and data["verdict"] == "fits"
+    assert data["settings"]["script"]["steps"] == 2 and data["settings"]["script"]["module"]
+    assert "step 0" in captured.err  # the script's own output, out of the JSON's way
+
+
+def test_from_pretrained_reads_no_weights(here):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained("tiny")  # a config, no weights: from_pretrained would fail
+    Path("ft.py").write_text(textwrap.dedent("""
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained("tiny", dtype=torch.bfloat16).cuda()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, 256, (2, 16), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model.save_pretrained("ft-out")
+    """))
+    report = memfit.estimate_script("ft.py", gpu="rtx-4090", steps=0)
+    assert report.settings["script"]["built_from_config"] == ["tiny"]
+    assert report.settings["script"]["not_written"] == [{"path": "ft-out", "call": "save_pretrained"}]
+    assert not Path("ft-out").exists()
+    params = sum(p.numel() for p in __import__("transformers").LlamaForCausalLM(
+        __import__("transformers").LlamaConfig.from_pretrained("tiny")).parameters())
+    assert report.by_category["parameters"] == 2 * params  # bf16, on the card
+
+
+def test_leaves_torch_as_it_found_it(here):
+    before = (torch.cuda.is_available, torch.cuda.device_count, torch.save, torch.load, torch.utils.swap_tensors)
+    memfit.estimate_script(SCRIPTS / "plain_loop.py", steps=2, gpu="rtx-4090")
+    assert (torch.cuda.is_available, torch.cuda.device_count, torch.save, torch.load,
+            torch.utils.swap_tensors) == before
+    assert not torch.cuda.is_available()
+    assert torch.zeros(2).device.type == "cpu" and not isinstance(torch.zeros(2), torch._subclasses.FakeTensor)
