@@ -181,6 +181,18 @@ def preload(what: Target) -> None:
         if importlib.util.find_spec(top) is not None:
             with contextlib.suppress(Exception):
                 importlib.import_module(name)
+    # ``from transformers import Trainer``: a lazy module imports its submodule on first use, which must happen
+    # here too (transformers.trainer pulls in bitsandbytes-aware code)
+    for package, names in re.findall(r"^\s*from\s+([\w.]+)\s+import\s+\(?([\w\s,]+)", text, re.M):
+        if package.split(".")[0] not in {n.split(".")[0] for n in PRELOAD} or package.split(".")[0] not in sys.modules:
+            continue
+        with contextlib.suppress(Exception):
+            module = importlib.import_module(package)
+            for name in names.replace("\n", " ").split(","):
+                name = name.strip().split(" ")[0]
+                if name:
+                    with contextlib.suppress(Exception):
+                        getattr(module, name)
 
 
 def _first_line(err: BaseException) -> str:
