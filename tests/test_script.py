@@ -100,6 +100,30 @@ def test_torch_cuda_answers_as_the_card(here):
     assert report.settings["script"]["steps"] == 1
 
 
+def test_counters_fraction_and_the_line_that_would_fail(here):
+    Path("big.py").write_text(textwrap.dedent("""
+        import torch
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        m = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(64, 1024, device="cuda")
+        m(x).sum().backward()
+        opt.step()
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+        huge = torch.empty(16 * 2**30, dtype=torch.uint8, device="cuda")
+        m(x).sum().backward()
+        opt.step()
+    """))
+    report = memfit.estimate_script("big.py", gpu="rtx-4090", steps=0)
+    assert report.verdict == "out_of_memory"  # 16 GiB: on the 24 GiB card, not in half of it
+    oom = report.settings["script"]["oom"]
+    assert oom["line"] == 11 and "torch.empty" in oom["code"] and oom["missing_bytes"] > 0
+    from memfit.hardware.gpus import gpu
+
+    assert report.capacity_bytes == int(0.5 * gpu("rtx-4090").memory_bytes)  # what the fraction lets torch hold
+
+
 def test_a_script_that_raises_shows_its_own_traceback_then_one_line(here, capsys):
     Path("bad.py").write_text("import torch\n\ndef f():\n    raise ValueError('no data here')\n\nf()\n")
     assert main(["estimate", "--device", "cpu", "bad.py"]) == 2

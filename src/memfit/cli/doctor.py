@@ -155,7 +155,7 @@ def _profile_file(path: str) -> dict:
 def _profiled(command: list[str], args) -> tuple[dict, str | None]:
     """Run ``python script.py args`` (or ``-m module``) inside ``memfit.profile()``; its profile as a dict,
     and the out-of-memory message it ended with (None if it did not run out)."""
-    from memfit.cli.profile import _run_target
+    from memfit.script import runner
     from memfit.profiling.profile import Enough, profile
 
     words = list(command)
@@ -175,7 +175,7 @@ def _profiled(command: list[str], args) -> tuple[dict, str | None]:
     with _quiet_stdout(args.json):
         try:
             with prof:
-                _run_target(words, as_module)
+                runner.run(runner.Target(words, as_module))
         except Enough:  # pragma: no cover (the block swallows it)
             pass
         except Exception as err:  # noqa: BLE001 — the script's own error: the profile up to it is what is read

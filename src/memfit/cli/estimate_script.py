@@ -78,7 +78,9 @@ def run(words: list[str], script: list[str], module: bool) -> int:
                                      gpus=args.gpus, steps=args.steps, budget=args.budget)
     except ScriptFailed as failed:
         if failed.error is not None:
-            print(ScriptFailed.traceback_text(failed.error), end="", file=sys.stderr)
+            from memfit.script.runner import traceback_text
+
+            print(traceback_text(failed.error), end="", file=sys.stderr)
         raise MemfitError(str(failed)) from None
     data = report.to_dict()
     if args.out:

@@ -13,9 +13,7 @@ import argparse
 import contextlib
 import json
 import os
-import runpy
 import sys
-import traceback
 
 from memfit.cli import _args
 from memfit.errors import MemfitError
@@ -41,40 +39,6 @@ def build(parser) -> None:
                         help="the script and its arguments (or with -m, the module and its arguments)")
 
 
-def _findable(name: str) -> bool:
-    import importlib.util
-
-    sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-    finally:
-        sys.path.pop(0)
-
-
-def _run_target(target: list[str], as_module: bool) -> int:
-    """Run the script or module as Python would; its exit status."""
-    saved_argv, saved_path = list(sys.argv), list(sys.path)
-    sys.argv = list(target)
-    try:
-        if as_module:
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(target[0], run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-            runpy.run_path(target[0], run_name="__main__")
-        return 0
-    except SystemExit as stop:
-        code = stop.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-
-
 def run(args) -> int:
     from memfit.profiling.profile import Enough, profile
 
@@ -84,10 +48,9 @@ def run(args) -> int:
     if not target:
         raise MemfitError("memfit profile needs a script: memfit profile train.py [its arguments] "
                           "(or -m package.module)")
-    if not args.as_module and not os.path.isfile(target[0]):
-        raise MemfitError(f"no script {target[0]!r}: give the path of a Python file (or -m package.module)")
-    if args.as_module and not _findable(target[0]):
-        raise MemfitError(f"no module {target[0]!r}: is it installed, or run from its project's folder?")
+    from memfit.script import runner
+
+    what = runner.target(target[0], target[1:], module=args.as_module)
     if args.steps < 0:
         raise MemfitError(f"--steps must be 0 (run to the end) or more, got {args.steps}")
     _warn_misplaced(target, args.as_module)
@@ -105,7 +68,7 @@ def run(args) -> int:
     with sink:
         try:
             with prof:
-                status = _run_target(target, args.as_module)
+                status = runner.run(what)
         except Enough:  # pragma: no cover (the block swallows it)
             pass
         except BaseException as err:  # the script's own error: shown as Python shows it, after the profile
@@ -127,13 +90,8 @@ def run(args) -> int:
             print(f"memfit: the script ran out of memory at step {prof.oom['step'] + 1} ({prof.oom['phase']}): "
                   f"{prof.oom['message']}; `memfit doctor --profile` on this profile's --out explains it",
                   file=sys.stderr)
-        else:  # as Python prints it: from the script's own frames (memfit's and runpy's left out)
-            tb = failed.__traceback__
-            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
-                                      or "runpy" in tb.tb_frame.f_code.co_filename):
-                tb = tb.tb_next
-            traceback.print_exception(type(failed), failed, tb or failed.__traceback__, file=sys.stderr)
+        else:
+            print(runner.traceback_text(failed), end="", file=sys.stderr)
         return 1
     return status
 

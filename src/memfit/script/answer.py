@@ -38,7 +38,9 @@ def site_of(watch, index: int) -> dict | None:
 
 def _card_side(watch):
     keep = {i for i, record in enumerate(watch.records) if record.device is None}
-    return LedgerView(watch, keep, spikes=False)
+    view = LedgerView(watch, keep, spikes=False)
+    view.stack = watch.stack  # each record's allocation stack, for the largest allocations at the peak
+    return view
 
 
 def _allocator_walk(view, records, capacity=None, allowed=None):
@@ -67,7 +69,7 @@ def _allocator_walk(view, records, capacity=None, allowed=None):
     return at, peak, None, 0
 
 
-def report(prof, card, *, budget, what, status, files, reads, steps_asked) -> Report:
+def report(prof, card, *, budget, what, status, files, reads, steps_asked, fraction=None) -> Report:
     watch = prof.watch
     steps = max(prof.steps, 1)
     if card is None:
@@ -82,6 +84,9 @@ def report(prof, card, *, budget, what, status, files, reads, steps_asked) -> Re
     fields, script = {}, {"argv": what.argv, "module": what.module, "exit_status": status, "steps": prof.steps}
     if card is not None:
         found = process_outside(card, watch, _NoRecipe())
+        if budget is None and fraction is not None:  # the script capped itself: the allocator may hold that much
+            budget = min(int(fraction * card.memory_bytes) + found.bytes, card.memory_bytes)
+            notes.append(f"the script set a memory fraction of {fraction:g}: the verdict is under it")
         verdict = cuda_fit(view, card, budget, outside=found.bytes)
         fields = dict(verdict.report_fields(), **outside_fields(found), gpu=card.name)
         at, peak, _, _ = _allocator_walk(view, watch.records)
@@ -133,7 +138,7 @@ def report(prof, card, *, budget, what, status, files, reads, steps_asked) -> Re
         trainable=sum(numel(p) for p in params if p.requires_grad),
         settings=settings,
         notes=notes,
-        top_allocations=largest_at(watch, _in_watch(view, watch, result.peak_event)),
+        top_allocations=largest_at(view, result.peak_event),
         **fields,
     )
 
@@ -146,17 +151,6 @@ def _peak_record(view, peak_event: int):
         if kind == ALLOC:
             return index
     return None
-
-
-def _in_watch(view, watch, event: int) -> int:
-    """The watch's event number of ``view``'s event ``event`` (the same ALLOC or FREE)."""
-    if view is watch or not view.events:
-        return event
-    target = view.events[min(event, len(view.events) - 1)]
-    for number, entry in enumerate(watch.events):
-        if entry == target:
-            return number
-    return len(watch.events) - 1
 
 
 class _NoRecipe:

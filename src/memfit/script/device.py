@@ -16,43 +16,39 @@ a script can ask about the card is answered as that card would answer:
   card's when the call named the card, else when any tensor argument is the card's; a factory with no
   tensor argument is the card's inside autograd's backward or under a default device of ``cuda``; all else
   is the host's (data loading, numpy), which the card's figures leave out.
-* **What ``torch.cuda`` answers**: available, ``--gpus`` devices of the card's name, memory, capability
-  and bf16 support; ``set_device``/``current_device``; streams and events as no-ops; the memory
-  counters (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``, ``memory_stats``,
-  ``mem_get_info``, ``reset_peak_memory_stats``, ``empty_cache``, ``set_per_process_memory_fraction``)
-  from memfit's caching-allocator replay of the card's events so far (``Counters``).
+* **What ``torch.cuda`` answers**: the card (``cuda_api.py``), its memory counters from memfit's
+  caching allocator fed the card's events so far.
 * **amp**: ``torch.autocast('cuda')`` (and ``torch.cuda.amp.autocast``) is CPU autocast under CUDA
   semantics (which give it CUDA's op lists); GradScalers run on the fake tensors (their ``found_inf``
   reads zero: no step skipped).
 * **Optimizers** pick foreach (or fused) as they would on CUDA: torch's default for a list of CUDA
   tensors is foreach, which a fake tensor does not get by itself.
 
-Left out: CUDA graphs, ``torch.cuda.nvtx`` ranges and ``pin_memory`` (no-ops: pinned host memory is not
-the card's); several devices in one process (``cuda:1`` is the same card as ``cuda:0``: a script runs as
-one rank); a second device's own counters; CUDA IPC.
+Left out: ``pin_memory`` (a no-op: pinned host memory is not the card's); several devices in one process
+(``cuda:1`` is the same card as ``cuda:0``: a script runs as one rank).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import types
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from memfit.accounting.events import ALLOC, FREE, RENAME, storage_events
 from memfit.scoped import patched
+from memfit.script.cuda_api import Counters, CudaApi
 
-__all__ = ["FakeCuda", "Counters", "swap_or_set", "counted_dispatch", "forget_devices"]
+__all__ = ["FakeCuda", "is_cuda", "swap_or_set", "counted_dispatch", "forget_devices", "cuda_hidden"]
 
 # "card" / "host": where the storages of the call in progress go, when the call named a device
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("memfit_script_target", default=None)
 HOST = "cpu"  # Record.device of a host storage (the card's are None)
 
 
-def _is_cuda(value) -> bool:
+def is_cuda(value) -> bool:
+    """``value`` names a CUDA device (a string or ``torch.device``)."""
     if isinstance(value, torch.device):
         return value.type == "cuda"
     return isinstance(value, str) and value.split(":")[0] == "cuda"
@@ -134,12 +130,12 @@ class _OnCard(TorchFunctionMode):
             return special(*args, **kwargs)
         target = None
         if "device" in kwargs:
-            if _is_cuda(kwargs["device"]):
+            if is_cuda(kwargs["device"]):
                 kwargs, target = dict(kwargs, device=_to_cpu(kwargs["device"])), "card"
             elif _is_cpu(kwargs["device"]):
                 target = "host"
-        if any(_is_cuda(a) for a in args if isinstance(a, (str, torch.device))):
-            args, target = tuple(_to_cpu(a) if _is_cuda(a) else a for a in args), "card"
+        if any(is_cuda(a) for a in args if isinstance(a, (str, torch.device))):
+            args, target = tuple(_to_cpu(a) if is_cuda(a) else a for a in args), "card"
         return self._call(target, func, args, kwargs)
 
     @staticmethod
@@ -177,7 +173,7 @@ class _OnCard(TorchFunctionMode):
         if len(args) >= 4 and isinstance(args[3], bool):  # to(device, dtype, non_blocking, copy)
             args, copy = args[:3], args[3]
         cuda_index = [isinstance(a, int) and not isinstance(a, bool) for a in args[:1]]
-        parsed = [_to_cpu(a) if _is_cuda(a) else a for a in args]
+        parsed = [_to_cpu(a) if is_cuda(a) else a for a in args]
         if cuda_index and cuda_index[0]:
             parsed[0] = "cpu"
         where = kwargs.get("device", args[0] if args and (isinstance(args[0], (str, torch.device)) or
@@ -188,7 +184,7 @@ class _OnCard(TorchFunctionMode):
         if where is None:  # a cast: the copy stays where the tensor is
             return self._move(tensor, self._on_card(tensor), dtype, non_blocking, copy, memory_format) \
                 if dtype is not None or copy or memory_format is not None else tensor
-        to_card = _is_cuda(where) or (isinstance(where, int) and not isinstance(where, bool))
+        to_card = is_cuda(where) or (isinstance(where, int) and not isinstance(where, bool))
         return self._move(tensor, to_card, dtype, non_blocking, copy, memory_format)
 
     def _cuda(self, tensor, device=None, non_blocking=False, memory_format=None):
@@ -198,97 +194,35 @@ class _OnCard(TorchFunctionMode):
         return self._move(tensor, False, memory_format=memory_format)
 
 
-class Counters:
-    """``torch.cuda``'s memory counters from the card's events so far, replayed through memfit's caching
-    allocator (``accounting/cuda_allocator.py``): what the script would read on the card at that moment."""
-
-    def __init__(self, shim: "FakeCuda"):
-        self.shim = shim
-        self.reset_at = 0  # event count at the last reset_peak_memory_stats
-
-    def stats(self):
-        """(AllocatorStats now, peak allocated since the last reset, peak reserved since it)."""
-        from memfit.accounting.cuda_allocator import CachingAllocator
-
-        ledger = self.shim.ledger
-        allocator = CachingAllocator(expandable_segments=self.shim.expandable)
-        handles: dict[int, int] = {}
-        peak_allocated = peak_reserved = 0
-        if ledger is not None:
-            records = ledger.records
-            for number, (kind, index) in enumerate(storage_events(ledger)):
-                if kind == ALLOC and records[index].device is None:
-                    handles[index] = allocator.malloc(records[index].nbytes, stream=records[index].stream)
-                elif kind == RENAME and records[index].donor in handles:
-                    handles[index] = handles.pop(records[index].donor)
-                elif kind == FREE and index in handles:
-                    allocator.free(handles.pop(index))
-                if number >= self.reset_at:
-                    stats = allocator.stats
-                    peak_allocated = max(peak_allocated, stats.allocated)
-                    peak_reserved = max(peak_reserved, stats.reserved)
-        return allocator.stats, peak_allocated, peak_reserved
-
-    def reset(self) -> None:
-        ledger = self.shim.ledger
-        self.reset_at = len(ledger.events) if ledger is not None else 0
-
-
-class _Properties(types.SimpleNamespace):
-    def __repr__(self) -> str:
-        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
-                f"total_memory={self.total_memory // 2**20}MB, multi_processor_count={self.multi_processor_count})")
-
-
-class _Stream:
-    """A CUDA stream or event that does nothing: the fake step has no concurrency to order."""
-
-    def __init__(self, *args, **kwargs):
-        self.device = torch.device("cuda", 0)
-        self.cuda_stream = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *a, **k: (True if name == "query" else False if name == "is_capturing"
-                                else 0.0 if name == "elapsed_time" else None)
-
-
 class FakeCuda:
     """While active, the script's ``cuda`` is ``card`` (a catalog ``GPU``), ``gpus`` of them.
 
-    ``ledger`` (set once the ledger exists) is where the card's storages are recorded; ``placer`` goes into
-    its ``placer``. """
+    ``attach(ledger)`` once the ledger exists: where the card's storages are recorded (this shim's placer
+    becomes its ``placer``). ``api``: what ``torch.cuda`` answers (``cuda_api.py``)."""
 
-    def __init__(self, card, *, gpus: int = 1, expandable: bool = False):
+    def __init__(self, card, *, gpus: int = 1):
         self.card = card
-        self.gpus = gpus
-        self.expandable = expandable
-        self.current = 0
         self.ledger = None
         self.dispatching = 0  # depth of the fake mode's own dispatch (``counted_dispatch``)
         self.placer = _Placer(self)
-        self.counters = Counters(self)
-        self.fraction = None  # set_per_process_memory_fraction
+        self.api = CudaApi(card, gpus, Counters(lambda record: record.device is None))
         self._scope = None
 
+    @property
+    def current(self) -> int:
+        return self.api.current
+
+    def attach(self, ledger) -> None:
+        self.ledger = self.api.counters.ledger = ledger
+        ledger.placer = self.placer
+        ledger.cublas_workspace = self.card.cublas_workspace_bytes
+
     def default_on_card(self) -> bool:
-        return _is_cuda(torch.get_default_device())
+        return is_cuda(torch.get_default_device())
 
     def __enter__(self) -> "FakeCuda":
         with contextlib.ExitStack() as scope:
-            for name, value in self._cuda_api().items():
-                scope.enter_context(patched(torch.cuda, name, value))
-            scope.enter_context(patched(torch.cuda.memory, "mem_get_info", self._mem_get_info))
-            for name, value in self._accelerator_api().items():  # torch.accelerator: accelerate asks it
-                if hasattr(torch, "accelerator"):
-                    scope.enter_context(patched(torch.accelerator, name, value))
+            scope.enter_context(self.api)
             scope.enter_context(_autocast_on_cpu())
             scope.enter_context(_optimizers_as_on_cuda(self))
             scope.enter_context(_fake_device_says_cuda(self))
@@ -299,76 +233,6 @@ class FakeCuda:
     def __exit__(self, *exc):
         self._scope.close()
         return False
-
-    # -- torch.cuda --------------------------------------------------------------------------------
-    def _properties(self, device=None):
-        card = self.card
-        major, minor = card.compute_capability
-        return _Properties(name=card.full_name, major=major, minor=minor, total_memory=card.memory_bytes,
-                           multi_processor_count=132, is_integrated=False, is_multi_gpu_board=False,
-                           L2_cache_size=50 * 2**20, uuid="memfit-" + card.name, gcnArchName="")
-
-    def _set_device(self, device) -> None:
-        index = device.index if isinstance(device, torch.device) else (
-            int(device.split(":")[1]) if isinstance(device, str) and ":" in device else device)
-        self.current = int(index or 0)
-
-    def _mem_get_info(self, device=None):
-        stats, _, _ = self.counters.stats()
-        total = self.card.memory_bytes
-        return max(total - self.card.outside_bytes - stats.reserved, 0), total
-
-    def _memory_stats(self, device=None) -> dict:
-        stats, peak_allocated, peak_reserved = self.counters.stats()
-        out = {}
-        for prefix, now, peak in (("allocated_bytes", stats.allocated, peak_allocated),
-                                  ("reserved_bytes", stats.reserved, peak_reserved),
-                                  ("active_bytes", stats.allocated, peak_allocated),
-                                  ("requested_bytes", stats.requested, stats.peak_requested)):
-            out.update({f"{prefix}.all.current": now, f"{prefix}.all.peak": peak})
-        out.update({"num_alloc_retries": stats.num_alloc_retries, "num_ooms": stats.num_ooms,
-                    "segment.all.current": stats.segments, "num_device_alloc": stats.num_device_alloc})
-        return out
-
-    def _accelerator_api(self) -> dict:
-        counters = self.counters
-        return {"is_available": lambda *a, **k: True, "current_accelerator": lambda *a, **k: torch.device("cuda"),
-                "device_count": lambda: self.gpus, "current_device_index": lambda: self.current,
-                "current_device_idx": lambda: self.current, "set_device_index": self._set_device,
-                "set_device_idx": self._set_device, "synchronize": lambda *a, **k: None,
-                "memory_allocated": lambda *a, **k: counters.stats()[0].allocated,
-                "max_memory_allocated": lambda *a, **k: counters.stats()[1],
-                "memory_reserved": lambda *a, **k: counters.stats()[0].reserved,
-                "max_memory_reserved": lambda *a, **k: counters.stats()[2],
-                "reset_peak_memory_stats": lambda *a, **k: counters.reset(),
-                "empty_cache": lambda *a, **k: None, "memory_stats": self._memory_stats,
-                "current_stream": lambda *a, **k: _Stream(), "set_stream": lambda *a, **k: None}
-
-    def _cuda_api(self) -> dict:
-        counters = self.counters
-        card = self.card
-        nothing = lambda *a, **k: None  # noqa: E731
-        stream = lambda *a, **k: _Stream()  # noqa: E731
-        return {
-            "is_available": lambda: True, "device_count": lambda: self.gpus, "is_initialized": lambda: True,
-            "init": nothing, "_lazy_init": nothing, "synchronize": nothing, "ipc_collect": nothing,
-            "get_device_properties": self._properties, "get_device_name": lambda device=None: card.full_name,
-            "get_device_capability": lambda device=None: tuple(card.compute_capability),
-            "is_bf16_supported": lambda including_emulation=True: bool(card.bf16),
-            "set_device": self._set_device, "current_device": lambda: self.current,
-            "Stream": _Stream, "Event": _Stream, "stream": lambda s=None: contextlib.nullcontext(),
-            "current_stream": stream, "default_stream": stream,
-            "manual_seed": nothing, "manual_seed_all": nothing, "seed": nothing, "seed_all": nothing,
-            "mem_get_info": self._mem_get_info, "memory_stats": self._memory_stats,
-            "memory_allocated": lambda device=None: counters.stats()[0].allocated,
-            "max_memory_allocated": lambda device=None: counters.stats()[1],
-            "memory_reserved": lambda device=None: counters.stats()[0].reserved,
-            "max_memory_reserved": lambda device=None: counters.stats()[2],
-            "reset_peak_memory_stats": lambda device=None: counters.reset(),
-            "reset_max_memory_allocated": lambda device=None: counters.reset(),
-            "empty_cache": nothing,
-            "set_per_process_memory_fraction": lambda fraction, device=None: setattr(self, "fraction", fraction),
-        }
 
 
 @contextlib.contextmanager
@@ -425,6 +289,13 @@ def swap_or_set():
             return None
 
     with patched(torch.utils, "swap_tensors", swap_or_set):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_hidden():
+    """CPU semantics: the script sees no CUDA device, as on a CPU-only machine."""
+    with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0):
         yield
 
 

@@ -87,7 +87,7 @@ class _Run:
         from memfit.estimator.fake import ScalarReads, quiet_fake_log
         from memfit.hardware.cuda import cuda_semantics
         from memfit.profiling.profile import Enough, Profile
-        from memfit.script.device import FakeCuda, forget_devices, swap_or_set
+        from memfit.script.device import FakeCuda, cuda_hidden, forget_devices, swap_or_set
         from memfit.script.files import Files
         from memfit.script.values import Values
 
@@ -104,7 +104,7 @@ class _Run:
             scope.enter_context(swap_or_set())
             forget_devices()
             scope.callback(forget_devices)
-            scope.enter_context(_cuda_hidden() if card is None else shim)
+            scope.enter_context(cuda_hidden() if card is None else shim)
             scope.enter_context(files)
             if shim is not None:
                 from memfit.script.device import counted_dispatch
@@ -121,9 +121,7 @@ class _Run:
                     values.ledger = watch
                     if shim is not None:
                         values.host = "cpu"
-                        watch.placer = shim.placer
-                        watch.cublas_workspace = card.cublas_workspace_bytes
-                        shim.ledger = watch
+                        shim.attach(watch)
                     status = run(self.what)
             except Enough:  # pragma: no cover (the block swallows it)
                 pass
@@ -146,7 +144,8 @@ class _Run:
         from memfit.script.answer import report
 
         return report(prof, card, budget=self.budget, what=self.what, status=status, files=files,
-                      reads=reads.reads + values.reads, steps_asked=self.steps)
+                      reads=reads.reads + values.reads, steps_asked=self.steps,
+                      fraction=shim.api.fraction if shim is not None else None)
 
 
 # libraries a script may import that read the CUDA runtime when imported (bitsandbytes binds CUDA functions
@@ -259,27 +258,3 @@ def _unfakeable(err: BaseException, prof, what: Target) -> str:
             + "; memfit estimates what torch's own ops do: a custom CUDA/Triton kernel or a value read back to "
               "drive the run needs a fake implementation (torch.library.register_fake) or a real GPU "
               "(memfit profile)")
-
-
-@contextlib.contextmanager
-def _cuda_hidden():
-    """CPU semantics: the script sees no CUDA device, as on a CPU-only machine."""
-    from memfit.scoped import patched
-
-    with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0):
-        yield
-
-
-def _script_exception_text(err: BaseException) -> str:
-    """The script's traceback as Python prints it, from its own frames (memfit's and runpy's left out)."""
-    import traceback
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tb = err.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
-                              or "runpy" in tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))
-
-
-ScriptFailed.traceback_text = staticmethod(_script_exception_text)

@@ -17,7 +17,7 @@ import sys
 
 from memfit.errors import MemfitError
 
-__all__ = ["Target", "target", "run"]
+__all__ = ["Target", "target", "run", "traceback_text"]
 
 
 class Target:
@@ -77,3 +77,15 @@ def run(what: Target) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def traceback_text(err: BaseException) -> str:
+    """``err``'s traceback as Python prints it for the script: from its own frames (memfit's and runpy's left out)."""
+    import traceback
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # memfit's own package
+    tb = err.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+                              or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb or err.__traceback__))

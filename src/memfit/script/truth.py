@@ -8,12 +8,10 @@ and ``bench/scripts.py`` grade ``estimate_script(..., device="cpu")`` against.
 
 from __future__ import annotations
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memfit.estimator.truth import allocator_peak
-from memfit.scoped import patched
-from memfit.script.device import forget_devices
+from memfit.script.device import cuda_hidden, forget_devices
 from memfit.script.runner import run, target as make_target
 
 __all__ = ["script_peak"]
@@ -39,7 +37,7 @@ def script_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> tuple
         forget_devices()
         handle = register_optimizer_step_post_hook(counted)
         try:
-            with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0):
+            with cuda_hidden():
                 run(what)
         except _Stop:
             pass

@@ -42,13 +42,9 @@ _INTEGER_FACTORIES = {torch.randint, torch.randperm, torch.arange, torch.tensor,
 
 
 def _names_card(args, kwargs) -> bool:
-    for value in (*args, kwargs.get("device")):
-        if isinstance(value, torch.device) and value.type == "cuda":
-            return True
-        if isinstance(value, str) and value.split(":")[0] == "cuda":
-            return True
-    default = torch.get_default_device()
-    return default.type == "cuda"
+    from memfit.script.device import is_cuda
+
+    return any(is_cuda(value) for value in (*args, kwargs.get("device"))) or is_cuda(torch.get_default_device())
 
 
 class Values(TorchFunctionMode):
