@@ -143,6 +143,26 @@ def test_bad_input_is_one_line(here, capsys):
     assert main(["estimate", "--steps", "-1", "idle.py"]) == 2
 
 
+def test_an_op_fake_tensors_cannot_run_names_the_line(here, capsys):
+    Path("custom.py").write_text(textwrap.dedent("""
+        import torch
+
+        @torch.library.custom_op("memfit_test::opaque", mutates_args=())
+        def opaque(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        w = torch.nn.Parameter(torch.randn(4, device="cuda"))
+        y = opaque(w)
+    """))
+    assert main(["estimate", "--device", "cuda", "custom.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: error: custom.py:9: cannot run on fake tensors"), err
+    # under CPU semantics the same script asks for a device a CPU-only machine does not have: one line, its line
+    assert main(["estimate", "--device", "cpu", "custom.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: error: custom.py:8: the script asks for cuda"), err
+
+
 def test_the_scripts_words_are_its_own():
     assert split(["--gpu", "a100-80gb", "train.py", "--compile=False", "--json"]) == (
         ["--gpu", "a100-80gb"], ["train.py", "--compile=False", "--json"], False)

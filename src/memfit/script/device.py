@@ -37,6 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.errors import MemfitError
 from memfit.scoped import patched
 from memfit.script.cuda_api import Counters, CudaApi
 
@@ -292,10 +293,28 @@ def swap_or_set():
         yield
 
 
+class NoCuda(MemfitError):
+    """A script asked for ``cuda`` while it runs as on a CPU-only machine (``device="cpu"``)."""
+
+
+class _CpuOnly(TorchFunctionMode):
+    """Refuses ``cuda`` as a CPU-only build of torch would, in one line: fake tensor mode itself would make fake
+    CUDA tensors, whose first kernel that asks for the device aborts the process."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.device and (func is torch.Tensor.cuda or any(is_cuda(v) for v in (*args, *kwargs.values()))):
+            raise NoCuda("the script asks for cuda, and CPU semantics (--device cpu, MEMFIT_DEVICE=cpu) run it as on a "
+                         "machine without one: let its device follow torch.cuda.is_available(), or estimate for a card "
+                         "(--gpu NAME)")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def cuda_hidden():
-    """CPU semantics: the script sees no CUDA device, as on a CPU-only machine."""
-    with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0):
+    """CPU semantics: the script sees no CUDA device, as on a CPU-only machine, and cannot make CUDA tensors."""
+    with patched(torch.cuda, "is_available", lambda: False), patched(torch.cuda, "device_count", lambda: 0), \
+            _CpuOnly():
         yield
 
 

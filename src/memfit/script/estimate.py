@@ -129,6 +129,9 @@ class _Run:
                 raise
             except BaseException as err:  # the script's own, or an op fake tensors cannot run
                 failed = err
+        if isinstance(failed, MemfitError):  # memfit refused something the script did: where, in one line
+            where = _user_frame(failed, self.what)
+            raise MemfitError((f"{_short(where[0])}:{where[1]}: " if where else "") + str(failed)) from None
         if failed is not None and _fake_failure(failed):
             raise ScriptFailed(_unfakeable(failed, prof, self.what)) from None
         if failed is not None and prof.steps == 0:
@@ -245,11 +248,15 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(sorted(r + os.sep for r in roots))
 
 
-def _unfakeable(err: BaseException, prof, what: Target) -> str:
+def _short(path: str) -> str:
     from memfit.profiling.sites import short
 
+    return short(path)
+
+
+def _unfakeable(err: BaseException, prof, what: Target) -> str:
     where = _user_frame(err, what)
-    place = f"{short(where[0])}:{where[1]}" if where else what.name
+    place = f"{_short(where[0])}:{where[1]}" if where else what.name
     code = linecache.getline(where[0], where[1]).strip() if where else ""
     op = _first_line(err)
     if len(op) > 160:
