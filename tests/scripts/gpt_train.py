@@ -19,6 +19,7 @@ max_iters = 6
 eval_interval = 2
 eval_iters = 2
 dtype = "float16"
+vocab_size = 1024
 compile = False
 for arg in sys.argv[1:]:  # nanoGPT's configurator: --key=value overrides a global
     key, value = arg[2:].split("=", 1)
@@ -72,7 +73,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size=1024):
+    def __init__(self):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)

@@ -41,7 +41,10 @@ def build(parser) -> None:
                         help="the card the script's 'cuda' is (rtx-4090, a100-80gb, h100-sxm, ...; default: the GPU "
                              "torch sees, else h100-sxm); see `memfit gpus`")
     parser.add_argument("--gpus", type=_args.positive, default=1,
-                        help="what torch.cuda.device_count() answers (default 1)")
+                        help="GPUs per node (default 1): with more, the script runs as one rank of torchrun "
+                             "--nproc-per-node GPUS, its init_process_group on PyTorch's fake process group")
+    parser.add_argument("--nodes", type=_args.positive, default=1, help="nodes of that torchrun launch (default 1)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank estimated (default 0)")
     _args.add_device(parser, None, help="cuda (default): the card's semantics, allocated, reserved and the verdict; "
                      "cpu: the script as on a CPU-only machine, the CPU allocator's bytes")
     parser.add_argument("--steps", type=int, default=2,
@@ -75,7 +78,8 @@ def run(words: list[str], script: list[str], module: bool) -> int:
     try:
         with sink:
             report = estimate_script(script[0], script[1:], module=module, gpu=args.gpu, device=args.device,
-                                     gpus=args.gpus, steps=args.steps, budget=args.budget)
+                                     gpus=args.gpus, nodes=args.nodes, rank=args.rank, steps=args.steps,
+                                     budget=args.budget)
     except ScriptFailed as failed:
         if failed.error is not None:
             from memfit.script.runner import traceback_text

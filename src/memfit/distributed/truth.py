@@ -25,14 +25,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["launch", "main"]
+__all__ = ["launch", "main", "settle_collectives", "allocation_events", "main_thread"]
 
 
 # Profiler events of a collective: allocations under them are the backend's own staging copies.
 _BACKEND = ("c10d::", "gloo:", "record_param_comms")
 
 
-def _events(prof):
+def allocation_events(prof):
     """(start ns, signed bytes, thread, pointer) of every allocation and free, in time order; the
     thread is -1 for what a collective allocated inside its own op (gloo's staging copies)."""
     from torch._C._profiler import _EventType
@@ -201,19 +201,11 @@ def _bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _run(case: dict) -> dict:
-    import torch
+def settle_collectives() -> None:
+    """For the rest of this truth process: gloo's collectives return once its worker threads let go of their
+    tensors (``_settled``), so a rank's frees happen where a plain run's do, not at random later points."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
 
-    from memfit.hardware.cluster import real_world
-    from memfit.models.source import resolve
-    from memfit.scoped import quiet_profiler
-    from memfit.techniques.apply import apply
-    from memfit.techniques.recipe import Recipe
-    from memfit.techniques.step import batch_tensors
-
-    torch.set_num_threads(1)
     for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                  "all_reduce"):
         setattr(dist, name, _settled(getattr(dist, name)))
@@ -227,6 +219,22 @@ def _run(case: dict) -> dict:
     import torch.distributed.pipelining.schedules as schedules
 
     schedules._batch_p2p = _settled_p2p(schedules._batch_p2p)
+
+
+def _run(case: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from memfit.hardware.cluster import real_world
+    from memfit.models.source import resolve
+    from memfit.scoped import quiet_profiler
+    from memfit.techniques.apply import apply
+    from memfit.techniques.recipe import Recipe
+    from memfit.techniques.step import batch_tensors
+
+    torch.set_num_threads(1)
+    settle_collectives()
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     recipe = Recipe.from_dict(case.get("recipe", {}))
@@ -263,7 +271,7 @@ def _run(case: dict) -> dict:
             resident = _bytes(list(model.buffers()) + batch_tensors(batch))
             with record_function("memfit::end"):
                 pass
-        events, marks = _events(prof)
+        events, marks = allocation_events(prof)
     finally:
         dist.destroy_process_group()
     # a phase mark repeats with accumulation (forward:0 per micro-batch): every one is kept

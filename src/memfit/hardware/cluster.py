@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["World", "Layout", "Placement", "placement", "fake_world", "real_world", "world_of", "MAX_GPUS"]
+__all__ = ["World", "Layout", "Placement", "placement", "fake_world", "real_world", "world_of", "MAX_GPUS",
+           "forget_meshes"]
 
 # Bounds: past these nobody trains (the largest published runs use ~16k GPUs).
 MAX_GPUS = 1 << 17
@@ -290,10 +291,10 @@ def fake_world(world: World, rank: int = 0):
         if token is not None:
             _CURRENT.reset(token)
         dist.destroy_process_group()
-        _forget_meshes()
+        forget_meshes()
 
 
-def _forget_meshes() -> None:
+def forget_meshes() -> None:
     """Drop DTensor's caches of sharding and redistribution plans: they are keyed by meshes that compare equal
     across fake worlds (same ranks, same names) but hold the process groups of the world that made them, which
     the next rank's world no longer has ("could not resolve the process group")."""

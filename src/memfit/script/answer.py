@@ -16,7 +16,7 @@ from memfit.accounting.events import ALLOC, FREE, RENAME, storage_events
 from memfit.accounting.replay import LedgerView, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.estimator.trace import fold_peaks, numel
-from memfit.estimator.verdict import cuda_fit, limits, outside_fields, process_outside
+from memfit.estimator.verdict import cuda_fit, limits, outside_fields
 from memfit.profiling.sites import largest_at, short
 from memfit.report.report import Report
 from memfit.units import format_size
@@ -69,7 +69,8 @@ def _allocator_walk(view, records, capacity=None, allowed=None):
     return at, peak, None, 0
 
 
-def report(prof, card, *, budget, what, status, files, reads, steps_asked, fraction=None) -> Report:
+def report(prof, card, *, budget, what, status, files, reads, steps_asked, fraction=None, groups=None,
+           rank: int = 0) -> Report:
     watch = prof.watch
     steps = max(prof.steps, 1)
     if card is None:
@@ -82,8 +83,12 @@ def report(prof, card, *, budget, what, status, files, reads, steps_asked, fract
     notes = [f"{prof.steps} optimizer step(s) of {what.name} run on fake tensors"
              + (" (then stopped)" if steps_asked and prof.steps >= steps_asked else " (the whole script)")]
     fields, script = {}, {"argv": what.argv, "module": what.module, "exit_status": status, "steps": prof.steps}
+    if groups is not None:
+        script.update(rank=rank, world_size=groups.world_size, process_groups=groups.count)
+        notes.append(f"rank {rank} of {groups.world_size}" + (f" ({groups.count} process group(s) on PyTorch's fake "
+                     "backend)" if groups.count else " (the script made no process group)"))
     if card is not None:
-        found = process_outside(card, watch, _NoRecipe())
+        found = _outside(card, watch, groups)
         if budget is None and fraction is not None:  # the script capped itself: the allocator may hold that much
             budget = min(int(fraction * card.memory_bytes) + found.bytes, card.memory_bytes)
             notes.append(f"the script set a memory fraction of {fraction:g}: the verdict is under it")
@@ -153,9 +158,12 @@ def _peak_record(view, peak_event: int):
     return None
 
 
-class _NoRecipe:
-    """What ``process_outside`` asks of a recipe, for a script: it says no parallel layout of memfit's."""
+def _outside(card, watch, groups):
+    """What the process holds outside the allocator on ``card``: a training process's terms, cuBLAS if a matmul
+    ran, an NCCL communicator per process group with peers (``hardware/outside.py``)."""
+    from memfit.hardware.outside import Workload, outside
 
-    parallel = "none"
-    tp = pp = cp = ep = 1
-    offload = "none"
+    peers = groups is not None and groups.world_size > 1
+    return outside(card, Workload(kind="train", matmul="cublas" in watch.libraries,
+                                  communicators=groups.count if peers else 0,
+                                  world_size=groups.world_size if groups is not None else 1))

@@ -49,14 +49,16 @@ class ScriptFailed(MemfitError):
         self.report = report
 
 
-def estimate_script(path, argv=(), *, module: bool = False, gpu=None, device=None, gpus: int = 1, steps: int = DEFAULT_STEPS,
-                    budget=None):
+def estimate_script(path, argv=(), *, module: bool = False, gpu=None, device=None, gpus: int = 1, nodes: int = 1,
+                    rank: int = 0, steps: int = DEFAULT_STEPS, budget=None):
     """The memory of ``path`` (a script; with ``module=True`` a module's name) run with ``argv``, for a card.
 
     gpu      a catalog card (name or ``GPU``) whose CUDA semantics and memory the script's ``cuda`` gets;
              default as ``memfit.estimate``'s: the GPU torch sees, else the default card.
     device   "cpu": CPU semantics instead (the byte-exact mode); "cuda" (default) the card's.
-    gpus     what ``torch.cuda.device_count()`` answers.
+    gpus     GPUs per node: what ``torch.cuda.device_count()`` answers; with more than one (or ``nodes``), the
+             script runs as rank ``rank`` of a torchrun launch (``ranks.py``: its ``init_process_group`` on
+             PyTorch's fake process group, DDP and FSDP2 in its own code).
     steps    optimizer steps to run before the script is stopped (0: to its end).
     budget   bytes (or "20GiB") the process may use on the card, as for ``memfit.estimate``.
 
@@ -69,17 +71,21 @@ def estimate_script(path, argv=(), *, module: bool = False, gpu=None, device=Non
     what = make_target(path, argv, module=module)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise MemfitError(f"steps must be 0 (run to the end) or more, got {steps!r}")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise MemfitError(f"gpus must be 1 or more, got {gpus!r}")
+    for name, value in (("gpus", gpus), ("nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise MemfitError(f"{name} must be 1 or more, got {value!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < gpus * nodes:
+        raise MemfitError(f"rank must be one of the {gpus * nodes} ranks (0 to {gpus * nodes - 1}), got {rank!r}")
     budget = None if budget is None else parse_size(budget)
     card = card_target(device, gpu).gpu
     preload(what)
-    return _Run(what, card, gpus=gpus, steps=steps, budget=budget).go()
+    return _Run(what, card, gpus=gpus, nodes=nodes, rank=rank, steps=steps, budget=budget).go()
 
 
 class _Run:
-    def __init__(self, what: Target, card, *, gpus: int, steps: int, budget: int | None):
-        self.what, self.card, self.gpus, self.steps, self.budget = what, card, gpus, steps, budget
+    def __init__(self, what: Target, card, *, gpus: int, nodes: int, rank: int, steps: int, budget: int | None):
+        self.what, self.card, self.steps, self.budget = what, card, steps, budget
+        self.gpus, self.nodes, self.rank = gpus, nodes, rank
 
     def go(self):
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -104,6 +110,11 @@ class _Run:
             scope.enter_context(swap_or_set())
             forget_devices()
             scope.callback(forget_devices)
+            groups = None
+            if self.gpus * self.nodes > 1:
+                from memfit.script.ranks import as_rank
+
+                groups = scope.enter_context(as_rank(self.gpus, self.nodes, self.rank, watch=lambda: prof.watch))
             scope.enter_context(cuda_hidden() if card is None else shim)
             scope.enter_context(files)
             if shim is not None:
@@ -148,7 +159,7 @@ class _Run:
 
         return report(prof, card, budget=self.budget, what=self.what, status=status, files=files,
                       reads=reads.reads + values.reads, steps_asked=self.steps,
-                      fraction=shim.api.fraction if shim is not None else None)
+                      fraction=shim.api.fraction if shim is not None else None, groups=groups, rank=self.rank)
 
 
 # libraries a script may import that read the CUDA runtime when imported (bitsandbytes binds CUDA functions

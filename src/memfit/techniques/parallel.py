@@ -481,9 +481,17 @@ def _replicate(build, place) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers' rename
         build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
-    if place.fake:  # the fake group's all-reduce completes with no value; DDP's reducer wants its bucket back
-        build.model.register_comm_hook(build.watch, _bucket_back)
-        build.model.reducer = _NoRebuild(build.model.reducer)
+    on_fake_group(build.model, build.watch)
+
+
+def on_fake_group(ddp, watch) -> None:
+    """``ddp`` (a DDP made with ``init_sync=False`` and ``broadcast_buffers=False`` on fake tensors and the fake
+    process group) made to run there: the fake group's all-reduce completes with no value, so a comm hook gives
+    DDP's reducer its bucket back (marked ``communication`` in ``watch``), and the reducer's bucket rebuild, which
+    reads a data pointer, is left out (``_NoRebuild``). A user's script's DDP goes through it too
+    (``script/ranks.py``)."""
+    ddp.register_comm_hook(watch, _bucket_back)
+    ddp.reducer = _NoRebuild(ddp.reducer)
 
 
 class _NoRebuild:
