@@ -38,7 +38,7 @@ class ModuleStack:
 
     def _name_modules(self) -> None:
         model, root = self.model, self.root
-        self.names = {id(m): f"{root}.{n}" if n else root for n, m in (model.named_modules() if model else ())}
+        self.names = {id(m): f"{root}.{n}" if n else root for n, m in (model.named_modules() if model is not None else ())}
 
     def _name(self, module) -> str:
         # Modules added after the ledger started (LoRA adapters that ``apply`` injects) get their

@@ -285,6 +285,8 @@ class Profile:
             watch.mark(buf, Category.BUFFERS)
 
     def _module_called(self, module, args):
+        if torch.compiler.is_compiling():  # dynamo traces module hooks: the watch stays out of the graph
+            return None
         if torch._C._current_autograd_node() is not None or self._in_step:
             return None  # a checkpointed region recomputing inside backward; a module inside the optimizer
         watch = self.watch
@@ -305,6 +307,8 @@ class Profile:
     def _inputs(self, module, args, kwargs):
         """The model's tensor inputs are the batch: read before its forward runs (a long batch that runs out
         in its own forward is still on record), by a hook of the model's own (global pre-hooks see no kwargs)."""
+        if torch.compiler.is_compiling():  # dynamo traces module hooks: the watch stays out of the graph
+            return None
         if torch._C._current_autograd_node() is not None or self._in_step:
             return None
         self._seen_inputs = True
@@ -322,6 +326,8 @@ class Profile:
 
     def _module_returned(self, module, args, kwargs, output):
         """The model's first call, which ran before its own input hook existed."""
+        if torch.compiler.is_compiling():  # dynamo traces module hooks: the watch stays out of the graph
+            return None
         if module is self.watch.model and not self._seen_inputs:
             self._inputs(module, args, kwargs)
         return None

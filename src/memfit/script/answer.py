@@ -70,7 +70,7 @@ def _allocator_walk(view, records, capacity=None, allowed=None):
 
 
 def report(prof, card, *, budget, what, status, files, reads, steps_asked, fraction=None, groups=None,
-           rank: int = 0) -> Report:
+           rank: int = 0, compiled=None) -> Report:
     watch = prof.watch
     steps = max(prof.steps, 1)
     if card is None:
@@ -111,6 +111,10 @@ def report(prof, card, *, budget, what, status, files, reads, steps_asked, fract
     else:
         at = _peak_record(view, result.peak_event)
         script["peak"] = None if at is None else site_of(watch, at)
+    if compiled is not None and compiled.count:
+        notes.append(f"torch.compile: {compiled.count} call(s) estimated with Inductor's own plan (no-op kernels)")
+        script["compiled"] = compiled.count
+    notes.extend(compiled.notes if compiled is not None else [])
     if files.skipped:
         shown = ", ".join(f"{path} ({call})" for path, call in files.skipped[:4])
         more = f" and {len(files.skipped) - 4} more" if len(files.skipped) > 4 else ""

@@ -9,7 +9,8 @@ that prints its own peak prints memfit's prediction of it. ``set_per_process_mem
 verdict is then the fraction's (``estimate.py``). ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the
 environment gives the counters expandable segments, as torch reads it.
 
-Left out: CUDA graphs, ``torch.cuda.nvtx``, IPC, the RNG state of the card (seeds are accepted and ignored),
+Left out: CUDA graphs, ``torch.cuda.nvtx``, IPC, the RNG state of the card (seeds are accepted and ignored, a
+state read is zeros),
 and each device's own counters (``cuda:1`` answers as ``cuda:0``: a script runs as one rank).
 """
 
@@ -93,6 +94,13 @@ class Stream:
             raise AttributeError(name)
         return lambda *a, **k: (True if name == "query" else False if name == "is_capturing"
                                 else 0.0 if name == "elapsed_time" else None)
+
+
+def _rng_state(device=None):
+    """A generator state to save and give back (dynamo saves it around a graph, checkpointing per region): on a
+    real card 16 bytes of host memory (Philox seed and offset), here zeros."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        return torch.zeros(16, dtype=torch.uint8)
 
 
 class CudaApi:
@@ -189,6 +197,8 @@ class CudaApi:
             "Stream": Stream, "Event": Stream, "stream": lambda s=None: contextlib.nullcontext(),
             "current_stream": stream, "default_stream": stream,
             "manual_seed": nothing, "manual_seed_all": nothing, "seed": nothing, "seed_all": nothing,
+            "initial_seed": lambda: 0, "get_rng_state": _rng_state, "set_rng_state": nothing,
+            "get_rng_state_all": lambda: [_rng_state() for _ in range(self.gpus)], "set_rng_state_all": nothing,
             "mem_get_info": self._mem_get_info,
             "reset_max_memory_allocated": lambda *a, **k: self.counters.reset(),
             "set_per_process_memory_fraction": lambda fraction, device=None: setattr(self, "fraction", fraction),

@@ -205,6 +205,7 @@ class FakeCuda:
         self.card = card
         self.ledger = None
         self.dispatching = 0  # depth of the fake mode's own dispatch (``counted_dispatch``)
+        self.plain_devices = 0  # inside compiled calls (``compiled_call``): tensor.device tells the truth
         self.placer = _Placer(self)
         self.api = CudaApi(card, gpus, Counters(lambda record: record.device is None))
         self._scope = None
@@ -212,6 +213,21 @@ class FakeCuda:
     @property
     def current(self) -> int:
         return self.api.current
+
+    @contextlib.contextmanager
+    def compiled_call(self, args, kwargs):
+        """Around a compiled call: ``tensor.device`` says ``cpu`` (what dynamo and Inductor see), and the call's
+        storages are the card's when any tensor argument (or, for a module, parameter) is."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_card = self.ledger is not None and any(self.placer.on_card(self.ledger, t) for t in tensors)
+        self.plain_devices += 1
+        token = _TARGET.set("card") if on_card else None
+        try:
+            yield
+        finally:
+            self.plain_devices -= 1
+            if token is not None:
+                _TARGET.reset(token)
 
     def attach(self, ledger) -> None:
         self.ledger = self.api.counters.ledger = ledger
@@ -247,7 +263,7 @@ def _fake_device_says_cuda(shim: "FakeCuda"):
 
     def device(self):
         where = plain.fget(self)
-        if where.type == "cpu" and not shim.dispatching and shim.ledger is not None and \
+        if where.type == "cpu" and not shim.dispatching and not shim.plain_devices and shim.ledger is not None and \
                 shim.placer.on_card(shim.ledger, self):
             return torch.device("cuda", shim.current)
         return where

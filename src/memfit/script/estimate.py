@@ -94,6 +94,7 @@ class _Run:
         from memfit.hardware.cuda import cuda_semantics
         from memfit.profiling.profile import Enough, Profile
         from memfit.script.device import FakeCuda, cuda_hidden, forget_devices, swap_or_set
+        from memfit.script.compiling import Compiling
         from memfit.script.files import Files
         from memfit.script.values import Values
 
@@ -117,6 +118,7 @@ class _Run:
                 groups = scope.enter_context(as_rank(self.gpus, self.nodes, self.rank, watch=lambda: prof.watch))
             scope.enter_context(cuda_hidden() if card is None else shim)
             scope.enter_context(files)
+            compiling = scope.enter_context(Compiling(shim))
             if shim is not None:
                 from memfit.script.device import counted_dispatch
 
@@ -159,7 +161,8 @@ class _Run:
 
         return report(prof, card, budget=self.budget, what=self.what, status=status, files=files,
                       reads=reads.reads + values.reads, steps_asked=self.steps,
-                      fraction=shim.api.fraction if shim is not None else None, groups=groups, rank=self.rank)
+                      fraction=shim.api.fraction if shim is not None else None, groups=groups, rank=self.rank,
+                      compiled=compiling)
 
 
 # libraries a script may import that read the CUDA runtime when imported (bitsandbytes binds CUDA functions

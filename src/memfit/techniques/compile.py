@@ -74,7 +74,7 @@ from memfit.errors import MemfitError, shown
 from memfit.scoped import patched
 from memfit.techniques.spec import Field, Technique
 
-__all__ = ["TECHNIQUE", "compiled", "compiled_loss", "compile_layers", "compile_scope"]
+__all__ = ["TECHNIQUE", "compiled", "compiled_loss", "compile_layers", "compile_scope", "planned_compile"]
 
 
 def _check_budget(value) -> None:
@@ -182,6 +182,15 @@ def compiled(fn, *, fake: bool | None = None, budget: float | None = None, dynam
             return made[planned](*args, **kwargs)
 
     return run
+
+
+def planned_compile(target, *, dynamic: bool | None = None, fullgraph: bool = False):
+    """``torch.compile(target)`` (a module or a function) with Inductor's plan run on no-op kernels: what a
+    user's own script compiles, estimated on fake tensors (``memfit.script``)."""
+    return _TORCH_COMPILE(target, backend=_planning_backend, dynamic=dynamic, fullgraph=fullgraph)
+
+
+_TORCH_COMPILE = torch.compile  # torch's own, also while a script's is replaced by memfit.script.compiling
 
 
 def compiled_loss(loss_fn, *, fake: bool, budget: float):
