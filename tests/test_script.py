@@ -103,6 +103,36 @@ def test_torch_compile_in_a_script_is_inductors_plan(here):
     assert card.verdict == "fits" and card.by_category["activations"] > 0
 
 
+def test_data_dependent_sizes_at_their_upper_bound(here):
+    """Masks that keep every element in the real run: the upper bound is then the truth (the layer's output, most
+    of the peak, is as large as the mask keeps rows; the CPU index kernel's own scratch, 16 KiB here, is not seen)."""
+    Path("masks.py").write_text(textwrap.dedent("""
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        m = torch.nn.Linear(64, 4096).to(device)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            x = torch.randn(256, 64, device=device)
+            keep = x[:, 0].abs() >= 0  # every row
+            y = m(x[keep])
+            idx = torch.nonzero(keep).squeeze(1)
+            x[keep] = 0.0
+            (y.pow(2).mean() + idx.sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    truth, _ = script_peak("masks.py", steps=2)
+    report = memfit.estimate_script("masks.py", steps=2, device="cpu")
+    assert report.settings["script"]["upper_bounds"] >= 4
+    assert abs(report.peak_bytes - truth) / truth < 0.01, (report.peak_bytes, truth)
+    assert memfit.estimate_script("masks.py", steps=2, gpu="rtx-4090").verdict == "fits"
+    Path("unique.py").write_text("import torch\nx = torch.randn(1000, device='cuda')\nprint(torch.unique(x).shape, "
+                                 "torch.masked_select(x, x > 0).shape)\nopt = torch.optim.SGD([x.requires_grad_()])\n"
+                                 "x.sum().backward()\nopt.step()\n")
+    unique = memfit.estimate_script("unique.py", gpu="rtx-4090")
+    assert unique.settings["script"]["upper_bounds"] == 2
+
+
 def test_torch_cuda_answers_as_the_card(here):
     Path("ask.py").write_text(textwrap.dedent("""
         import torch

@@ -70,7 +70,7 @@ def _allocator_walk(view, records, capacity=None, allowed=None):
 
 
 def report(prof, card, *, budget, what, status, files, reads, steps_asked, fraction=None, groups=None,
-           rank: int = 0, compiled=None) -> Report:
+           rank: int = 0, compiled=None, bounds: int = 0) -> Report:
     watch = prof.watch
     steps = max(prof.steps, 1)
     if card is None:
@@ -111,6 +111,10 @@ def report(prof, card, *, budget, what, status, files, reads, steps_asked, fract
     else:
         at = _peak_record(view, result.peak_event)
         script["peak"] = None if at is None else site_of(watch, at)
+    if bounds:
+        notes.append(f"{bounds} data-dependent size(s) (nonzero, boolean masks, unique) taken at their upper bound: "
+                     "every element selected (a mixture of experts' routing: every token to every expert)")
+        script["upper_bounds"] = bounds
     if compiled is not None and compiled.count:
         notes.append(f"torch.compile: {compiled.count} call(s) estimated with Inductor's own plan (no-op kernels)")
         script["compiled"] = compiled.count

@@ -96,11 +96,13 @@ class _Run:
         from memfit.script.device import FakeCuda, cuda_hidden, forget_devices, swap_or_set
         from memfit.script.compiling import Compiling
         from memfit.script.files import Files
+        from memfit.script.shapes import UpperBounds
         from memfit.script.values import Values
 
         card = self.card
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         reads = ScalarReads()
+        bounds = UpperBounds()
         values = Values()
         shim = FakeCuda(card, gpus=self.gpus) if card is not None else None
         files = Files(mode)
@@ -124,6 +126,7 @@ class _Run:
 
                 scope.enter_context(counted_dispatch(mode, shim))
             scope.enter_context(mode)
+            scope.enter_context(bounds)
             scope.enter_context(reads)
             scope.enter_context(values)
             if card is not None:
@@ -162,7 +165,7 @@ class _Run:
         return report(prof, card, budget=self.budget, what=self.what, status=status, files=files,
                       reads=reads.reads + values.reads, steps_asked=self.steps,
                       fraction=shim.api.fraction if shim is not None else None, groups=groups, rank=self.rank,
-                      compiled=compiling)
+                      compiled=compiling, bounds=bounds.taken)
 
 
 # libraries a script may import that read the CUDA runtime when imported (bitsandbytes binds CUDA functions
