@@ -100,15 +100,22 @@ def run(words: list[str], script: list[str], module: bool) -> int:
     if args.json:
         print(json.dumps(data, indent=2, default=str))
     else:
-        print(text(report))
+        from rich.console import Console
+
+        from memfit.report.tables import report_view
+
+        console = Console()
+        console.print(report_view(report, script[0], args.budget))
+        for line in lines(report):
+            console.print(line, style="bold", highlight=False, markup=False)
     return 0
 
 
-def text(report) -> str:
-    """The report, then the script's own lines: where the peak happens and, on OOM, where it would fail."""
+def lines(report) -> list[str]:
+    """The script's own lines: where the peak happens and, on OOM, where the allocation would fail."""
     from memfit.units import format_size
 
-    lines = [str(report)]
+    lines = []
     script = report.settings.get("script", {})
     peak = script.get("peak")
     if peak:
@@ -117,7 +124,7 @@ def text(report) -> str:
     if oom and oom.get("site"):
         lines.append(f"out of memory at {oom['site']}: {oom['code']} (a {format_size(oom['request_bytes'])} "
                      f"request; {format_size(oom['missing_bytes'] or 0)} short)")
-    return "\n".join(lines)
+    return lines
 
 
 class _ScriptParser(argparse.ArgumentParser):

@@ -52,11 +52,14 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
     """``recipe``: the Recipe the report was made with, when the caller holds it (the CLI does);
     without it, the one recorded in ``report.settings`` (a generation has none: its settings are shown)."""
     generation = report.settings.get("workload") == "generate"
-    if recipe is None and not generation:
+    script = report.settings.get("script")  # a user's own script (memfit.estimate_script): no recipe of memfit's
+    if recipe is None and not generation and script is None:
         from memfit.techniques.recipe import Recipe
 
         recipe = Recipe.from_dict(report.settings["recipe"])
-    title = (f"{name}: {_generation(report.settings) if generation else recipe.describe()}, "
+    what = (_generation(report.settings) if generation else
+            f"{script['steps']} optimizer step(s) as the script runs them" if script is not None else recipe.describe())
+    title = (f"{name}: {what}, "
              f"{report.parameters / 1e9:.3f}B params"
              f"{STAGE if (report.world or {}).get('pp', 1) > 1 else ''} "
              f"({report.method} on {report.device} semantics)")
@@ -77,7 +80,7 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
                                       for r in report.ranks)))
     if report.devices is not None:
         parts.append(_devices(report))
-    if not generation and not recipe.is_exact:
+    if recipe is not None and not generation and not recipe.is_exact:
         parts.append(Text(f"changes the math: {', '.join(recipe.approximations)}", style="yellow"))
     parts += [_categories(report), _phases(report)]
     if report.modules:

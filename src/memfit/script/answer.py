@@ -105,7 +105,7 @@ def report(prof, card, *, budget, what, status, files, reads, steps_asked, fract
         host = [i for i, r in enumerate(watch.records) if r.device is not None]
         if host:
             on_host = replay(LedgerView(watch, set(host), spikes=False), [0] * len(watch.sites))
-            fields["host_bytes"] = on_host.peak_bytes
+            script["host_peak_bytes"] = on_host.peak_bytes
             notes.append(f"host tensors (data on the CPU, left out of the card's figures) peaked at "
                          f"{format_size(on_host.peak_bytes)}")
     else:
