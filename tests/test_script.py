@@ -266,6 +266,23 @@ def test_from_pretrained_reads_no_weights(here):
     assert report.by_category["parameters"] == 2 * params  # bf16, on the card
 
 
+def test_torch_load_reads_shapes_not_data(here):
+    torch.save({"weight": torch.randn(512, 512), "step": 3}, "ckpt.pt")  # a real checkpoint, written by the test
+    Path("resume.py").write_text(textwrap.dedent("""
+        import torch
+        state = torch.load("ckpt.pt")
+        assert state["step"] == 3 and state["weight"].shape == (512, 512)
+        m = torch.nn.Linear(512, 512, bias=False)
+        m.load_state_dict({"weight": state["weight"]})
+        m.cuda()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(torch.randn(4, 512, device="cuda")).sum().backward()
+        opt.step()
+    """))
+    report = memfit.estimate_script("resume.py", gpu="rtx-4090", steps=0)
+    assert report.by_category["parameters"] == 512 * 512 * 4
+
+
 def test_leaves_torch_as_it_found_it(here):
     before = (torch.cuda.is_available, torch.cuda.device_count, torch.save, torch.load, torch.utils.swap_tensors)
     memfit.estimate_script(SCRIPTS / "plain_loop.py", steps=2, gpu="rtx-4090")

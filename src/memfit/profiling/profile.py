@@ -175,7 +175,7 @@ class Profile:
         self.record_history = self.device.type == "cuda" if record_history is None else record_history
         self._model = model
         # the block runs on fake tensors (``memfit.estimate_script``): every storage it makes counts (a fake
-        # tensor's storage is on the meta device), none made before it does
+        # tensor's storage is on the meta device), none made before it does, and ``report`` is left to the caller
         self.fake = fake
         self.report: Report | None = None
         self.steps = 0
@@ -230,7 +230,8 @@ class Profile:
         marks = self.watch.marks
         if self.steps and not self._called and marks and marks[-1] == ("forward", self.steps):
             marks[-1] = ("after", self.steps)  # what ran after the last step: no forward of a next one
-        self.report = self._report()
+        # a fake run's report is its caller's to make (memfit.script: the card's side, the script's lines)
+        self.report = None if self.fake else self._report()
         return isinstance(error, Enough)
 
     def step(self) -> None:
