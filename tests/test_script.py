@@ -264,6 +264,12 @@ def test_from_pretrained_reads_no_weights(here):
     params = sum(p.numel() for p in __import__("transformers").LlamaForCausalLM(
         __import__("transformers").LlamaConfig.from_pretrained("tiny")).parameters())
     assert report.by_category["parameters"] == 2 * params  # bf16, on the card
+    # no dtype given: transformers 5 loads in the config's own dtype ("auto"), memfit builds in it too
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, dtype="bfloat16").save_pretrained("tiny-bf16")
+    Path("auto.py").write_text(Path("ft.py").read_text().replace('"tiny", dtype=torch.bfloat16', '"tiny-bf16"'))
+    auto = memfit.estimate_script("auto.py", gpu="rtx-4090", steps=0)
+    assert auto.by_category["parameters"] == 2 * params
 
 
 def test_torch_load_reads_shapes_not_data(here):

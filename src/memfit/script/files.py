@@ -129,14 +129,25 @@ def _config(name, kwargs):
                                       trust_remote_code=trust)
 
 
+def _auto_by_default() -> bool:
+    """Whether this transformers' ``from_pretrained`` takes ``dtype="auto"`` when none is given (5 and later)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
 def _from_config(files: Files):
     def from_pretrained(cls, name, *args, **kwargs):
         config = kwargs.pop("config", None)
         if config is None or isinstance(config, (str, os.PathLike)):
             config = _config(config or name, kwargs)
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if dtype is None and _auto_by_default():
+            dtype = "auto"  # transformers 5's default: the config's dtype
+        if dtype == "auto":  # the config's own (no weights to read one from: else torch's default)
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dtype, str):
-            dtype = getattr(config, "torch_dtype", None) if dtype == "auto" else getattr(torch, dtype)
+            dtype = getattr(torch, dtype, None)
         options = {"dtype": dtype} if isinstance(dtype, torch.dtype) else {}
         for key in ("attn_implementation",):
             if key in kwargs:

@@ -5,7 +5,7 @@ The same script, the same arguments, on real CPU tensors under ``torch.profiler`
 optimizer step hook. It shares nothing with the ledger, the fake tensors or the device shim: what the tests
 and ``bench/scripts.py`` grade ``estimate_script(..., device="cpu")`` against.
 
-``ranks_peak`` runs it under ``torchrun --nproc-per-node N`` over gloo (``python -m memfit.script.truth``: each
+``card_peak`` runs it on a real GPU and reads torch's own counters (``bench/scripts_gpu.py``). ``ranks_peak`` runs it under ``torchrun --nproc-per-node N`` over gloo (``python -m memfit.script.truth``: each
 rank writes its peak), counting the allocations of each rank's main thread (``distributed/truth.main_thread``:
 gloo's worker threads' staging copies are left out, as NCCL's buffers are outside the caching allocator).
 """
@@ -13,6 +13,7 @@ gloo's worker threads' staging copies are left out, as NCCL's buffers are outsid
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -26,15 +27,16 @@ from memfit.estimator.truth import allocator_peak
 from memfit.script.device import cuda_hidden, forget_devices
 from memfit.script.runner import run, target as make_target
 
-__all__ = ["script_peak", "ranks_peak", "main"]
+__all__ = ["script_peak", "card_peak", "ranks_peak", "main"]
 
 
 class _Stop(BaseException):
     pass
 
 
-def _stopping(what, steps: int):
-    """A function that runs ``what`` on the CPU, stopped after ``steps`` optimizer steps; ``seen[0]``: steps run."""
+def _stopping(what, steps: int, cuda: bool = False):
+    """A function that runs ``what`` on the CPU (``cuda``: as it is, on the GPU torch sees), stopped after ``steps``
+    optimizer steps; ``seen[0]``: steps run."""
     seen = [0]
 
     def counted(optimizer, args, kwargs):
@@ -46,7 +48,7 @@ def _stopping(what, steps: int):
         forget_devices()
         handle = register_optimizer_step_post_hook(counted)
         try:
-            with cuda_hidden():
+            with cuda_hidden() if not cuda else contextlib.nullcontext():
                 run(what)
         except _Stop:
             pass
@@ -63,6 +65,19 @@ def script_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> tuple
     stopped after ``steps`` optimizer steps (0: to its end)."""
     body, seen = _stopping(make_target(path, argv, module=module), steps)
     return allocator_peak(body), seen[0]
+
+
+def card_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> dict:
+    """On a machine with a GPU: the script run on it, stopped after ``steps`` optimizer steps; torch's own
+    ``max_memory_allocated`` and ``max_memory_reserved`` since the start (``bench/scripts_gpu.py``)."""
+    import torch
+
+    body, seen = _stopping(make_target(path, argv, module=module), steps, cuda=True)
+    torch.cuda.reset_peak_memory_stats()
+    body()
+    torch.cuda.synchronize()
+    return {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
+            "steps": seen[0]}
 
 
 def ranks_peak(path, argv=(), *, nproc: int = 2, module: bool = False, steps: int = 2,
