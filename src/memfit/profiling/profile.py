@@ -41,25 +41,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import sys
-import sysconfig
 import warnings
 from collections import Counter
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from torch.utils._traceback import CapturedTraceback
-
 from memfit.accounting.budget import VirtualBudget
-from memfit.accounting.ledger import ALLOC, FREE, Ledger, storage_events
+from memfit.accounting.ledger import ALLOC, FREE, storage_events
 from memfit.accounting.replay import replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import Category
 from memfit.errors import MemfitError
 from memfit.estimator.trace import fold_peaks, numel
-from memfit.profiling.sites import FRAMES, largest_at, leaks, short
+from memfit.profiling.sites import largest_at, leaks, short
+from memfit.profiling.watch import Watch
 from memfit.report.report import Report
 from memfit.units import format_size
 from memfit.units import parse_size
@@ -71,80 +67,6 @@ __all__ = ["profile", "Profile", "Enough"]
 class Enough(BaseException):
     """Raised from the optimizer's step once ``max_steps`` steps are profiled: ends the script. A
     ``BaseException`` (as ``KeyboardInterrupt`` is), so a script's own ``except Exception`` lets it through."""
-
-
-def _library_roots() -> tuple[str, ...]:
-    roots = {os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.add(path)
-    roots.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
-    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
-
-
-class _Watch(Ledger):
-    """A ledger that finds the phases, steps and roles of a loop nobody annotated."""
-
-    def __init__(self, *, device: torch.device, owner: "Profile"):
-        super().__init__(device=device, model=None)
-        self._kinds = (device.type, "meta") if owner.fake else (device.type,)
-        self.owner = owner
-        self.captured: list = []  # per record: torch's CapturedTraceback of its allocation (None: before the profile)
-        self._frames: dict[int, tuple] = {}
-        self._own = os.path.dirname(os.path.dirname(__file__)) + os.sep  # memfit's frames are left out
-        self.phase, self.step = "forward", 0
-        self.begin("forward", 0)
-        self._library = _library_roots()
-        self._user_cache: dict[str, bool] = {}
-
-    # -- where an allocation comes from ------------------------------------------------------
-    def _is_user(self, filename: str) -> bool:
-        known = self._user_cache.get(filename)
-        if known is None:
-            path = os.path.realpath(filename)
-            known = not (filename.startswith("<") or path.startswith(self._library))
-            self._user_cache[filename] = known
-        return known
-
-    def _stack(self) -> tuple[tuple, int]:
-        """((file, line, function), ...) innermost first, and the index of the innermost frame of the
-        user's code (-1: none), of where the caller is now."""
-        return self.frames_of(CapturedTraceback.extract(cpp=False))
-
-    def frames_of(self, captured) -> tuple[tuple, int]:
-        if captured is None:
-            return (), -1
-        frames = tuple((f.filename, f.lineno, f.name) for f in reversed(captured.summary())
-                       if not f.filename.startswith(self._own))
-        site = next((i for i, f in enumerate(frames) if self._is_user(f[0])), -1)
-        if site < 0:
-            return frames[:FRAMES], -1
-        return frames[site:site + FRAMES], 0  # from the user's innermost frame outwards
-
-    def _track(self, storage, category: Category) -> int | None:
-        if storage.device.type not in self._kinds:  # a CUDA profile does not count host tensors, and back
-            return None
-        index = super()._track(storage, category)
-        if index is not None:
-            # torch's own captured traceback (what the CUDA memory snapshot records): a few microseconds;
-            # read into frames only for the storages a report names (``stack``)
-            self.captured.extend([None] * (index - len(self.captured)))
-            self.captured.append(CapturedTraceback.extract(cpp=False))
-        return index
-
-    def stack(self, index: int) -> tuple[tuple, int]:
-        """The frames of record ``index``'s allocation and its user site (see ``_stack``), cached."""
-        found = self._frames.get(index)
-        if found is None:
-            found = self._frames[index] = self.frames_of(self.captured[index] if index < len(self.captured) else None)
-        return found
-
-    # -- which phase the loop is in -----------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.phase != "backward" and self.owner._in_step == 0 and torch._C._current_autograd_node() is not None:
-            self.owner._backward_began()
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class Profile:
@@ -190,11 +112,11 @@ class Profile:
         self._boundaries: list[int] = []  # event count at the end of each step
         self._forward: dict | None = None  # the forward pass being watched: step, packed bytes, used
         self._scope = None
-        self.watch: _Watch | None = None
+        self.watch: Watch | None = None
 
     # -- the block ----------------------------------------------------------------------------
     def __enter__(self) -> "Profile":
-        watch = self.watch = _Watch(device=self.device, owner=self)
+        watch = self.watch = Watch(device=self.device, owner=self)
         with contextlib.ExitStack() as scope:
             if not self.fake:
                 gc.collect()
@@ -239,7 +161,7 @@ class Profile:
         self._step_ends()
 
     # -- hooks -------------------------------------------------------------------------------
-    def _existing(self, watch: _Watch) -> None:
+    def _existing(self, watch: Watch) -> None:
         """Tensors alive before the block: parameters as parameters, the rest as input data until a
         stronger role is seen (a module's buffer, a gradient, optimizer state)."""
         tensors, roles = [], []

@@ -29,8 +29,6 @@ import linecache
 import os
 import sys
 
-import torch
-
 from memfit.errors import MemfitError
 from memfit.script.runner import Target, run, target as make_target
 
@@ -237,32 +235,23 @@ def _fake_failure(err: BaseException) -> bool:
 
 
 def _user_frame(err: BaseException, what: Target):
-    """(file, line) of the innermost frame of the user's own code in ``err``'s traceback."""
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    """(file, line) of the innermost frame of the user's own code in ``err``'s traceback (the script's own as a
+    fallback: a script installed as a package is in a library folder)."""
+    from memfit.profiling.watch import library_roots
+
+    library = library_roots()
     script = os.path.realpath(what.name) if not what.module else None
-    best, fallback = None, None
+    best = fallback = None
     tb = err.__traceback__
-    library = _library_roots()
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         path = os.path.realpath(name)
-        if not name.startswith("<") and not path.startswith(own) and not path.startswith(library):
+        if not name.startswith("<") and not path.startswith(library):
             best = (name, tb.tb_lineno)
         if script is not None and path == script:
             fallback = (name, tb.tb_lineno)
         tb = tb.tb_next
     return best or fallback
-
-
-def _library_roots() -> tuple[str, ...]:
-    import sysconfig
-
-    roots = {os.path.dirname(torch.__file__)}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.add(os.path.realpath(path))
-    return tuple(sorted(r + os.sep for r in roots))
 
 
 def _short(path: str) -> str:
