@@ -106,7 +106,7 @@ class _OnCard(TorchFunctionMode):
         super().__init__()
         self.shim = shim
         tensor = torch.Tensor
-        self._device_get = tensor.device.__get__
+        # ``.device`` of a fake tensor is FakeTensor's own property (``_fake_device_says_cuda``); ``.is_cuda`` comes here
         self._is_cuda_get = tensor.is_cuda.__get__
         self._special = {tensor.to: self._to, tensor.cuda: self._cuda, tensor.cpu: self._cpu,
                          tensor.pin_memory: lambda t, *a, **k: t, tensor.is_pinned: lambda t, *a, **k: True,
@@ -122,9 +122,7 @@ class _OnCard(TorchFunctionMode):
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func == self._device_get:  # a new method-wrapper each time: equal, not identical
-            return torch.device("cuda", self.shim.current) if self._on_card(args[0]) else func(*args)
-        if func == self._is_cuda_get:
+        if func == self._is_cuda_get:  # a new method-wrapper each time: equal, not identical
             return self._on_card(args[0])
         special = self._special.get(func)
         if special is not None:
