@@ -50,9 +50,15 @@ docs: setup
 docs-regenerate: setup
 	$(BIN)/python docs/regenerate.py
 
+# `make bench NAME=published ARGS="--rows tt-8b-full-4090"` runs one bench (python -m bench NAME ARGS; `python -m
+# bench list` names them all); plain `make bench` runs the two quick ones, the README's accuracy and speed tables
 bench: setup
-	$(BIN)/python bench/accuracy.py
-	$(BIN)/python bench/speed.py
+ifdef NAME
+	$(BIN)/python -m bench $(NAME) $(ARGS)
+else
+	$(BIN)/python -m bench accuracy
+	$(BIN)/python -m bench speed
+endif
 
 clean:
 	rm -rf $(VENV)

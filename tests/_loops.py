@@ -1,5 +1,5 @@
 """Users' own training loops, written as users write them (no memfit inside), for the profiler's tests
-and bench/profile.py. Each is a generator that builds its model, optimizer and data, and yields after
+and bench/accuracy/profile_loops.py. Each is a generator that builds its model, optimizer and data, and yields after
 every optimizer step, so the truth can read the CPU allocator's events one step at a time.
 
 LEAKY: four loops that leak (the line that allocates what is kept is marked ``# leak``); CLEAN: three

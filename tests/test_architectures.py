@@ -1,4 +1,4 @@
-"""A sample of bench/architectures.py's sweep over every architecture transformers ships: one dense,
+"""A sample of bench/accuracy/architectures.py's sweep over every architecture transformers ships: one dense,
 one mixture-of-experts, one hybrid state-space and one multi-head-latent-attention model, each built
 tiny from its own config class by the sweep's ``tiny_config``, estimated and graded by the CPU
 allocator over the same two AdamW steps. Beside them, the configs transformers ships that memfit
@@ -15,8 +15,8 @@ import memfit
 from memfit.estimator.truth import true_peak
 from memfit.models.source import resolve
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from architectures import BATCH, SEQ, TOLERANCE, tiny_config  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.accuracy.architectures import BATCH, SEQ, TOLERANCE, tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("model_type, cls", [

@@ -2,7 +2,7 @@
 really compiled and run on the CPU allocator; activation_memory_budget; CUDA semantics; refusals.
 
 Compiling is slow on 2 cores (~5-20 s a graph), so the cases are the zoo's MLP at a batch where
-activations matter; bench/compile_cpu.py runs the bigger table (GPT, Llama, GPT-2, encoder, CNN).
+activations matter; bench/accuracy/compile_cpu.py runs the bigger table (GPT, Llama, GPT-2, encoder, CNN).
 """
 
 import pytest

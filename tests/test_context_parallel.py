@@ -27,7 +27,7 @@ def _estimate(path, recipe, gpus, batch=2, seq=32, **kwargs):
 
 
 def test_context_parallel_matches_torchrun_on_every_rank(llama):
-    # (cp_rotate=alltoall, cp=4, HSDP, accumulation: bench/distributed.py, to keep the suite's time)
+    # (cp_rotate=alltoall, cp=4, HSDP, accumulation: bench/distributed/distributed.py, to keep the suite's time)
     recipe = {"parallel": "fsdp", "cp": 2}
     truths = launch({"model": llama, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2}, 2)
     report = _estimate(llama, recipe, 2, steps=2)

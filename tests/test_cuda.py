@@ -199,7 +199,7 @@ def test_depth_path_matches_the_full_trace_on_cuda():
     assert abs(fast.reserved_bytes - full.reserved_bytes) / full.reserved_bytes < 0.05
 
 
-# Recorded on an H100 80GB HBM3 (torch 2.11.0+cu130) by `python bench/cuda_gap.py measure`;
+# Recorded on an H100 80GB HBM3 (torch 2.11.0+cu130) by `python -m bench cuda_gap measure`;
 # the estimates here are made now, on this CPU. Cases whose gap is understood and modelled.
 RECORDED = ["gpt/fp32/adamw", "gpt/bf16-mixed/adamw", "hf-llama/fp32/adamw", "hf-llama/bf16-mixed/sgd",
             "hf-gpt2/bf16-mixed/adamw", "hf-bert/fp32/adamw", "encoder/fp32/adamw", "mlp/bf16-mixed/adamw"]
@@ -208,7 +208,7 @@ RECORDED = ["gpt/fp32/adamw", "gpt/bf16-mixed/adamw", "hf-llama/fp32/adamw", "hf
 @pytest.mark.parametrize("case", RECORDED)
 def test_estimate_without_a_gpu_matches_recorded_h100_runs(case):
     with open(os.path.join(RESULTS, "cuda-gap-h100.json")) as f:
-        real = json.load(f)["cases"][case]
+        real = {r["name"]: r for r in json.load(f)["rows"]}[case]
     name, precision, optimizer = case.split("/")
     build, batch, loss = CASES[name]
     est = memfit.estimate(build, batch(), loss_fn=loss, precision=precision, optimizer=optimizer, gpu="h100-sxm")

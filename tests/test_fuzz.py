@@ -1,7 +1,7 @@
-"""A fast subset of bench/fuzz.py: malformed and edge inputs to the API and the CLI give a result
+"""A fast subset of bench/faults/fuzz.py: malformed and edge inputs to the API and the CLI give a result
 or one short MemfitError line (CLI: exit status 2), never a traceback.
 
-The full run (>= 1000 cases, ``python bench/fuzz.py``) writes bench/results/fuzz.json.
+The full run (>= 1000 cases, ``python -m bench fuzz``) writes bench/results/fuzz.json.
 """
 
 import contextlib
@@ -11,16 +11,16 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import fuzz  # noqa: E402
+from bench.faults import fuzz  # noqa: E402
 import memfit  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 
 
 def test_fuzz_subset_has_no_failures():
-    # plans are left to the full run (bench/fuzz.py): a plan's first traces take 10 s or more
+    # plans are left to the full run (bench/faults/fuzz.py): a plan's first traces take 10 s or more
     result = fuzz.fuzz(seed=11, cases=500, kinds={"recipe", "recipe_load", "estimate", "cli_estimate", "cli_misc",
                                                    "apply", "recipe_save", "cli_other"})
     assert result["cases"] >= 350 and result["by_kind"]["apply"]["cases"] and result["by_kind"]["recipe_save"]["cases"]

@@ -36,7 +36,7 @@ def _t5():
     (_t5, dict(prompt_len=12, new_tokens=6)),  # encoder once, then self- and cross-attention caches
 ], ids=["llama-gqa-dynamic", "llama-static", "llama-left-padded-batch", "t5-encoder-decoder"])
 def test_estimate_equals_the_allocator(config, kwargs):
-    """Within 1 % is the issue's bar; these are equal to the byte (bench/generate.py: the other cases)."""
+    """Within 1 % is the issue's bar; these are equal to the byte (bench/generation/generate.py: the other cases)."""
     config = config()
     report = estimate_generate(config, precision="fp32", **kwargs)
     request = Request(kwargs["prompt_len"], kwargs["new_tokens"], kwargs.get("batch_size", 1),

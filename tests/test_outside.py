@@ -19,9 +19,9 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "bench", "results")
 
 def _measured():
     with open(os.path.join(RESULTS, "cuda-outside-h200.json")) as f:
-        steps = {s["step"]: s for s in json.load(f)["library_steps"]}
+        steps = {s["step"]: s for s in json.load(f)["rows"] if s["part"] == "library_steps"}
     with open(os.path.join(RESULTS, "gpu-check-h200-truths.json")) as f:
-        truths = json.load(f)["truths"]
+        truths = {r["name"]: r for r in json.load(f)["rows"]}
     return steps, truths
 
 
@@ -125,7 +125,7 @@ def test_conv_workspaces_are_twice_what_each_call_writes(dtype):
 
 def test_conv_workspace_rule_against_the_h200_measurements():
     with open(os.path.join(RESULTS, "cuda-outside-h200.json")) as f:
-        rows = [r for r in json.load(f)["conv_workspaces"] if r["mode"] in ("fp32", "bf16")]
+        rows = [r for r in json.load(f)["rows"] if r["part"] == "conv_workspaces" and r["mode"] in ("fp32", "bf16")]
     measured = rule = 0
     for r in rows:
         n, c, hw, _ = r["input"]

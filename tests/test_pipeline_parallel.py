@@ -39,7 +39,7 @@ def _estimate(path, recipe, gpus, batch=4):
     # FSDP2 shards each stage over its 2 data-parallel ranks (the (pp, dp) mesh); 1F1B
     ({"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4}, 4),
     # Interleaved 1F1B: 4 stages, two a rank (0 and 2, 1 and 3). 4 stages over 4 ranks with 1F1B, and interleaved
-    # with FSDP2 (each stage its own root): bench/distributed.py (2 ranks here keep the suite's time)
+    # with FSDP2 (each stage its own root): bench/distributed/distributed.py (2 ranks here keep the suite's time)
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batch_size": 1, "grad_accum_steps": 4}, 2),
 ])
 def test_pipeline_matches_torchrun_on_every_stage(tiny, recipe, gpus):
@@ -61,7 +61,7 @@ def test_pipeline_matches_torchrun_on_every_stage(tiny, recipe, gpus):
 
 def test_pipeline_with_tensor_parallel_traces_each_stage(tiny):
     """PP x TP on one (pp, tp) mesh, torchtitan's order: both stages traced, each by its first rank (its TP peer holds
-    the same). Against torchrun this needs 4 ranks: `python bench/distributed.py --only pp-2-tp-2-sequence-loss`
+    the same). Against torchrun this needs 4 ranks: `python -m bench distributed --only pp-2-tp-2-sequence-loss`
     (each stage exact on one TP rank, the other within 0.5 %); the suite keeps to 2-rank truths for its time."""
     recipe = {"pp": 2, "tp": 2, "sequence_parallel": True, "loss_parallel": True, "micro_batch_size": 1,
               "grad_accum_steps": 2}

@@ -1,4 +1,4 @@
-"""bench/published.py: the quoted rows are well-formed, and its restated losses are the same loss."""
+"""bench/published/published.py: the quoted rows are well-formed, and its restated losses are the same loss."""
 
 import os
 import sys
@@ -7,12 +7,11 @@ import pytest
 import torch
 import transformers as tf
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
-sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import litgpt_8641822  # noqa: E402
-import published  # noqa: E402
-from published_rows import EXCLUDED, ROWS  # noqa: E402
+from bench.published import _litgpt_8641822 as litgpt_8641822  # noqa: E402
+from bench.published import published  # noqa: E402
+from bench.published._rows import EXCLUDED, ROWS  # noqa: E402
 import memfit  # noqa: E402
 from memfit import Recipe  # noqa: E402
 from memfit.estimator.truth import true_peak  # noqa: E402
@@ -54,7 +53,7 @@ def test_restated_losses_equal_the_models_own(loss):
     torch.testing.assert_close(loss(model, batch), expected, rtol=1e-5, atol=1e-6)
 
 
-# A two-block LitGPT phi / Llama small enough for the CPU allocator (bench/litgpt_8641822.py); block_size
+# A two-block LitGPT phi / Llama small enough for the CPU allocator (bench/published/_litgpt_8641822.py); block_size
 # is the batch length: no RoPE cache rebuilt inside the step (the allocator does not see the old one freed).
 _PHI = dict(padded_vocab_size=96, block_size=40, n_embd=64, n_layer=2, n_head=4, rotary_percentage=0.5,
             parallel_residual=True, shared_attention_norm=True, bias=True, lm_head_bias=True, norm_class="LayerNorm",

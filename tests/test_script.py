@@ -70,7 +70,7 @@ def test_script_for_a_card(here, name):
 def test_a_torchrun_script_equals_each_rank_over_gloo(here):
     """FSDP2 in the script's own code, each rank against torchrun over gloo. (The same script with DDP is not
     graded here: over gloo its real peak is the estimate's, to 20 bytes, in about half the launches and one
-    parameter copy more in the others; bench/scripts.py records both.)"""
+    parameter copy more in the others; bench/accuracy/scripts.py records both.)"""
     path, flags = SCRIPTS / "ddp_train.py", ["--fsdp"]
     truth = ranks_peak(path, flags, nproc=2, steps=2)
     for rank in (0, 1):
@@ -93,7 +93,7 @@ def test_the_scripts_own_counters_print_the_estimate(here, capsys):
 
 def test_torch_compile_in_a_script_is_inductors_plan(here):
     """The script's torch.compile(model), planned by Inductor on fake tensors (the truth, a real compile on this CPU,
-    is bench/scripts.py's: 14,093,952 B both, against 15,108,728 B eager)."""
+    is bench/accuracy/scripts.py's: 14,093,952 B both, against 15,108,728 B eager)."""
     args = ["--dtype=float32", "--grad_accum=1", "--eval_interval=100"]
     eager = memfit.estimate_script(SCRIPTS / "gpt_train.py", args, steps=2, device="cpu")
     compiled = memfit.estimate_script(SCRIPTS / "gpt_train.py", ["--compile=True", *args], steps=2, device="cpu")

@@ -37,7 +37,7 @@ def _estimate(path, recipe, gpus, batch=2):
     # sequence and loss parallel: the residual stream sharded over the sequence, the logits over the vocabulary
     # (loss_parallel's cross-entropy runs in DTensor's own handlers: their inner ops recorded, Ledger._handled)
     ({"tp": 2, "sequence_parallel": True, "loss_parallel": True}, 2, 2),
-    # FSDP2 over the other 2 ranks of a (dp_shard x tp) mesh needs 4 ranks: `python bench/distributed.py --only
+    # FSDP2 over the other 2 ranks of a (dp_shard x tp) mesh needs 4 ranks: `python -m bench distributed --only
     # fsdp-tp-2x2-sequence-loss-bf16-checkpointing` (the suite keeps to 2-rank truths to stay within its time)
 ])
 def test_tensor_parallel_matches_torchrun(tiny, recipe, gpus, batch):

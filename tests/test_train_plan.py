@@ -1,4 +1,4 @@
-"""What `memfit train` on an H200 showed (issue 34, bench/train_gpu.py): a run that follows a plan must hold what
+"""What `memfit train` on an H200 showed (issue 34, bench/training/train_gpu.py): a run that follows a plan must hold what
 the plan estimated. Calibration's timed models are gone before the run's is built; rows of one length take the
 plan's micro-batch without estimates of their own; a fused optimizer runs without the safe step's copies; and
 the CUDA attention choice of an estimate traces into one compiled graph."""

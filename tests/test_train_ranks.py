@@ -3,7 +3,7 @@ one-process run of the same global batches; out-of-memory errors injected on eit
 forward, backward and the optimizer step, are redone by both ranks and change nothing; a 2-rank
 checkpoint resumes on 1 and on 4 ranks with the same losses; a rank killed with SIGKILL is restarted
 by torchrun and resumes; ``memfit train --nproc-per-node 2`` launches torchrun and rank 0 reports.
-The many-run versions (100 faults, 30 kills) are ``bench/train_ranks.py``."""
+The many-run versions (100 faults, 30 kills) are ``bench/faults/train_ranks.py``."""
 
 import glob
 import json

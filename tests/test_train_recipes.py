@@ -81,7 +81,7 @@ def _runnable(recipe: Recipe) -> str | None:
     if ("8bit" in recipe.optimizer or recipe.lora.startswith("qlora")) and not _has("bitsandbytes"):
         return "bitsandbytes is not installed"
     if recipe.offload_optimizer:
-        return "torchao's CPUOffloadOptimizer needs a CUDA or XPU device (bench/train_gpu.py runs it on a GPU)"
+        return "torchao's CPUOffloadOptimizer needs a CUDA or XPU device (bench/training/train_gpu.py runs it on a GPU)"
     if recipe.offload_activations:
         return "activation offload moves saved tensors to pinned host memory on a CUDA stream"
     return None

@@ -1,6 +1,6 @@
 """memfit train's own choice against hand-written loops under the same virtual budget (issue 34 item 5).
 
-The CPU half of ``bench/train_speed.py`` on a smaller model: for three budgets (one where only
+The CPU half of ``bench/training/train_speed.py`` on a smaller model: for three budgets (one where only
 checkpointing or accumulation fits, one in between, one roomy), memfit plans and trains as ``memfit train
 --budget`` does, and a grid of plain loops (micro-batch x checkpointing x bf16 autocast, fused AdamW) runs
 the same global batch. memfit must stay within the budget with no out-of-memory error and come within 80%
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import train_speed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.training import train_speed  # noqa: E402
 
 MiB = 2**20
 
@@ -66,7 +66,7 @@ def test_memfit_comes_close_to_the_fastest_loop_that_fits(rows):
 
 
 def test_the_gpu_grid_stops_one_below_the_first_micro_batch_that_fits():
-    """bench/train_speed's CUDA grid (bf16, fused): largest micro-batch first, one more below the first fit."""
+    """bench/training/train_speed.py's CUDA grid (bf16, fused): largest micro-batch first, one more below the first fit."""
     ran = []
 
     def run(setting):

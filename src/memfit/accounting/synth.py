@@ -31,7 +31,7 @@ in the next block's forward, is the previous copy's. In-place accumulation (``Re
 the donor's name to the new record, as the allocator model does with its block.
 
 Why by hand: nothing in torch writes an allocation trace for a model it did not run.
-``tests/test_depth.py`` checks the result against full traces, and ``bench/fast_vs_full.py``
+``tests/test_depth.py`` checks the result against full traces, and ``bench/speed/fast_vs_full.py``
 against full traces of catalog models.
 
 Known limitations: a free whose record cannot be named in the deep model (a shallow-model

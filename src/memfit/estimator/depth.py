@@ -20,7 +20,7 @@ other layer and no RoPE every fourth: 4), the units before the repeated one are 
 layers are four units of six and two). Where no copy is shallower than the model (Granite 4's
 attention at layers 5, 15, 25 and 35 of 40) the model is traced in full.
 
-``tests/test_depth.py``, ``tests/test_catalog_layers.py`` and ``bench/fast_vs_full.py`` check it
+``tests/test_depth.py``, ``tests/test_catalog_layers.py`` and ``bench/speed/fast_vs_full.py`` check it
 against full traces.
 
 Known limitations: module paths past the copy's blocks name the block the record was written as

@@ -18,7 +18,7 @@ The steps between are not traced: the cache only grows, so they are below the la
 on the depth fast path's shallow copy (``estimator/depth.py``: first, second, middle and last blocks,
 layer kinds kept where the deep model has them), its allocation log written out at full depth
 (``accounting/synth.py``) and replayed. The peak is the larger of the two places; ``step_peaks`` are
-the traced forwards' only. ``tests/test_generate_fast.py`` and ``bench/generate_fast.py`` check it
+the traced forwards' only. ``tests/test_generate_fast.py`` and ``bench/generation/generate_fast.py`` check it
 against full traces: byte-exact but for depth.py's 8-byte set-up tensor per cache layer of the
 sliding-window and static caches.
 

@@ -6,7 +6,7 @@ forward per new token (``decode``), the KV cache transformers builds for the ``c
 (``cache.py``), the logits generate keeps, its masks and position ids. Every storage is an allocation
 of its bytes, and the cache object's tensors are marked ``kv_cache``. Kernel scratch is replayed as for
 training (``accounting/scratch.py``). Graded against the CPU allocator running the same ``generate``
-for real (``truth.py``; ``bench/generate.py``).
+for real (``truth.py``; ``bench/generation/generate.py``).
 
 ``generate`` reads tensors to decide what to do (padding in the mask, whether every sequence has
 finished): the values of small tensors made from the prompt follow the fake run (``values.py``), so

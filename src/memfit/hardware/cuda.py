@@ -41,7 +41,7 @@ rules torch itself uses on CUDA:
   calls each take a workspace from the caching allocator for as long as the call runs, sized by the engine
   cuDNN's heuristics pick (``torch.backends.cudnn.benchmark`` off, torch's default). No published rule
   gives that size; ``conv_workspaces`` follows the one measured on an H200 (cuDNN 9.19, TF32 on, torch's
-  default; ``bench/cuda_outside.py``, 10 shapes x fp32/bf16 x 3 calls): twice the bytes the call
+  default; ``bench/gpu/cuda_outside.py``, 10 shapes x fp32/bf16 x 3 calls): twice the bytes the call
   writes — the output for the forward and the weight gradient (from the output gradient's size), the
   input for the input gradient — and none for 1x1 kernels (GEMM engines) or grouped/depthwise
   convolutions (torch's own kernels for most). Measured/rule over the 60 calls: 1,639 / 1,720 MiB, median

@@ -62,7 +62,7 @@ _CONTEXT_SM86 = 256 * MiB  # measured
 _CONTEXT_SM89 = 426 * MiB  # measured
 _CONTEXT_VOLTA_TURING = 384 * MiB  # measured range 300-400 MB
 #  - Hopper GH100 (sm90): 552,402,944 bytes (526.8 MiB) measured on an H200 (torch 2.11.0+cu130, driver 580):
-#    device used less reserved after torch.cuda.init() and a 1-element tensor (bench/cuda_outside.py); the
+#    device used less reserved after torch.cuda.init() and a 1-element tensor (bench/gpu/cuda_outside.py); the
 #    H100 is the same die with the same SM count. What the libraries add on top: hardware/outside.py.
 _CONTEXT_SM86 = 256 * MiB  # measured
 _CONTEXT_SM89 = 426 * MiB  # measured

@@ -22,8 +22,8 @@ Where the figures come from (each term carries its source):
   no step or forward kernels arrive later, and cuBLAS loads all of its own at its first handle (more than
   the lazy figure; how much is not measured here): the Hugging Face single-GPU guide measured 1,343 MiB for
   the context alone on a V100 (CUDA 11.2), which is :data:`EAGER_CONTEXT` here.
-* **H200, torch 2.11.0+cu130, driver 580, cuDNN 9.19, NCCL 2.28.9** (``bench/cuda_outside.py`` ->
-  ``bench/results/cuda-outside-h200.json``; ``bench/gpu_check.py``'s truths, each case in a fresh process
+* **H200, torch 2.11.0+cu130, driver 580, cuDNN 9.19, NCCL 2.28.9** (``bench/gpu/cuda_outside.py`` ->
+  ``bench/results/cuda-outside-h200.json``; ``bench/gpu/gpu_check.py``'s truths, each case in a fresh process
   -> ``gpu-check-h200-truths.json``), device used (``cudaMemGetInfo``: total - free) less reserved:
   526.8 MiB after CUDA init; +158.0 MiB at the first matmul (cuBLAS and cuBLASLt: the bf16 and fp16
   matmuls after it add nothing). What else a run loads (attention kernels, cuDNN's engines, the backward's

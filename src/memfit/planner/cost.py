@@ -12,7 +12,7 @@ says which part pages).
 
 Rates: for a catalog GPU, its datasheet peaks (``gpus.py``) times the fraction eager PyTorch
 reaches (``EFFICIENCY``, checked against the H100 runs recorded in ``bench/results``; see
-``bench/plan_calibrate.py``); for the CPU, measured on this machine at first use
+``bench/gpu/plan_calibrate.py``); for the CPU, measured on this machine at first use
 (``Speed.host()``: a 1024^3 matmul per dtype, a 64 MiB copy, and the per-kernel cost of a
 training step of tiny modules: dispatch, module calls and autograd).
 

@@ -3,9 +3,9 @@
 The same script, the same arguments, on real CPU tensors under ``torch.profiler`` with ``profile_memory``
 (``estimator/truth.allocator_peak``), stopped after the same number of optimizer steps by torch's global
 optimizer step hook. It shares nothing with the ledger, the fake tensors or the device shim: what the tests
-and ``bench/scripts.py`` grade ``estimate_script(..., device="cpu")`` against.
+and ``bench/accuracy/scripts.py`` grade ``estimate_script(..., device="cpu")`` against.
 
-``card_peak`` runs it on a real GPU and reads torch's own counters (``bench/scripts_gpu.py``). ``ranks_peak`` runs it under ``torchrun --nproc-per-node N`` over gloo (``python -m memfit.script.truth``: each
+``card_peak`` runs it on a real GPU and reads torch's own counters (``bench/gpu/scripts_gpu.py``). ``ranks_peak`` runs it under ``torchrun --nproc-per-node N`` over gloo (``python -m memfit.script.truth``: each
 rank writes its peak), counting the allocations of each rank's main thread (``distributed/truth.main_thread``:
 gloo's worker threads' staging copies are left out, as NCCL's buffers are outside the caching allocator).
 """
@@ -69,7 +69,7 @@ def script_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> tuple
 
 def card_peak(path, argv=(), *, module: bool = False, steps: int = 2) -> dict:
     """On a machine with a GPU: the script run on it, stopped after ``steps`` optimizer steps; torch's own
-    ``max_memory_allocated`` and ``max_memory_reserved`` since the start (``bench/scripts_gpu.py``)."""
+    ``max_memory_allocated`` and ``max_memory_reserved`` since the start (``bench/gpu/scripts_gpu.py``)."""
     import torch
 
     body, seen = _stopping(make_target(path, argv, module=module), steps, cuda=True)

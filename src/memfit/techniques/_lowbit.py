@@ -29,8 +29,8 @@ than 8-bit's 8 and FP8's 0 to 2, which can make the 4-bit step peak above the 8-
 its state is half.
 
 Known limitations: the pattern is the CPU kernel's; Inductor's CUDA (Triton) kernels may fuse more
-(not yet measured on a GPU: ``python bench/optimizers.py measure``; torchao's published ViT-H peaks,
-where the peak is not in the step, agree within 1.0 %: ``bench/published.py``), and Inductor's CPU
+(not yet measured on a GPU: ``python -m bench optimizers measure``; torchao's published ViT-H peaks,
+where the peak is not in the step, agree within 1.0 %: ``bench/published/published.py``), and Inductor's CPU
 choices may change with the thread count. ``amsgrad`` and ``bf16_stochastic_round``
 (off in memfit's optimizers) add buffers not modelled here. Written by hand because nothing in torch
 or torchao says what a compiled kernel will allocate without compiling and running it.

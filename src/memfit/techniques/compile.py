@@ -38,7 +38,7 @@ no "plan only" mode for Inductor; ``torch._inductor.memory.estimate_peak_memory`
 graph's scheduler nodes but not the step around it (saved tensors alive between forward and
 backward, gradients, optimizer).
 
-Measured (``bench/compile_cpu.py``, ``tests/test_compile.py``): against the same step really
+Measured (``bench/accuracy/compile_cpu.py``, ``tests/test_compile.py``): against the same step really
 compiled and run on the CPU allocator, byte-exact or within 48 bytes on the zoo's MLP, GPT, tiny
 Llama (fp32, bf16-mixed, and with checkpointing, accumulation, LoRA, ...), GPT-2, encoder and CNN;
 ``compile=layers`` within 1,048 bytes (0.01 %) on the zoo's Llama (fp32, bf16-mixed, checkpointing,

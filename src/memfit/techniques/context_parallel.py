@@ -15,7 +15,7 @@ Written here, not taken from torch: one handler. torch's ring is registered for 
 kernel (which saves what CUDA's flash kernel saves), which torch 2.13 has no context-parallel rule for.
 ``_ring`` registers torch's own ring (``_templated_ring_attention`` and its backward) for the CPU flash kernel
 while the context is on, so the estimate (fake tensors) and a torchrun over gloo (the truth,
-``bench/distributed.py``) run torch's ring, rotation and merging unchanged. The loss is the model's own on
+``bench/distributed/distributed.py``) run torch's ring, rotation and merging unchanged. The loss is the model's own on
 labels shifted before sharding (``shift_labels``: the next token of a chunk's last one is on another rank).
 
 Not yet (each an error naming it): cp with pp, tp, ep or float8; attention other than SDPA (eager attention would

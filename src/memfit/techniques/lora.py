@@ -21,7 +21,7 @@ which keeps adapters in fp32 on a bf16 base; ``bf16`` keeps them in the base's b
 (its LoRA recipe builds the model under ``set_default_dtype(bf16)`` and checks the adapters are bf16),
 and is allowed with ``precision=bf16`` only: the adapters' weights, gradients and AdamW moments halve,
 and peft no longer makes an fp32 copy of each adapted layer's input for ``lora_A``. Measured with
-``bench/published.py`` on torchtune's Llama-3.2-3B rows: LoRA +8.9 % -> +2.4 %, QLoRA +16.7 % -> +4.8 %
+``bench/published/published.py`` on torchtune's Llama-3.2-3B rows: LoRA +8.9 % -> +2.4 %, QLoRA +16.7 % -> +4.8 %
 (``tests/test_lora_targets.py`` checks it against the CPU allocator). 4-bit bases never hand their
 dtype to peft, so the adapters are cast after wrapping.
 

@@ -3,7 +3,7 @@
 ``plan`` ranks recipes by a cost model (roofline per kernel on a GPU, measured rates on the CPU). It
 ranks far apart recipes well, but two close ones can swap on a given machine: on 2 CPU cores a small
 Llama ran fp32 at 1.3x the tokens/s of bf16 autocast, which the model put the other way round
-(``bench/train_speed.py``). So ``calibrate`` takes the fastest predicted plan of each distinct set of
+(``bench/training/train_speed.py``). So ``calibrate`` takes the fastest predicted plan of each distinct set of
 techniques (precision, checkpointing, chunked loss, optimizer step...: the micro-batch is ``train``'s
 own to size), at most ``most`` of them and covering each precision and checkpointing level first, builds a fresh model for each, runs ``steps`` optimizer steps of
 the plan's global batch of full-length rows under the run's budget (the virtual budget on the CPU, the

@@ -1,0 +1,1 @@
+"""What breaks: malformed inputs to every entry point, and training under injected OOMs and kills."""

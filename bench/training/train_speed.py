@@ -1,0 +1,262 @@
+"""How close `memfit train`'s own choice comes to the fastest hand-written loop that fits the same budget.
+
+For a model and a few budgets: memfit plans (``plan``, nothing fixed) and times its few most promising
+recipes (``training/calibrate.py``), what ``memfit train --budget B`` does by default, then trains; a grid of plain PyTorch loops (micro-batch x accumulation,
+activation checkpointing through transformers' ``gradient_checkpointing_enable``, bf16 autocast or fp32,
+fused or foreach AdamW) each runs the same global batch of full-length rows under the same budget; the
+best loop that did not run out of memory is the bar. Every run is its own fresh model. On the CPU the
+budget is virtual (``VirtualBudget``: the live tensor bytes, an out-of-memory error past it, the model's
+own bytes counted); on CUDA it is the process's memory, its CUDA context included as memfit's plan counts
+it (the allocator gets the budget less the card's context: ``set_per_process_memory_fraction``), and the
+figures are ``max_memory_allocated``.
+
+    python -m bench train_speed                       # CPU, a small Llama, 3 virtual budgets -> results/train-speed-cpu.json
+    python -m bench train_speed --device cuda --model qwen3-0.6b --budgets 16GiB,24GiB,40GiB --seq-len 1024 --batch 32
+
+Speed is tokens per second of the steps after the first (warm-up, and memfit's planning and
+micro-batch estimates are outside it: they are reported apart as ``plan_seconds``).
+``tests/test_train_speed.py`` runs the CPU comparison on a tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]  # this tree's memfit; bench/ a package when run as a file
+RESULTS = ("train-speed-cpu.json", "train-speed-gpu.json")
+os.environ.setdefault("MEMFIT_DEVICE", "cpu")
+
+import torch  # noqa: E402
+
+from memfit.units import format_size, parse_size  # noqa: E402
+from bench import _results  # noqa: E402
+
+
+def tiny_config(layers: int = 4, hidden: int = 128, vocab: int = 512):
+    import transformers as tf
+
+    return tf.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                          max_position_embeddings=1024, architectures=["LlamaForCausalLM"])
+
+
+def _config(name: str):
+    if name == "tiny":
+        return tiny_config()
+    from memfit.models.source import resolve
+
+    return resolve(name).config
+
+
+def _build(config, device):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    return model
+
+
+class FullRows(torch.utils.data.Dataset):
+    """``n`` rows of exactly ``seq`` random tokens: every micro-batch the same shape, as the loops' are."""
+
+    def __init__(self, n: int, seq: int, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = [torch.randint(1, vocab, (seq,), generator=g) for _ in range(n)]
+        import numpy as np
+
+        self.lengths = np.full(n, seq)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i]}
+
+
+@contextlib.contextmanager
+def _budget(device, cap: int, model):
+    """The cap around a run: virtual on the CPU (the model's bytes resident), a memory fraction on CUDA."""
+    if device == "cpu":
+        from memfit.accounting.budget import VirtualBudget
+
+        resident = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+        with VirtualBudget(cap, resident=resident) as vb:
+            yield lambda: vb.peak + resident
+        return
+    from memfit.hardware.gpus import target
+
+    # the process's budget, its CUDA context included, as memfit's run keeps to it: the allocator gets the rest
+    limit = target("cuda", None).gpu.allowed_bytes(cap)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / torch.cuda.get_device_properties(0).total_memory))
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield torch.cuda.max_memory_allocated
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def hand_loop(config, device, cap: int, *, batch: int, seq: int, micro: int, checkpointing: bool, bf16: bool,
+              fused: bool, steps: int) -> dict:
+    """A plain loop as a user writes it: AdamW, autocast, HF's own checkpointing, accumulation."""
+    model = _build(config, device)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
+    rows = FullRows(batch, seq, config.vocab_size).ids
+    times = []
+    try:
+        with _budget(device, cap, model) as peak:
+            for _ in range(steps):
+                start = time.perf_counter()
+                for i in range(0, batch, micro):
+                    ids = torch.stack(rows[i:i + micro]).to(device)
+                    with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+                        loss = model(input_ids=ids, labels=ids).loss / (batch // micro)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            used = peak()
+    except torch.OutOfMemoryError:
+        return {"fits": False}
+    finally:
+        del model, opt
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"fits": True, "tokens_per_second": batch * seq / statistics.median(times[1:]), "peak_bytes": used}
+
+
+def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gpu: str | None, cache=None) -> dict:
+    """What ``memfit train --budget`` does by default: plan the fastest recipe that fits, then train it.
+    ``cache``: an ``EngineCache`` the budgets of one model share (the planner's traces, not its answer)."""
+    from memfit.planner.plan import plan
+    from memfit.training.loop import train
+
+    start = time.perf_counter()
+    plans = plan(config, budget=cap, gpu=gpu, global_batch_size=batch, seq_len=seq,
+                 device="cpu" if device == "cpu" else "cuda", cache=cache)
+    planned = time.perf_counter() - start
+    conf = None
+    if device == "cuda":  # as memfit train does: the allocator setting the plan fits with (the loops keep it)
+        from memfit.training.loop import use_alloc_conf
+
+        conf = use_alloc_conf(plans[:4])
+    from memfit.models.source import resolve
+    from memfit.training.calibrate import calibrate
+
+    source = resolve(config)
+    timing = calibrate(plans, lambda: _build(config, device), source.make_batch(batch, seq), device=device, budget=cap,
+                       gpu=gpu)
+    chosen = next(p for p in plans if p.recipe == timing.recipe)
+    model = _build(config, device)
+    with tempfile.TemporaryDirectory() as out:
+        result = train(model, FullRows(batch * steps, seq, config.vocab_size), recipe=chosen.recipe, plan=chosen,
+                       budget=cap, global_batch_size=batch, seq_len=seq, steps=steps, out_dir=out, progress=False,
+                       gpu=gpu if device != "cpu" else None, tensorboard=False)
+        lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    seconds = statistics.median(line["seconds"] for line in lines[1:])
+    return {"recipe": chosen.recipe.describe(), "predicted_tokens_per_second": chosen.tokens_per_second,
+            "plan_first": plans.best.recipe.describe(), "timed": timing.to_dict(),
+            "predicted_step_seconds": chosen.step_seconds, "measured_step_seconds": seconds,
+            "tokens_per_second": batch * seq / seconds, "peak_bytes": result.peak_bytes, "ooms": len(result.ooms),
+            "alloc_conf": conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "plan_seconds": round(planned, 1), "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
+
+
+def grid(batch: int, cuda: bool, smallest: int = 1) -> list[dict]:
+    micros = [m for m in (1, 2, 4, 8, 16, 32, 64) if smallest <= m <= batch and batch % m == 0]
+    return [dict(micro=m, checkpointing=c, bf16=b, fused=f)
+            for m in micros for c in (False, True) for b in (False, True) for f in ((False, True) if cuda else (True,))]
+
+
+def loops_on_cuda(run, batch: int, smallest: int = 1) -> list[dict]:
+    """The grid a GPU can afford in minutes: bf16 autocast and fused AdamW (on a tensor-core GPU fp32 and foreach
+    are slower at every micro-batch, so they cannot be the best loop), with and without checkpointing; micro-
+    batches from the largest down, stopping one below the first that fits (a smaller one is slower still: it
+    only lowers the GPU's occupancy). ``run(setting) -> result``."""
+    micros = sorted({x["micro"] for x in grid(batch, True, smallest)}, reverse=True)
+    loops = []
+    for checkpointing in (False, True):
+        fitted = 0
+        for m in micros:
+            setting = dict(micro=m, checkpointing=checkpointing, bf16=True, fused=True)
+            got = run(setting)
+            loops.append({**setting, **got})
+            fitted += got["fits"]
+            if fitted == 2:
+                break
+    return loops
+
+
+def compare(config, device: str, budgets: list[int], *, batch: int, seq: int, steps: int = 3,
+            gpu: str | None = None, log=print, smallest: int = 1, on_row=None) -> list[dict]:
+    """memfit against the loops, budget by budget; ``smallest``: the smallest micro-batch of the grid;
+    ``on_row(rows)`` after each budget (a long GPU run keeps what it has)."""
+    from memfit.planner.cache import EngineCache
+
+    rows, cache = [], EngineCache()
+    for cap in budgets:
+        ours = memfit_run(config, device, cap, batch=batch, seq=seq, steps=steps, gpu=gpu, cache=cache)
+
+        def run(setting):
+            return hand_loop(config, device, cap, batch=batch, seq=seq, steps=steps, **setting)
+
+        if device == "cpu":
+            loops = [{**setting, **run(setting)} for setting in grid(batch, False, smallest)]
+        else:
+            loops = loops_on_cuda(run, batch, smallest)
+        fitting = [x for x in loops if x["fits"]]
+        best = max(fitting, key=lambda x: x["tokens_per_second"], default=None)
+        row = {"budget": cap, "budget_text": format_size(cap), "memfit": ours, "best_loop": best,
+               "loops_that_fit": len(fitting), "loops": loops,
+               "ratio": None if best is None else round(ours["tokens_per_second"] / best["tokens_per_second"], 3),
+               "memfit_within_budget": ours["peak_bytes"] <= cap and ours["ooms"] == 0}
+        rows.append(row)
+        log(f"{format_size(cap):>10}: memfit {ours['tokens_per_second']:,.0f} tok/s ({ours['recipe']}), best loop "
+            f"{'-' if best is None else format(best['tokens_per_second'], ',.0f')} tok/s "
+            f"({'' if best is None else {k: best[k] for k in ('micro', 'checkpointing', 'bf16', 'fused')}}), "
+            f"ratio {row['ratio']}, {len(fitting)}/{len(loops)} loops fit")
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--model", default="tiny", help="tiny (a 4-layer Llama of width 128) or a catalog name")
+    parser.add_argument("--budgets", default="40MiB,56MiB,96MiB")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gpu", default=None, help="(cuda) the catalog card; default the one torch sees")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("train_speed: no CUDA GPU visible: skipped")
+        return
+    if args.device == "cuda":
+        os.environ["MEMFIT_DEVICE"] = "cuda"
+    budgets = [parse_size(b) for b in args.budgets.split(",")]
+    start = time.perf_counter()
+    rows = compare(_config(args.model), args.device, budgets, batch=args.batch, seq=args.seq_len, steps=args.steps,
+                   gpu=args.gpu)
+    out = _results.write(args.out or RESULTS[args.device == "cuda"], rows, model=args.model, batch=args.batch,
+                         seq_len=args.seq_len, seconds=round(time.perf_counter() - start, 1))
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
