@@ -74,6 +74,10 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message: str):
+        from memfit.cli._spellings import FALSE, TRUE
+
+        if message.startswith("unrecognized arguments:") and set(message.lower().split()[2:]) & {*TRUE, *FALSE}:
+            message += " (a true/false flag takes no value: --flag for true, --no-flag for false)"
         self.exit(2, f"{self.prog}: error: {MemfitError(message)} (see {self.prog} --help)\n")
 
 
@@ -110,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    if words[:1] == ["estimate"] and not {"-h", "--help"} & set(words[1:2]):
+    if words[:1] == ["estimate"]:
         from memfit.cli import estimate_script
 
         found = estimate_script.split(words[1:])

@@ -3,6 +3,10 @@ Recipe flags, and the helpers around a run (progress bar, ``--out`` check, ``pac
 
 The Recipe flags come from a static table of the techniques' fields (``_recipe_flags``, kept equal to
 the registry by a test), so building a verb's parser imports no torch and its ``--help`` is quick.
+
+Every flag sits in one of ``SECTIONS`` (argparse argument groups), the same for every verb and in the same
+order, so a verb's ``--help`` reads model, batch, techniques, optimizer, LoRA, GPUs, card, output rather than
+one list of seventy flags; tests/test_help.py holds every flag to a section and a one-line help.
 """
 
 from __future__ import annotations
@@ -12,15 +16,50 @@ import contextlib
 import os
 import sys
 
-from memfit.cli import _recipe_flags
+from memfit.cli import _recipe_flags, _spellings
 from memfit.errors import MemfitError, shown
 from memfit.units import parse_size
 
-__all__ = ["size", "positive", "integer", "number", "add_model", "model_of", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
+__all__ = ["SECTIONS", "section", "size", "positive", "tokens", "integer", "number", "add_model", "model_of", "add_gpu", "add_budget", "add_device", "add_seq_len", "add_recipe",
            "add_batch", "add_world", "add_loss", "add_out", "add_json", "recipe_fields", "allowable", "recipe_flags",
            "recipe_from_args", "import_spec", "progress", "check_out", "check_gpu_device"]
 
 SEQ_LEN_HELP = "tokens per example (default: the model's, at most 2048)"
+
+#: the sections of a verb's --help, in the order it prints them: key -> title. A verb shows only those it puts
+#: a flag in (argparse prints no empty group); the Recipe's flags take theirs from ``_recipe_flags.CLI``.
+SECTIONS = {
+    "model": "model",
+    "script": "your script",
+    "error": "the out-of-memory error",
+    "data": "data",
+    "recipe": "recipe and config files",
+    "batch": "batch and sequence",
+    "run": "training run",
+    "precision": "precision and memory techniques",
+    "optimizer": "optimizer",
+    "lora": "LoRA and quantized weights",
+    "parallel": "many GPUs and meshes",
+    "launch": "many processes (torchrun; the recipe's --parallel fsdp or ddp)",
+    "card": "card, budget and device",
+    "serving": "serving",
+    "generation": "inference and generation",
+    "planning": "planning",
+    "tracing": "tracing",
+    "checkpoints": "checkpoints and logs",
+    "filters": "filters",
+    "server": "server",
+    "output": "output",
+}
+
+
+def section(parser, key: str):
+    """``parser``'s argument group for ``SECTIONS[key]``; the first call adds them all, in SECTIONS' order."""
+    groups = getattr(parser, "_memfit_sections", None)
+    if groups is None:
+        groups = {name: parser.add_argument_group(title) for name, title in SECTIONS.items()}
+        parser._memfit_sections = groups
+    return groups[key]
 
 
 def size(text: str) -> int:
@@ -38,6 +77,12 @@ def positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{shown(text)} is not a positive integer")
     return value
+
+
+def tokens(text: str) -> int:
+    """``positive``, but ``4k`` is refused with its reason (``_spellings.thousands``)."""
+    _spellings.thousands(text)
+    return positive(text)
 
 
 def integer(text: str) -> int:
@@ -60,14 +105,13 @@ def number(text: str) -> float:
 
 def add_model(parser, optional: bool = False) -> None:
     """The model argument; ``optional``: it may be left to a ``--from`` file that names one."""
-    parser.add_argument("model", nargs="?" if optional else None, default=None,
-                        help="a Hugging Face Hub id (Qwen/Qwen3-8B: its config.json only, never weights), "
-                        "a local folder or config.json, a catalog name (see `memfit models`), or "
-                        "package.module:function" + (" (with --from: the file's model_name_or_path where it names "
-                                                      "one)" if optional else ""))
-    parser.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit to read")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the repository's own model code (auto_map in config.json), as transformers asks")
+    group = section(parser, "model")
+    group.add_argument("model", nargs="?" if optional else None, default=None,
+                       help="a Hub id (config only), a config.json or its folder, a catalog name, module:function"
+                       + (" (or --from's)" if optional else ""))
+    group.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit to read (default main)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="run the repository's own model code (auto_map in config.json), as transformers asks")
 
 
 def model_of(args):
@@ -80,32 +124,32 @@ def model_of(args):
     return resolve(args.model, revision=args.revision, trust_remote_code=args.trust_remote_code)
 
 
-def add_gpu(parser, help: str) -> None:
-    parser.add_argument("--gpu", default=None, help=help)
+def add_gpu(parser, help: str, default: str | None = None) -> None:
+    section(parser, "card").add_argument("--gpu", default=default, metavar="CARD", help=help)
 
 
-def add_budget(parser, help: str = "bytes available, e.g. 24GiB (default: the --gpu's memory)") -> None:
-    parser.add_argument("--budget", type=size, default=None, help=help)
+def add_budget(parser, help: str = "bytes available, e.g. 24GiB, 24GB, 80G (default: the --gpu's memory)") -> None:
+    section(parser, "card").add_argument("--budget", type=size, default=None, metavar="SIZE", help=help)
 
 
-def add_device(parser, default: str, help: str) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=default, help=help)
+def add_device(parser, default: str | None, help: str) -> None:
+    section(parser, "card").add_argument("--device", choices=("cpu", "cuda"), default=default, help=help)
 
 
 def add_seq_len(parser) -> None:
-    parser.add_argument("--seq-len", type=positive, default=None, help=SEQ_LEN_HELP)
+    section(parser, "batch").add_argument("--seq-len", type=tokens, default=None, metavar="N",
+                                          help=SEQ_LEN_HELP)
 
 
 def add_recipe(parser) -> None:
-    parser.add_argument("--recipe", default=None, help="a recipe .yaml/.json; flags below override its fields")
+    section(parser, "recipe").add_argument("--recipe", default=None, metavar="FILE",
+                                           help="a recipe .yaml/.json (memfit plan --out writes one); flags override it")
 
 
 def add_from(parser) -> None:
-    parser.add_argument("--from", dest="from_config", default=None, metavar="PATH",
-                        help="your trainer's config: a Hugging Face TrainingArguments (or TRL SFTConfig) .json/.yaml, "
-                             "an accelerate config YAML or a LightningCLI config; its batch, accumulation, precision, "
-                             "optim, checkpointing, compile, FSDP2 and LoRA are read, a setting memfit cannot model is "
-                             "named; flags override it")
+    section(parser, "recipe").add_argument(
+        "--from", dest="from_config", default=None, metavar="PATH",
+        help="your trainer's config (TrainingArguments, SFTConfig, accelerate, LightningCLI); flags override it")
 
 
 def trainer_config(args):
@@ -119,32 +163,31 @@ def trainer_config(args):
     return read_trainer_config(args.from_config)
 
 
-def add_world(parser) -> None:
+def add_world(parser, help: str = "GPUs per node (default 1): the report is the worst rank's; --batch-size spans "
+                                  "them all") -> None:
     """The cluster of a data-parallel run (``--parallel ddp|fsdp``): GPUs per node and nodes."""
-    parser.add_argument("--gpus", type=positive, default=None,
-                        help="GPUs per node of a multi-GPU run (--parallel ddp or fsdp, --tp, --pp; the report is "
-                             "the worst rank's, --batch-size stays the examples of one step over all ranks; plan "
-                             "searches data parallel and FSDP2 x TP over them), or the GPUs --device-map places "
-                             "the model over")
-    parser.add_argument("--nodes", type=positive, default=None,
-                        help="nodes of --gpus GPUs each (FSDP shards within a node and replicates between: HSDP; "
-                             "--shard-over world shards over all; pipeline stages split the nodes)")
+    group = section(parser, "parallel")
+    group.add_argument("--gpus", type=positive, default=None, metavar="N", help=help)
+    group.add_argument("--nodes", type=positive, default=None, metavar="N",
+                       help="nodes of --gpus GPUs each (default 1): FSDP shards within a node, replicates between")
 
 
 def add_batch(parser, help: str) -> None:
-    parser.add_argument("--batch", default=None, help=help)
+    section(parser, "batch").add_argument("--batch", default=None, metavar="FUNCTION", help=help)
 
 
 def add_loss(parser) -> None:
-    parser.add_argument("--loss", default=None, help="package.module:function(model, batch) -> scalar loss")
+    section(parser, "model").add_argument("--loss", default=None, metavar="FUNCTION",
+                                          help="package.module:function(model, batch) -> scalar loss "
+                                               "(default: the model's own)")
 
 
 def add_out(parser, help: str) -> None:
-    parser.add_argument("--out", default=None, help=help)
+    section(parser, "output").add_argument("--out", default=None, metavar="FILE", help=help)
 
 
 def add_json(parser, help: str) -> None:
-    parser.add_argument("--json", action="store_true", help=help)
+    section(parser, "output").add_argument("--json", action="store_true", help=help)
 
 
 def recipe_fields() -> tuple:
@@ -166,21 +209,35 @@ def allowable() -> tuple:
     return _recipe_flags.ALLOWABLE
 
 
+# Recipe fields whose flag reads the spellings people type (``_spellings``); a field with choices reads them in
+# any case, and a flag marked bare may be given alone: ``--lora`` is lora (rank 16), ``--checkpointing`` blocks
+_SPELLING = {"lora": _spellings.lora, "checkpointing": _spellings.checkpointing, "precision": _spellings.precision,
+             "lora_dtype": _spellings.dtypes, "mixed_precision": _spellings.dtypes}
+_BARE = {"lora": "lora", "checkpointing": "blocks"}
+_METAVAR = {"int": "N", "count": "N", "optional-count": "N", "float": "X"}
+
+
 def recipe_flags(parser) -> None:
-    """One flag per Recipe field, from the techniques' declarations (``techniques/spec.py``); None
-    means "not given", so a --recipe file's value stands. A true/false field is settable both ways
-    (``--set-to-none`` / ``--no-set-to-none``)."""
+    """One flag per Recipe field, from the techniques' declarations (``techniques/spec.py``), in its section of
+    --help (``_recipe_flags.CLI``); None means "not given", so a --recipe file's value stands. A true/false
+    field is settable both ways (``--set-to-none`` / ``--no-set-to-none``)."""
     types = {"int": integer, "count": positive, "optional-count": positive, "float": number}
     for name, kind, choices, help in recipe_fields():
         flag = "--" + name.replace("_", "-")
-        if kind == "bool" and choices:  # --flag alone: true; --flag VALUE: one of the choices; --no-flag: false
-            parser.add_argument(flag, nargs="?", const=True, choices=choices, default=None, help=help)
-            parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=False,
-                                help=f"{flag} false (overrides a --recipe file)")
+        key, help = _recipe_flags.CLI.get(name, ("precision", help))
+        group = section(parser, key)
+        if kind == "bool" and choices:  # --flag alone: true; --flag VALUE: true, false or a choice; --no-flag: false
+            group.add_argument(flag, nargs="?", const=True, type=_spellings.switch(choices), default=None,
+                               metavar="{" + ",".join(("true", "false", *choices)) + "}", help=help)
+            group.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=False,
+                               help=f"{flag} false (overrides a --recipe file)")
         elif kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            parser.add_argument(flag, type=types.get(kind), choices=choices or None, default=None, help=help)
+            read = _SPELLING.get(name) or (_spellings.choice(choices) if choices else types.get(kind))
+            metavar = None if choices else _METAVAR.get(kind, "VALUE")
+            group.add_argument(flag, type=read, choices=choices or None, default=None, metavar=metavar, help=help,
+                               **({"nargs": "?", "const": _BARE[name]} if name in _BARE else {}))
 
 
 def recipe_from_args(args, base=None):

@@ -8,7 +8,7 @@ registered at run time (a plug-in) gets its flag from the live registry instead 
 
 from __future__ import annotations
 
-__all__ = ["FLAGS", "ALLOWABLE", "row", "render"]
+__all__ = ["FLAGS", "CLI", "ALLOWABLE", "row", "render"]
 
 # (field name, kind, the choices argparse offers, help), in the Recipe's order
 FLAGS = (
@@ -87,6 +87,83 @@ FLAGS = (
     ('float8', 'str', ('off', 'tensorwise', 'rowwise'),
      'torchao float8 training: every linear but the head multiplies float8 copies of its operands (tensorwise or rowwise scales); changes the math: allowed by name'),
 )
+
+# The CLI's words for each field, written by hand (the declaration's help above is the long form: the UI shows
+# it, docs/recipes.md says more): the section of --help it sits in (a key of ``_args.SECTIONS``) and its help,
+# one line under 100 characters with the default and, where the flag trades memory for speed, what that costs.
+# A field without a line here (a plug-in's) sits under "precision" with its declaration's help.
+CLI = {
+    # precision and memory techniques
+    "precision": ("precision", "fp32 (default) | bf16-mixed | fp16-mixed | bf16 (weights too): 16 bits halve activations"),
+    "checkpointing": ("precision", "off (default) | blocks[:N] | selective | modules:a,b: recompute in backward, "
+                                   "~30%% slower step"),
+    "offload_activations": ("precision", "saved activations in host memory until backward (default off); "
+                                         "slower: host copies"),
+    "attention": ("precision", "auto (default: as the model is built) | sdpa (no seq x seq scores) | eager"),
+    "chunked_loss": ("precision", "LM head + loss in N sequence chunks: no whole logits (default 0: off); "
+                                  "a little slower"),
+    "compile": ("precision", "torch.compile: true (model + loss, one graph) | layers (per block) (default off); "
+                             "compile time"),
+    "activation_memory_budget": ("precision", "with --compile: share (0, 1] of saved bytes kept (default 1); "
+                                              "lower recomputes more"),
+    "float8": ("precision", "off (default) | tensorwise | rowwise: torchao float8 linears (changes the math)"),
+    # optimizer
+    "optimizer": ("optimizer", "adamw (default), sgd, adafactor, adamw8bit, ... or a transformers optim name; "
+                               "8/4-bit change math"),
+    "optimizer_impl": ("optimizer", "auto (default: torch's) | foreach | fused (no step temporaries) | forloop"),
+    "safe_step": ("optimizer", "step in N chunks, each undone on OOM (default off; train: 8): lower step peak, "
+                               "slower step"),
+    "optimizer_in_backward": ("optimizer", "step each parameter as its gradient is ready: no whole set of "
+                                           "gradients (default off)"),
+    "offload_optimizer": ("optimizer", "optimizer state and step on the CPU (default off; CUDA only): "
+                                       "a slower, host-bound step"),
+    "set_to_none": ("optimizer", "free gradients after each step (default); --no-set-to-none zeroes them, "
+                                 "kept to next forward"),
+    # batch and sequence
+    "micro_batch_size": ("batch", "examples per forward/backward (default: --batch-size / --grad-accum-steps)"),
+    "grad_accum_steps": ("batch", "micro-batches per optimizer step (default 1): one micro-batch's "
+                                  "activations, more passes"),
+    # LoRA and quantized weights
+    "lora": ("lora", "off (default) | lora[:RANK] | qlora[:RANK] | RANK (lora:RANK); rank 16 if unset; "
+                     "changes the math"),
+    "lora_targets": ("lora", "layers LoRA adapts: all-linear (default, not the head) or suffixes: "
+                             "q_proj,v_proj[,lm_head]"),
+    "lora_alpha": ("lora", "adapters scale by alpha / rank (default 2 x rank); no memory effect"),
+    "lora_dropout": ("lora", "dropout on each adapter's input (default 0): a mask and input copy per "
+                             "adapted layer"),
+    "quantize_targets": ("lora", "layers QLoRA makes 4-bit: all-linear (default), adapted (LoRA's layers) "
+                                 "or name suffixes"),
+    "lora_dtype": ("lora", "adapter weights: fp32 (default, peft's) | bf16 (torchtune's; with --precision bf16): "
+                           "half"),
+    # many GPUs and meshes
+    "parallel": ("parallel", "none (default) | ddp | fsdp over --gpus: fsdp shards weights, grads, optimizer "
+                             "state 1/N"),
+    "reshard_after_forward": ("parallel", "fsdp: true (default, ZeRO-3) | false (ZeRO-2: more memory, one "
+                                          "all-gather less) | N"),
+    "mixed_precision": ("parallel", "fsdp: none (default) | bf16[:fp32]: gathered weights and grads in it, "
+                                    "shards stay fp32"),
+    "sync_grads": ("parallel", "with accumulation: reduce grads on the last micro-batch (default) | every one"),
+    "offload": ("parallel", "fsdp: none (default) | cpu | cpu-unpinned: shards and step on the host; "
+                            "slower, host RAM"),
+    "shard_over": ("parallel", "fsdp on nodes: node (default, HSDP) | world (less memory, all-gathers "
+                               "cross the network)"),
+    "construction": ("parallel", "fsdp: model built on meta (default) | host | device (whole on the GPU "
+                                 "first: counts)"),
+    "tp": ("parallel", "tensor parallel degree within a node (default 1): 1/N of the split weights per GPU"),
+    "sequence_parallel": ("parallel", "with --tp: residual stream sharded over the sequence (default off); "
+                                      "more collectives"),
+    "loss_parallel": ("parallel", "with --tp: logits stay sharded over the vocabulary for the loss "
+                                  "(default off)"),
+    "pp": ("parallel", "pipeline parallel degree: blocks cut into N stages, one per GPU (default 1)"),
+    "pp_schedule": ("parallel", "with --pp: gpipe | 1f1b (default) | interleaved-1f1b: in-flight "
+                                "micro-batches' activations"),
+    "ep": ("parallel", "expert parallel degree: MoE experts split over N ranks of the fsdp group "
+                       "(default 1)"),
+    "cp": ("parallel", "context parallel degree: each row's sequence split over N ranks, ring attention "
+                       "(default 1)"),
+    "cp_rotate": ("parallel", "with --cp: allgather (default: keys and values once, whole) | alltoall "
+                              "(a chunk at a time)"),
+}
 
 # what `memfit plan --allow` takes
 ALLOWABLE = ('bf16', 'lora', 'qlora', 'adamw8bit', 'paged_adamw8bit')

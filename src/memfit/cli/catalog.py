@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 
+from memfit.cli import _args
+
 
 def build_models(parser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the list as JSON")
-    parser.add_argument("--family", metavar="NAME",
-                        help="only this family (a prefix: qwen matches qwen2, qwen3 and qwen3.5)")
-    parser.add_argument("--max-params", metavar="N",
-                        help="only models of at most N parameters, e.g. 10B, 500M or 7e9 (total, not active)")
+    filters = _args.section(parser, "filters")
+    filters.add_argument("--family", metavar="NAME",
+                         help="only this family (a prefix: qwen matches qwen2, qwen3 and qwen3.5)")
+    filters.add_argument("--max-params", metavar="N",
+                         help="only models of at most N parameters, e.g. 10B, 500M or 7e9 (total, not active)")
+    _args.section(parser, "output").add_argument("--json", action="store_true", help="print the list as JSON")
 
 
 def build_gpus(parser) -> None:  # the models' filters are theirs only
-    parser.add_argument("--json", action="store_true", help="print the list as JSON")
+    _args.section(parser, "output").add_argument("--json", action="store_true", help="print the list as JSON")
 
 
 def models(args) -> int:

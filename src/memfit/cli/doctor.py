@@ -33,32 +33,36 @@ CAUSES_HELP = ("causes: model_states, activations, optimizer_temporaries, fragme
 
 
 def build(parser) -> None:
+    parser.usage = "%(prog)s [MODEL] [--error FILE|TEXT|- | --profile FILE] [flags] [-- python SCRIPT.py ARGS]"
     parser.description = ("Name the cause of an out-of-memory error (the message, a log, a profile, or a script "
                           "run under a budget) and rank the fixes by the bytes they save.")
     parser.epilog = f"{CAUSES_HELP}. {EXIT_HELP}. Run a script: memfit doctor --budget 300MiB -- python train.py ARGS"
-    parser.add_argument("model", nargs="?", default=None,
-                        help="the model that ran out (as for memfit estimate): its step is estimated and each fix "
-                             "checked by a full estimate; without it only the message's own figures are read")
-    parser.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit to read")
-    parser.add_argument("--trust-remote-code", action="store_true", help="run the repository's own model code")
-    parser.add_argument("--error", default=None,
-                        help="torch's out-of-memory message: a log or traceback file holding it (the last one "
-                             "counts), the text itself, or - for stdin")
-    parser.add_argument("--profile", default=None, help="a memfit profile JSON (memfit profile script.py --out F)")
-    parser.add_argument("--batch-size", type=_args.positive, default=None,
-                        help="examples per optimizer step of the run that failed (default 1)")
+    model = _args.section(parser, "model")
+    model.add_argument("model", nargs="?", default=None,
+                       help="the model that ran out, as for estimate: each fix is then checked by an estimate "
+                            "(optional)")
+    model.add_argument("--revision", default=None, help="with a Hub id: the branch, tag or commit to read (default main)")
+    model.add_argument("--trust-remote-code", action="store_true", help="run the repository's own model code")
+    error = _args.section(parser, "error")
+    error.add_argument("--error", default=None, metavar="FILE|TEXT|-",
+                       help="torch's out-of-memory message: a log file (its last one counts), the text, or - for stdin")
+    error.add_argument("--profile", default=None, metavar="FILE",
+                       help="a memfit profile JSON (memfit profile script.py --out F)")
+    error.add_argument("--steps", type=int, default=0, metavar="N",
+                       help="with -- python script.py: optimizer steps to watch, then stop it (default 0: to its end)")
+    _args.section(parser, "batch").add_argument("--batch-size", type=_args.positive, default=None, metavar="N",
+                                                help="examples per optimizer step of the run that failed (default 1)")
     _args.add_seq_len(parser)
     _args.add_recipe(parser)
     _args.recipe_flags(parser)
-    _args.add_gpu(parser, help="the catalog GPU it ran on (default: the one whose memory the message's capacity is)")
-    _args.add_budget(parser, help="what the process could use, e.g. 24GiB (default: the message's capacity less "
-                     "other processes); with -- python script.py: the CPU virtual budget it runs under")
-    parser.add_argument("--allow", default="", help="fixes that change the math, allowed by name: "
-                        f"{', '.join(_args.allowable())} (comma-separated; default: exact fixes only)")
-    parser.add_argument("--no-plan", dest="plan", action="store_false",
-                        help="leave out memfit plan's recipe (a search: saves tens of seconds)")
-    parser.add_argument("--steps", type=int, default=0,
-                        help="with -- python script.py: optimizer steps to watch, then stop it (default 0: to its end)")
+    _args.add_gpu(parser, help="the catalog card it ran on (default: the one whose memory is the message's capacity)")
+    _args.add_budget(parser, help="what the process could use, e.g. 24GiB (default: from the message); with -- "
+                     "python: a CPU cap")
+    planning = _args.section(parser, "planning")
+    planning.add_argument("--allow", default="", metavar="NAMES", help="fixes that change the math, by name: "
+                          f"{','.join(_args.allowable())} (default none)")
+    planning.add_argument("--no-plan", dest="plan", action="store_false",
+                          help="leave out memfit plan's recipe (a search: saves tens of seconds)")
     _args.add_json(parser, help="print the diagnosis as JSON: cause, summary, figures, fixes (ranked), exit_code")
     _split_at_dashes(parser)
 

@@ -12,58 +12,57 @@ from memfit.errors import MemfitError
 
 
 def build(est) -> None:
+    est.usage = "%(prog)s MODEL [flags] | %(prog)s [flags] SCRIPT.py [its args] | %(prog)s [flags] -m MODULE"
     est.description = ("A model by name with recipe flags, or your own training script: memfit estimate [--gpu CARD] "
                        "[--steps N] [--device cpu] [--json] SCRIPT.py [its args] (or -m MODULE): the script runs on "
                        "fake tensors, its 'cuda' is the card; memfit's flags go before the script.")
+    est.epilog = "The flags a script takes: memfit estimate --help SCRIPT.py. More: docs/estimate.md."
     _args.add_model(est, optional=True)
-    est.add_argument("--batch-size", type=_args.positive, default=None,
-                     help="examples per optimizer step (default 1; with --micro-batch-size it must equal "
-                          "micro-batch x --grad-accum-steps)")
-    _args.add_seq_len(est)
+    _args.add_loss(est)
     _args.add_recipe(est)
     _args.add_from(est)
+    batch = _args.section(est, "batch")
+    batch.add_argument("--batch-size", type=_args.positive, metavar="N", default=None,
+                       help="examples per optimizer step (default 1; = --micro-batch-size x --grad-accum-steps)")
+    _args.add_seq_len(est)
+    _args.add_world(est, help="GPUs per node (default 1), or those --device-map uses: the report is the "
+                    "worst rank's")
     _args.recipe_flags(est)
-    _args.add_world(est)
-    est.add_argument("--device-map", default=None,
-                     help="place the model as from_pretrained(device_map=...) does: auto, balanced, balanced_low_0, "
-                          "sequential, or a .json of module -> GPU index / cpu / disk; each GPU's peak, the host RAM "
-                          "and the disk (CUDA semantics; --gpus is the GPU count)")
-    est.add_argument("--max-memory", default=None,
-                     help="with --device-map: the budgets from_pretrained takes, e.g. 0=70GB,1=70GB,cpu=100GB "
-                          "(default: every GPU's memory less its CUDA context, the host unbounded)")
-    est.add_argument("--offload-folder", default=None,
-                     help="with --device-map: where modules placed on disk live (needed when any are)")
-    est.add_argument("--forward-only", action="store_true",
-                     help="estimate forwards without gradients (inference: no_grad, eval mode) instead of training "
-                          "steps; with --device-map, a model placed for inference")
-    est.add_argument("--steps", type=_args.positive, default=2, help="steps to run; step 2 has optimizer state (default 2)")
-    _args.add_budget(est, help="bytes available, e.g. 24GiB, 24GB, 80G; on a GPU the whole process's share of the "
-                     "card, as set_per_process_memory_fraction enforces it (default: the whole card)")
-    _args.add_device(est, None, help="whose semantics to follow: cuda (default: allocated, reserved, context and the "
-                     "verdict on the card) or cpu (the CPU allocator's bytes); MEMFIT_DEVICE=cpu changes the default")
-    _args.add_gpu(est, help="a GPU of the catalog (rtx-4090, a100-80gb, h100-sxm, ...): CUDA semantics of that card "
-                  "and its memory as the budget (default: the GPU torch sees, else h100-sxm); see `memfit gpus`")
+    many = _args.section(est, "parallel")
+    many.add_argument("--device-map", default=None, metavar="MAP",
+                      help="place the model as from_pretrained(device_map=...): auto, balanced, sequential or a .json")
+    many.add_argument("--max-memory", default=None, metavar="MAP",
+                      help="with --device-map: each device's budget, e.g. 0=70GB,1=70GB,cpu=100GB (default: the cards)")
+    many.add_argument("--offload-folder", default=None, metavar="DIR",
+                      help="with --device-map: where modules placed on disk live (needed when any are)")
+    _args.section(est, "generation").add_argument(
+        "--forward-only", action="store_true",
+        help="forwards without gradients (no_grad, eval mode) instead of training steps (default off)")
+    tracing = _args.section(est, "tracing")
+    tracing.add_argument("--steps", type=_args.positive, default=2, metavar="N",
+                         help="steps to run; step 2 has optimizer state (default 2)")
+    _args.add_budget(est, help="bytes the process may use on the card, e.g. 24GiB, 24GB, 80G (default: the whole card)")
+    _args.add_device(est, None, help="cuda (default: the card's allocator and verdict) | cpu (the CPU allocator's "
+                     "bytes); MEMFIT_DEVICE")
+    _args.add_gpu(est, help="a catalog card: rtx-4090, a100-80gb, h100-sxm, ... (default: the GPU torch sees, "
+                  "else h100-sxm)")
     _args.add_batch(est, help="package.module:function returning a batch (for factory models)")
-    _args.add_loss(est)
-    est.add_argument("--full", action="store_true", help="trace every block instead of scaling two shallow traces by depth (with --generate: "
-                          "every decode step too, instead of the prefill and the last step)")
-    est.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
-                     help="mixture-of-experts only: tokens spread evenly over the experts (default), or all on the "
-                          "same top-k experts (worst case for CPU bf16 kernel scratch)")
-    est.add_argument("--lengths", default=None,
-                     help="per-example token counts (.txt one a line, .npy, .jsonl with input_ids or length): "
-                          "the estimate is for the worst micro-batch, padded to its longest row (--seq-len truncates)")
-    est.add_argument("--packed", action="store_true",
-                     help="pack documents into rows of --seq-len tokens with per-document attention "
-                          "(position_ids restarting per document)")
-    est.add_argument("--max-batch-size", action="store_true",
-                     help="instead: the largest micro-batch of this recipe that fits the budget (as `memfit fit`)")
+    tracing.add_argument("--full", action="store_true",
+                         help="trace every block (and decode step), not two shallow traces scaled by depth: slower")
+    batch.add_argument("--moe-routing", choices=("balanced", "worst"), default="balanced",
+                       help="mixture of experts: balanced (default: tokens spread evenly) | worst (all on the same top-k)")
+    batch.add_argument("--lengths", default=None, metavar="FILE",
+                       help="per-example token counts (.txt, .npy, .jsonl): the worst micro-batch, padded to its longest")
+    batch.add_argument("--packed", action="store_true",
+                       help="pack documents into rows of --seq-len tokens, attention within each document (default off)")
+    batch.add_argument("--max-batch-size", action="store_true",
+                       help="instead: the largest micro-batch of this recipe that fits the budget (as memfit fit)")
     _args.add_json(est, help="print the report as JSON")
-    est.add_argument("--html", default=None, metavar="FILE",
-                     help="also draw the report as one interactive page (memory over time by category, phases, "
-                          "modules); needs pip install 'memfit[pictures]'")
-    est.add_argument("--png", default=None, metavar="FILE",
-                     help="also draw the timeline and the module bars as a 1600x900 PNG")
+    output = _args.section(est, "output")
+    output.add_argument("--html", default=None, metavar="FILE",
+                        help="also draw the report as one interactive page; needs pip install 'memfit[pictures]'")
+    output.add_argument("--png", default=None, metavar="FILE",
+                        help="also draw the timeline and the module bars as a 1600x900 PNG")
     # every flag so far but the shared ones is a training step's: (dest, flag, default), checked by --generate
     _TRAINING[:] = [(a.dest, a.option_strings[0], a.default) for a in est._actions
                     if a.option_strings and a.dest not in _SHARED and a.dest != "help"]
@@ -79,29 +78,26 @@ _GENERATE = (("prompt_len", None), ("new_tokens", None), ("cache", None), ("weig
              ("logits_to_keep", None))
 # mirrors generation.cache.CACHES and weights.WEIGHTS / DTYPES, written out so --help imports no torch
 # (tests/test_generate_fast.py keeps them equal)
-CACHE_HELP = "dynamic, static, quantized (quantized:fp8, quantized:quanto, quantized:hqq)"
+CACHE_HELP = "dynamic, static, quantized[:fp8|quanto|hqq]"
 WEIGHT_CHOICES = ("auto", "int8", "nf4", "ao-int8wo", "ao-int8da8w")
 GENERATE_PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 def _generate_flags(est) -> None:
-    group = est.add_argument_group("inference (--generate)")
+    group = _args.section(est, "generation")
     group.add_argument("--generate", action="store_true",
-                       help="estimate a Hugging Face generate (greedy, exactly --new-tokens tokens) instead of a "
-                            "training step: weights, KV cache, prefill and decode; --batch-size is the prompts")
-    group.add_argument("--prompt-len", type=_args.positive, default=None, help="with --generate: tokens per prompt")
-    group.add_argument("--new-tokens", type=_args.positive, default=None,
+                       help="a Hugging Face generate (greedy) instead of a training step: --batch-size is the prompts")
+    group.add_argument("--prompt-len", type=_args.positive, default=None, metavar="N", help="with --generate: tokens per prompt")
+    group.add_argument("--new-tokens", type=_args.positive, default=None, metavar="N",
                        help="with --generate: tokens generated after the prompt")
-    group.add_argument("--cache", default=None, help=f"with --generate: the KV cache, {CACHE_HELP} (default dynamic)")
+    group.add_argument("--cache", default=None, metavar="KIND", help=f"with --generate: the KV cache: {CACHE_HELP} (default dynamic)")
     group.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
-                       help="with --generate: linear layers in --precision (auto, default), bitsandbytes int8 or nf4, "
-                            "torchao int8 weight-only (ao-int8wo) or int8 dynamic activations + int8 weights "
-                            "(ao-int8da8w)")
+                       help="with --generate: linears in --precision (auto, default) | int8 | nf4 | ao-int8wo | "
+                            "ao-int8da8w")
     group.add_argument("--padding", action="store_true",
                        help="with --generate: left-pad the shorter prompts of the batch (a 4-D mask each step)")
-    group.add_argument("--logits-to-keep", type=int, default=None,
-                       help="with --generate: prompt positions whose logits the prefill computes (0: all; default: "
-                            "generate's choice, the last one)")
+    group.add_argument("--logits-to-keep", type=int, default=None, metavar="N",
+                       help="with --generate: prompt positions the prefill makes logits for (0: all; default: the last)")
     for action in est._actions:  # --precision also takes fp16 (a generation's half-precision weights)
         if action.dest == "precision" and action.choices is not None and "fp16" not in action.choices:
             action.choices = tuple(action.choices) + ("fp16",)

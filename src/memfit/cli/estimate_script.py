@@ -37,28 +37,29 @@ _VALUED = {"--recipe", "--from", "--batch", "--loss", "--out", "--html", "--png"
 
 
 def build(parser) -> None:
-    parser.add_argument("--gpu", default=None,
-                        help="the card the script's 'cuda' is (rtx-4090, a100-80gb, h100-sxm, ...; default: the GPU "
-                             "torch sees, else h100-sxm); see `memfit gpus`")
-    parser.add_argument("--gpus", type=_args.positive, default=1,
-                        help="GPUs per node (default 1): with more, the script runs as one rank of torchrun "
-                             "--nproc-per-node GPUS, its init_process_group on PyTorch's fake process group")
-    parser.add_argument("--nodes", type=_args.positive, default=1, help="nodes of that torchrun launch (default 1)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank estimated (default 0)")
-    _args.add_device(parser, None, help="cuda (default): the card's semantics, allocated, reserved and the verdict; "
-                     "cpu: the script as on a CPU-only machine, the CPU allocator's bytes")
-    parser.add_argument("--steps", type=int, default=2,
-                        help="optimizer steps to run, then stop the script (default 2: the second holds the "
-                             "optimizer state; 0: to its end)")
+    _args.add_gpu(parser, help="the card the script's 'cuda' is, e.g. rtx-4090 (default: the GPU torch sees, else "
+                  "h100-sxm)")
+    many = _args.section(parser, "parallel")
+    many.add_argument("--gpus", type=_args.positive, default=1, metavar="N",
+                      help="GPUs per node (default 1): more runs the script as one rank of torchrun, on a fake group")
+    many.add_argument("--nodes", type=_args.positive, default=1, metavar="N", help="nodes of that torchrun launch "
+                      "(default 1)")
+    many.add_argument("--rank", type=int, default=0, metavar="N", help="the rank estimated (default 0)")
+    _args.add_device(parser, None, help="cuda (default: the card's allocator and verdict) | cpu (as on a CPU-only "
+                     "machine)")
+    _args.section(parser, "script").add_argument(
+        "--steps", type=int, default=2, metavar="N",
+        help="optimizer steps to run, then stop the script (default 2: step 2 has optimizer state; 0: to its end)")
     _args.add_budget(parser, help="bytes the process may use on the card, e.g. 20GiB (default: the whole card)")
     _args.add_json(parser, help="print the report as JSON (the script's own output goes to stderr)")
     _args.add_out(parser, help="also write the JSON report to this file")
-    parser.add_argument("--html", default=None, metavar="FILE", help="also draw the report as one interactive page")
-    parser.add_argument("--png", default=None, metavar="FILE", help="also draw the report as a PNG")
+    output = _args.section(parser, "output")
+    output.add_argument("--html", default=None, metavar="FILE", help="also draw the report as one interactive page")
+    output.add_argument("--png", default=None, metavar="FILE", help="also draw the report as a PNG")
 
 
 def run(words: list[str], script: list[str], module: bool) -> int:
-    parser = _ScriptParser(prog="memfit estimate", add_help=False,
+    parser = _ScriptParser(prog="memfit estimate",
                            usage="memfit estimate [flags] SCRIPT.py [its args] | -m MODULE [its args]")
     build(parser)
     args = parser.parse_args(words)

@@ -10,19 +10,18 @@ from memfit.errors import MemfitError
 
 
 def build(fit) -> None:
+    fit.usage = "%(prog)s MODEL [--gpu CARD | --budget SIZE] [flags]"
     _args.add_model(fit)
-    _args.add_gpu(fit, help="the card (rtx-4090, a100-80gb, ...): its memory is the budget and "
-                  "its CUDA semantics are followed; see `memfit gpus`")
+    _args.add_loss(fit)
+    _args.add_gpu(fit, help="the card: its memory the budget, its CUDA semantics (default: the GPU torch sees, "
+                  "else h100-sxm)")
     _args.add_budget(fit)
-    _args.add_device(fit, "cuda", help="follow CUDA semantics (default: --gpu, else the GPU torch sees, else h100-sxm) "
-                     "or the CPU's")
+    _args.add_device(fit, "cuda", help="cuda (default: --gpu's semantics) | cpu (the CPU allocator's bytes)")
     _args.add_seq_len(fit)
     _args.add_recipe(fit)
-    _args.recipe_flags(fit)
     _args.add_world(fit)
-    _args.add_batch(fit, help="package.module:function returning an example batch (for factory "
-                    "models; grown along dim 0 to each size tried)")
-    _args.add_loss(fit)
+    _args.recipe_flags(fit)
+    _args.add_batch(fit, help="package.module:function returning an example batch (factory models; grown along dim 0)")
     _args.add_out(fit, help="write the recipe with the micro-batch found to this .yaml/.json file")
     _args.add_json(fit, help="print the answer as JSON")
 

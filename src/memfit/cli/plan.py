@@ -12,32 +12,30 @@ from memfit.errors import MemfitError
 
 
 def build(pl) -> None:
+    pl.usage = "%(prog)s MODEL [--gpu CARD | --budget SIZE] [flags]"
     _args.add_model(pl)
-    _args.add_gpu(pl, help="the card to plan for (rtx-4090, a100-80gb, ...): its memory is "
-                  "the budget and its speeds the cost model; see `memfit gpus`")
-    _args.add_budget(pl)
-    _args.add_device(pl, "cuda", help="plan for a GPU (cuda, default; speeds of --gpu or h100-sxm) or for this CPU")
-    _args.add_seq_len(pl)
-    pl.add_argument("--batch-size", "--global-batch-size", dest="global_batch_size", type=_args.positive, metavar="N",
-                    default=None, help="examples per optimizer step, split into micro-batch x accumulation, as "
-                    "estimate's --batch-size (default 8, across GPUs a multiple of 8 that gives each one a row; with --batch, the batch's rows); --global-batch-size "
-                    "is the same flag")
-    _args.add_batch(pl, help="package.module:function returning the global batch (for "
-                    "factory models; dim 0 is split into micro-batches)")
     _args.add_loss(pl)
-    pl.add_argument("--allow", default="", help="techniques that change the math, allowed by name: "
-                    f"{', '.join(_args.allowable())} (comma-separated)")
-    pl.add_argument("--optimizer", default="adamw", help="the optimizer training uses (default adamw)")
-    _args.add_world(pl)
+    _args.add_gpu(pl, help="the card to plan for: its memory the budget, its speeds the cost model (default h100-sxm)")
+    _args.add_budget(pl)
+    _args.add_device(pl, "cuda", help="plan for a GPU: cuda (default; speeds of --gpu or h100-sxm) | this cpu")
+    _args.add_seq_len(pl)
+    _args.section(pl, "batch").add_argument(
+        "--batch-size", "--global-batch-size", dest="global_batch_size", type=_args.positive, metavar="N",
+        default=None, help="examples per step (default 8), as micro-batch x accumulation; --global-batch-size is "
+        "the same flag")
+    _args.add_batch(pl, help="package.module:function returning the global batch (factory models; split along dim 0)")
+    planning = _args.section(pl, "planning")
+    planning.add_argument("--allow", default="", metavar="NAMES",
+                          help=f"techniques that change the math, allowed by name: {','.join(_args.allowable())}")
+    _args.section(pl, "optimizer").add_argument("--optimizer", default="adamw", metavar="NAME",
+                                                help="the optimizer training uses (default adamw)")
+    _args.add_world(pl, help="GPUs per node (default 1): plan searches data parallel and FSDP2 x TP over them")
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
-    pl.add_argument("--emit", default=None, metavar="TOOL[,TOOL]",
-                    help="also write the chosen recipe in your trainer's terms: hf-trainer (TrainingArguments YAML), "
-                         "accelerate (accelerate config YAML), lightning (LightningCLI config), pytorch "
-                         "(memfit.apply lines), or all; the plan then keeps to what those trainers can say (no "
-                         "chunked loss, optimizer in backward...; pytorch alone: every technique), and what a tool "
-                         "cannot express is said beside it")
-    pl.add_argument("--emit-dir", default=None, metavar="DIR",
-                    help="write the --emit files into DIR (default: print them)")
+    output = _args.section(pl, "output")
+    output.add_argument("--emit", default=None, metavar="TOOL[,TOOL]",
+                        help="also the recipe in your trainer's terms: hf-trainer, accelerate, lightning, pytorch or all")
+    output.add_argument("--emit-dir", default=None, metavar="DIR",
+                        help="write the --emit files into DIR (default: print them)")
     _args.add_json(pl, help="print the plans as JSON")
 
 

@@ -20,22 +20,24 @@ from memfit.errors import MemfitError
 
 
 def build(parser) -> None:
-    parser.add_argument("-m", dest="as_module", action="store_true",
+    parser.usage = "%(prog)s [flags] SCRIPT.py [its args] | %(prog)s [flags] -m MODULE [its args]"
+    script = _args.section(parser, "script")
+    script.add_argument("-m", dest="as_module", action="store_true",
                         help="run a module (as python -m does) instead of a script file")
-    parser.add_argument("--steps", type=int, default=10,
+    script.add_argument("--steps", type=int, default=10, metavar="N",
                         help="optimizer steps to watch, then stop the script (default 10; 0: run it to its end)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="whose tensors to count (default: cuda when available, else cpu)")
+    _args.add_device(parser, None, help="whose tensors to count (default: cuda when available, else cpu)")
     _args.add_budget(parser, help="CPU only: a virtual cap, e.g. 300MiB: allocations past it raise "
-                                  "torch.OutOfMemoryError as a card would")
-    parser.add_argument("--html", default=None, help="write the interactive picture (self-contained HTML) here")
-    parser.add_argument("--png", default=None, help="write the picture as a PNG here")
-    parser.add_argument("--snapshot", default=None,
-                        help="CUDA: write the allocator's raw snapshot here (PyTorch's memory_viz page opens it; "
-                             "with --html it is written beside the page anyway)")
+                                  "torch.OutOfMemoryError")
+    output = _args.section(parser, "output")
+    output.add_argument("--html", default=None, metavar="FILE",
+                        help="write the interactive picture (self-contained HTML) here")
+    output.add_argument("--png", default=None, metavar="FILE", help="write the picture as a PNG here")
+    output.add_argument("--snapshot", default=None, metavar="FILE",
+                        help="CUDA: write the allocator's raw snapshot here (PyTorch's memory_viz page opens it)")
     _args.add_out(parser, help="write the profile as JSON to this file")
     _args.add_json(parser, help="print the profile as JSON (the script's own output goes to stderr)")
-    parser.add_argument("target", nargs=argparse.REMAINDER,
+    script.add_argument("target", nargs=argparse.REMAINDER,
                         help="the script and its arguments (or with -m, the module and its arguments)")
 
 

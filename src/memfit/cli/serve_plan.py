@@ -23,25 +23,27 @@ def _fraction(text: str) -> float:
 
 
 def build(parser) -> None:
+    parser.usage = "%(prog)s MODEL --context N [--gpu CARD] [flags]"
     _args.add_model(parser)
-    parser.add_argument("--gpu", default="h100-sxm", help="a GPU of the catalog (default h100-sxm; see `memfit gpus`)")
-    parser.add_argument("--gpus", type=_args.positive, default=1,
-                        help="cards of --gpu: a model that does not fit one gets a device_map placement over them "
-                             "(tensor parallelism is not modelled)")
-    parser.add_argument("--context", type=_args.positive, required=True,
-                        help="tokens per request, prompt + output (e.g. 8192)")
-    parser.add_argument("--chunk", type=_args.positive, action="append", default=None,
-                        help="prefill chunk size to try (repeatable; default 512, 2048, 8192): smaller chunks leave "
-                             "more memory for the cache")
-    parser.add_argument("--allow", default="",
-                        help="weight formats beside bf16 (exact by default): int8, nf4 or int8,nf4")
-    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
-                        help="vLLM's share of the card for its block arithmetic (default 0.9)")
-    parser.add_argument("--block-size", type=_args.positive, default=16, help="vLLM's tokens per KV block (default 16)")
-    parser.add_argument("--max-num-batched-tokens", type=_args.positive, default=None,
-                        help="vLLM's profile-run tokens (default as `vllm serve`: 8192 on 70 GiB+ cards but the "
-                             "A100, else 2048)")
+    _args.add_gpu(parser, help="a catalog card (default h100-sxm; see memfit gpus)", default="h100-sxm")
     _args.add_budget(parser, help="the card's memory instead of the catalog's, e.g. 12GiB")
+    _args.section(parser, "parallel").add_argument(
+        "--gpus", type=_args.positive, default=1, metavar="N",
+        help="cards of --gpu (default 1): a model too big for one is placed over them (device_map; no TP)")
+    serving = _args.section(parser, "serving")
+    serving.add_argument("--context", type=_args.tokens, required=True, metavar="N",
+                         help="tokens per request, prompt + output, e.g. 8192")
+    serving.add_argument("--chunk", type=_args.positive, action="append", default=None, metavar="N",
+                         help="prefill chunk size to try (repeatable; default 512, 2048, 8192): smaller leaves more cache")
+    serving.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="X",
+                         help="vLLM's share of the card for its block arithmetic (default 0.9)")
+    serving.add_argument("--block-size", type=_args.positive, default=16, metavar="N",
+                         help="vLLM's tokens per KV block (default 16)")
+    serving.add_argument("--max-num-batched-tokens", type=_args.positive, default=None, metavar="N",
+                         help="vLLM's profile-run tokens (default as vllm serve: 8192 on 70 GiB+ cards but A100, else 2048)")
+    _args.section(parser, "planning").add_argument(
+        "--allow", default="", metavar="FORMATS", help="weight formats beside bf16 (default: exact only): int8, nf4 "
+        "or int8,nf4")
     _args.add_json(parser, help="print the plan as JSON")
 
 

@@ -22,60 +22,69 @@ _DEFAULTS = {"data": None, "tokenizer": None, "seq_len": None, "global_batch_siz
 
 
 def build(train) -> None:
+    train.usage = "%(prog)s MODEL --data FILE [flags]"
     _args.add_model(train)
-    train.add_argument("--config", default=None, help="a YAML file of these flags' values (flags win)")
-    train.add_argument("--data", default=None, help="a nanoGPT .bin token file, a .jsonl file (text or input_ids) "
-                       "or a saved datasets directory")
-    train.add_argument("--tokenizer", default=None, help="a local tokenizer directory (for .jsonl text)")
-    train.add_argument("--dtype", default=None, help="the token file's dtype (default uint16)")
+    data = _args.section(train, "data")
+    data.add_argument("--data", default=None, metavar="PATH",
+                      help="a nanoGPT .bin token file, a .jsonl (text or input_ids) or a saved datasets directory")
+    data.add_argument("--tokenizer", default=None, metavar="DIR", help="a local tokenizer directory (for .jsonl text)")
+    data.add_argument("--dtype", default=None, help="the token file's dtype (default uint16)")
+    data.add_argument("--packed", action="store_true", default=None, help="pack documents into rows of --seq-len "
+                      "tokens, attention within each (causal LMs)")
+    data.add_argument("--workers", type=int, default=None, metavar="N", help="DataLoader worker processes (default 0)")
+    recipe = _args.section(train, "recipe")
+    recipe.add_argument("--config", default=None, metavar="FILE", help="a YAML file of these flags' values (flags win)")
+    recipe.add_argument("--recipe", default=None, metavar="FILE|auto",
+                        help="a recipe .yaml/.json (flags override it), or auto: plan one first (the default with a "
+                             "card)")
     _args.add_seq_len(train)
-    train.add_argument("--global-batch-size", type=_args.positive, default=None, help="examples per optimizer step")
-    train.add_argument("--global-tokens", type=_args.positive, default=None, help="tokens per optimizer step "
-                       "(instead of --global-batch-size)")
-    train.add_argument("--steps", type=_args.positive, default=None, help="optimizer steps to run in total")
-    train.add_argument("--epochs", type=float, default=None, help="passes over the data (instead of --steps)")
-    train.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
-    train.add_argument("--schedule", choices=("constant", "cosine"), default=None, help="after warmup (default cosine)")
-    train.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default 0)")
-    _args.add_budget(train, help="memory the run may use, e.g. 24GiB: on the CPU a virtual budget (real tensors, "
-                     "an OOM past it), on CUDA the process's memory fraction")
-    train.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where to train (default: cuda if "
-                       "available)")
-    train.add_argument("--gpu", default=None, help="on CUDA, the catalog GPU the micro-batch estimates follow "
-                       "(see `memfit gpus`; default h100-sxm); without --budget its memory is the budget")
-    train.add_argument("--packed", action="store_true", default=None, help="pack documents into rows of --seq-len "
-                       "tokens, attention within each document (causal LMs)")
-    train.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (default 0)")
-    train.add_argument("--tensorboard", dest="tensorboard", action="store_true", default=None,
-                       help="require TensorBoard scalars in --out-dir/tensorboard (default: when installed)")
-    train.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
-                       help="no TensorBoard scalars even if installed")
-    train.add_argument("--out-dir", default=None, help="checkpoints and metrics.jsonl (default memfit-run)")
-    train.add_argument("--no-resume", dest="resume", action="store_false", default=None,
-                       help="start fresh even if --out-dir has checkpoints")
-    train.add_argument("--seed", type=int, default=None, help="data order and initialisation (default 0)")
-    train.add_argument("--checkpoint-every", type=_args.positive, default=None, help="steps between checkpoints "
-                       "(default 50; always at the end)")
-    train.add_argument("--keep", type=_args.positive, default=None, help="checkpoints kept (default 2)")
-    train.add_argument("--recipe", default=None, help="a recipe .yaml/.json (flags below override its fields), or "
-                       "auto: plan the fastest recipe that fits first, what happens by default with a --budget, a "
-                       "--gpu or a GPU to train on (the recipe flags given stay fixed)")
-    train.add_argument("--allow", default="", help="when it plans: techniques that change the math, allowed by "
-                       f"name: {', '.join(_args.allowable())} (comma-separated; never chosen otherwise)")
-    train.add_argument("--no-plan", action="store_true", help="do not plan: train the default recipe and the "
-                       "recipe flags given (micro-batches still sized by estimates within --budget)")
-    train.add_argument("--no-calibrate", action="store_true", help="keep the plan's predicted fastest instead of "
-                       "timing the few most promising recipes on this device first (<= 20 s)")
-    train.add_argument("--replan", action="store_true", help="plan again even if a plan for the same question is "
-                       "stored (under $MEMFIT_CACHE or ~/.cache/memfit)")
-    launch = train.add_argument_group("many processes (torchrun; the recipe's --parallel fsdp or ddp)")
-    launch.add_argument("--nproc-per-node", type=_args.positive, default=None, help="processes on this machine, "
-                        "one per GPU (on the CPU: gloo)")
-    launch.add_argument("--nnodes", type=_args.positive, default=None, help="machines (default 1)")
-    launch.add_argument("--node-rank", type=int, default=None, help="this machine's index (0 .. nnodes-1)")
-    launch.add_argument("--rdzv-endpoint", default=None, help="host:port every machine reaches (several machines)")
-    launch.add_argument("--max-restarts", type=int, default=None, help="restarts of every process after one dies "
-                        "(default 0); each resumes from the newest checkpoint")
+    batch = _args.section(train, "batch")
+    batch.add_argument("--global-batch-size", type=_args.positive, default=None, metavar="N",
+                       help="examples per optimizer step")
+    batch.add_argument("--global-tokens", type=_args.positive, default=None, metavar="N",
+                       help="tokens per optimizer step (instead of --global-batch-size)")
+    run = _args.section(train, "run")
+    run.add_argument("--steps", type=_args.positive, default=None, metavar="N", help="optimizer steps to run in total")
+    run.add_argument("--epochs", type=float, default=None, metavar="X", help="passes over the data (instead of --steps)")
+    run.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4)")
+    run.add_argument("--schedule", choices=("constant", "cosine"), default=None, help="after warmup (default cosine)")
+    run.add_argument("--warmup", type=int, default=None, metavar="N", help="linear warmup steps (default 0)")
+    run.add_argument("--seed", type=int, default=None, help="data order and initialisation (default 0)")
+    _args.add_budget(train, help="memory the run may use, e.g. 24GiB: CPU a virtual cap, CUDA the process's "
+                     "memory fraction")
+    _args.add_device(train, None, help="where to train (default: cuda if available)")
+    _args.add_gpu(train, help="on CUDA, the catalog card the estimates follow (default h100-sxm); its memory the "
+                  "budget")
+    checkpoints = _args.section(train, "checkpoints")
+    checkpoints.add_argument("--out-dir", default=None, metavar="DIR",
+                             help="checkpoints and metrics.jsonl (default memfit-run)")
+    checkpoints.add_argument("--no-resume", dest="resume", action="store_false", default=None,
+                             help="start fresh even if --out-dir has checkpoints (default: resume)")
+    checkpoints.add_argument("--checkpoint-every", type=_args.positive, default=None, metavar="N",
+                             help="steps between checkpoints (default 50; always at the end)")
+    checkpoints.add_argument("--keep", type=_args.positive, default=None, metavar="N", help="checkpoints kept (default 2)")
+    checkpoints.add_argument("--tensorboard", dest="tensorboard", action="store_true", default=None,
+                             help="require TensorBoard scalars in --out-dir/tensorboard (default: when installed)")
+    checkpoints.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                             help="no TensorBoard scalars even if installed")
+    planning = _args.section(train, "planning")
+    planning.add_argument("--allow", default="", metavar="NAMES", help="when it plans: techniques that change the "
+                          f"math: {','.join(_args.allowable())}")
+    planning.add_argument("--no-plan", action="store_true", help="do not plan: the default recipe and the flags "
+                          "given (micro-batches still sized)")
+    planning.add_argument("--no-calibrate", action="store_true", help="trust the plan's fastest instead of timing "
+                          "the top few here first (<= 20 s)")
+    planning.add_argument("--replan", action="store_true", help="plan again even if this plan is stored "
+                          "($MEMFIT_CACHE or ~/.cache/memfit)")
+    launch = _args.section(train, "launch")
+    launch.add_argument("--nproc-per-node", type=_args.positive, default=None, metavar="N",
+                        help="processes on this machine, one per GPU (on the CPU: gloo)")
+    launch.add_argument("--nnodes", type=_args.positive, default=None, metavar="N", help="machines (default 1)")
+    launch.add_argument("--node-rank", type=int, default=None, metavar="N", help="this machine's index (0 .. nnodes-1)")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="host:port every machine reaches (several machines)")
+    launch.add_argument("--max-restarts", type=int, default=None, metavar="N", help="restarts of every process after "
+                        "one dies (default 0); each resumes")
     _args.recipe_flags(train)
     _args.add_json(train, help="print the result as JSON (the progress bar goes to stderr)")
 

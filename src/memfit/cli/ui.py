@@ -7,12 +7,12 @@ from memfit.errors import MemfitError
 
 
 def build(parser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to serve on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=_args.positive, default=7860, help="port to serve on (default 7860)")
-    parser.add_argument("--share", action="store_true",
-                        help="also serve through a public gradio.live link (off by default: anyone with the link "
-                             "can use the page)")
+    server = _args.section(parser, "server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to serve on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    server.add_argument("--port", type=_args.positive, default=7860, metavar="N", help="port to serve on (default 7860)")
+    server.add_argument("--share", action="store_true",
+                        help="also a public gradio.live link (default off: anyone with the link can use the page)")
 
 
 def run(args) -> int:
