@@ -4,7 +4,9 @@ A config with a width of zero, a depth given as a list or a vocabulary of 10^30 
 fail deep inside transformers or torch, or give a confident number for a model that cannot exist.
 Here the sizes that decide memory are checked up front (whole numbers within bounds), and what
 transformers, the user's factory or an import raises while building is turned into one
-``MemfitError`` line that names the source and the fix.
+``MemfitError`` line that names the source and the fix. A config is checked once, where it is made:
+``read_config`` and ``config_from_dict`` check what they read, ``source.py`` a catalog entry's or a
+config object's (``check_config``); a shallower copy of a checked config is not checked again.
 
 Left to the model itself: consistency between fields (a width the head count does not divide);
 transformers raises for those when the model is built, and that message is passed on.

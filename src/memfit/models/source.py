@@ -1,5 +1,7 @@
-"""Where a model comes from: a module, a factory, a catalog name, a config (object, config.json or
-its folder), a Hugging Face Hub id (``hub.py``: config.json only), or ``pkg.mod:fn``.
+"""Where a model comes from, built: ``resolve`` takes what the name is (``name.py`` decides: a module, a
+factory, a catalog name, a config object, config.json or its folder, a Hugging Face Hub id, ``pkg.mod:fn``)
+and builds a ``Source`` from that decision, one builder per kind (``_BUILDERS``). A Hugging Face config
+is read and checked once (``check.py``), its task read once (``tasks.py``), then made a ``Source``.
 
 A ``Source`` knows how to build the model (on whatever device or fake mode is current), and for
 Hugging Face configs how to make a batch of a given size and how to make the same model shallower
@@ -10,15 +12,16 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from memfit.errors import MemfitError, shown
+from memfit.errors import MemfitError
 from memfit.models import families, hub, lengths, quantized, tasks
-from memfit.models.catalog import by_source, lookup
+from memfit.models.catalog import CATALOG
 from memfit.models.check import check_config, checked_build, config_from_dict, import_object, read_config
+from memfit.models.name import ModelName, read_name
 
 __all__ = ["Source", "resolve"]
 
@@ -66,10 +69,10 @@ class Source:
         settable = getattr(getattr(type(config), "layer_types", None), "fset", True) is not None
         if isinstance(types, list) and settable:  # Mamba derives layer_types from the depth
             config.layer_types = [types[i] for i in keep if i < len(types)]
-        shown_layers = layers if isinstance(layers, int) else len(keep)
-        shallow = _hf_source(f"{self.name}[{shown_layers} layers]", config, self.task, self.remote_code)
-        shallow.moe_routing, shallow.quantization = self.moe_routing, self.quantization
-        return shallow
+        name = f"{self.name}[{layers if isinstance(layers, int) else len(keep)} layers]"
+        # the config was checked and readied for its head when this source was made: only the build is new
+        return replace(self, name=name, config=config, notes=(),
+                                   build=_auto_build(name, config, self.task, self.remote_code))
 
     def default_seq_len(self) -> int | None:
         if self.task == "image-classification":
@@ -103,80 +106,68 @@ def resolve(model, *, revision: str | None = None, trust_remote_code: bool = Fal
     snapshot), ``package.module:function``, a catalog name, or a Hugging Face Hub id (``owner/name``;
     only its config.json is fetched, ``revision`` a branch, tag or commit). ``trust_remote_code``: run a
     repository's own configuration and modelling code (``auto_map``), as transformers asks."""
-    if revision is not None and not (isinstance(model, str) and hub.is_hub_id(model)):
-        raise MemfitError(f"revision={shown(revision)} is for a Hugging Face Hub id (owner/name): drop it, or name "
-                          "the model by its hub id")
-    if isinstance(model, Source):
-        return model
-    if isinstance(model, torch.nn.Module):
-        return Source(type(model).__name__, build=lambda: model, module=model)
-    if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
-        return _hf_source(model.model_type, model, _task(model), trust_remote_code)
-    if callable(model):
-        name = getattr(model, "__name__", "factory")
-        return Source(name, build=checked_build(model, name, user=True))
-    if not isinstance(model, str):
-        raise MemfitError(f"cannot use {type(model).__name__} as a model: pass an nn.Module, a factory, "
-                          "a catalog name, a Hugging Face Hub id or a config.json path")
-    if os.path.exists(model):
-        return _from_config_path(model, trust_remote_code)
-    if ":" in model:
-        return _from_factory(model)
-    if not model.strip():
-        raise MemfitError("the model is an empty name: give a catalog name (see `memfit models`), a Hugging Face "
-                          "Hub id (owner/name), a config.json path or package.module:function")
-    if hub.is_hub_id(model):
-        try:
-            path = hub.hub_config_file(model, revision)
-        except hub.NotCached as err:
-            found = by_source(model) if revision is None else None
-            if found is None:
-                raise
-            source = _catalog_source(model, found[1])
-            source.notes = (f"{str(err).split(': ')[0]}: read its config.json as memfit's catalog holds it "
-                            f"({found[0]}: the public values)",)
-            return source
-        return _from_config_path(path, trust_remote_code, name=model, hub_id=model, revision=revision)
-    if "/" in model or model.endswith(".json"):
-        raise MemfitError(f"no such file or directory: {model}: give a config.json path, a folder holding one, or "
-                          "a Hugging Face Hub id (owner/name)")
-    return _catalog_source(model.lower(), lookup(model))
+    if isinstance(model, Source) and revision is None:
+        return model  # resolved already: a caller passing on what it resolved
+    name = read_name(model, revision=revision, trust_remote_code=trust_remote_code)
+    return _BUILDERS[name.kind](name)
 
 
-def _catalog_source(name: str, entry) -> Source:
+def _module(name: ModelName) -> Source:
+    return Source(name.label, build=lambda: name.obj, module=name.obj)
+
+
+def _factory(name: ModelName) -> Source:
+    return Source(name.label, build=checked_build(name.obj, name.label, user=True))
+
+
+def _import(name: ModelName) -> Source:
+    return Source(name.label, build=checked_build(import_object(name.label), name.label, user=True))
+
+
+def _config(name: ModelName) -> Source:
+    check_config(name.obj, name.label)
+    return _hf_source(name.label, name.obj, trust_remote_code=name.trust_remote_code)
+
+
+def _catalog(name: ModelName) -> Source:
     from transformers import AutoConfig
 
+    entry = CATALOG[name.catalog]
     config = AutoConfig.for_model(entry.model_type, **entry.config)
-    return _hf_source(name, config, entry.task)
+    check_config(config, name.label)
+    return _hf_source(name.label, config, entry.task)
 
 
-_TASKS = {"bert": "masked-lm", "distilbert": "masked-lm", "roberta": "masked-lm", "xlm-roberta": "masked-lm",
-          "albert": "masked-lm", "electra": "masked-lm", "deberta": "masked-lm", "deberta-v2": "masked-lm",
-          "modernbert": "masked-lm", "t5": "seq2seq", "bart": "seq2seq", "vit": "image-classification"}
+def _hub(name: ModelName) -> Source:
+    """The repository's config.json, read as a local folder's; the catalog's copy when it cannot be had."""
+    try:
+        path = hub.hub_config_file(name.hub_id, name.revision)
+    except hub.NotCached as err:
+        if not name.catalog:
+            raise
+        source = _catalog(name)
+        source.notes = (f"{str(err).split(': ')[0]}: read its config.json as memfit's catalog holds it "
+                        f"({name.catalog}: the public values)",)
+        return source
+    return _folder(replace(name, path=path, folder=os.path.dirname(path)))
 
 
-def _from_config_path(path: str, trust_remote_code: bool = False, *, name: str | None = None,
-                      hub_id: str | None = None, revision: str | None = None) -> Source:
-    if os.path.isfile(path) and os.path.basename(path) != "config.json":
-        return _from_config_file(path, trust_remote_code)
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        raise MemfitError(f"no config.json at {path}: point at a Hugging Face config.json or its folder")
-    name = name or os.path.basename(os.path.abspath(folder))
-    remote = hub.needs_remote_code(os.path.join(folder, "config.json"), name, trust_remote_code)
-    if remote and hub_id is not None:  # the configuration code lives in the repository, beside config.json
-        config = read_config(hub_id, name, revision=revision, trust_remote_code=True)
+def _folder(name: ModelName) -> Source:
+    """A config.json (of a folder, or of a Hub repository in the local cache)."""
+    remote = hub.needs_remote_code(os.path.join(name.folder, "config.json"), name.label, name.trust_remote_code)
+    if remote and name.hub_id:  # the configuration code lives in the repository, beside config.json
+        config = read_config(name.hub_id, name.label, revision=name.revision, trust_remote_code=True)
     else:
-        config = read_config(folder, path, trust_remote_code=remote)
-    return _hf_source(name, config, _task(config), remote)
+        config = read_config(name.folder, name.path, trust_remote_code=remote)
+    return _hf_source(name.label, config, trust_remote_code=remote)
 
 
-def _from_config_file(path: str, trust_remote_code: bool) -> Source:
+def _file(name: ModelName) -> Source:
     """A model config saved under any file name (``my-model.json``, ``llama_cfg``): the JSON object in it, read
     as a Hugging Face config when it names a ``model_type`` (or only ``architectures``, whose model_type
     transformers knows). Not the folder's config.json: the file named is the one read."""
+    path = name.path
     data = hub.config_fields(path)
-    name = os.path.splitext(os.path.basename(path))[0] or os.path.basename(path)
     if data.get("model_type") is None:
         model_type = hub.model_type_of(data.get("architectures"))
         if model_type is None:
@@ -185,32 +176,32 @@ def _from_config_file(path: str, trust_remote_code: bool) -> Source:
             raise MemfitError(f"{path} is not a Hugging Face model config ({what}): point at a model's config.json, "
                               "or add the model's model_type to the file")
         data = {**data, "model_type": model_type}
-    if hub.needs_remote_code(path, name, trust_remote_code, data):
-        raise MemfitError(f"{name} runs its own code (auto_map), which transformers finds beside a file named "
+    if hub.needs_remote_code(path, name.label, name.trust_remote_code, data):
+        raise MemfitError(f"{name.label} runs its own code (auto_map), which transformers finds beside a file named "
                           f"config.json: save {path} as config.json in the folder of that code and pass the folder")
-    config = config_from_dict(data, path)
-    return _hf_source(name, config, _task(config))
+    return _hf_source(name.label, config_from_dict(data, path))
 
 
-def _task(config) -> str:
-    if config.model_type in families.TASKS:
-        return families.TASKS[config.model_type]
-    if hasattr(config, "vision_config") or hasattr(config, "audio_config"):
-        raise MemfitError(f"memfit cannot make a batch for {config.model_type} (multimodal inputs): pass a factory "
-                          "and batch=, e.g. estimate(lambda: Model(config), batch)")
-    return tasks.task_of(getattr(config, "architectures", None)) or _TASKS.get(config.model_type, "causal-lm")
+# kind (name.KINDS) -> the Source of a name of that kind
+_BUILDERS = {"module": _module, "config": _config, "factory": _factory, "file": _file, "folder": _folder,
+             "import": _import, "hub": _hub, "catalog": _catalog}
 
 
-def _from_factory(spec: str) -> Source:
-    return Source(spec, build=checked_build(import_object(spec), spec, user=True))
-
-
-def _hf_source(name: str, config, task: str, trust_remote_code: bool = False) -> Source:
+def _hf_source(name: str, config, task: str | None = None, trust_remote_code: bool = False) -> Source:
+    """A checked Hugging Face config as a ``Source``: readied for its head (``task``, else the config's own) and
+    its stored quantization kept aside."""
+    task, config = tasks.head(config, task)
     quantization = quantized.quantization_of(config)
     if quantization is not None:  # built as the model computes; the stored format is the estimate's note
         config = copy.deepcopy(config)
         del config.quantization_config
+    return Source(name, build=_auto_build(name, config, task, trust_remote_code), config=config, task=task,
+                  quantization=quantization, remote_code=trust_remote_code)
 
+
+def _auto_build(name: str, config, task: str, trust_remote_code: bool):
+    """The model of ``config`` with ``task``'s head, by transformers' Auto class, in the current device / fake
+    mode."""
     def build():
         import transformers
 
@@ -222,7 +213,4 @@ def _hf_source(name: str, config, task: str, trust_remote_code: bool = False) ->
             raise MemfitError(f"transformers has no {task} model for {config.model_type}: "
                               f"{str(err).splitlines()[0][:120]}") from None
 
-    check_config(config, name)
-    config = tasks.with_pad_token(config, task)
-    return Source(name, build=checked_build(build, name, user=trust_remote_code), config=config, task=task,
-                  quantization=quantization, remote_code=trust_remote_code)
+    return checked_build(build, name, user=trust_remote_code)

@@ -18,9 +18,13 @@ image-classification  AutoModelForImageClassification ``pixel_values`` and ``lab
 ====================  ==============================  =============================================
 
 (causal and masked LMs and encoder-decoders train on ``input_ids`` + ``labels`` of the same shape:
-``source.py``.) A decoder classifying by its last token (``LlamaForSequenceClassification``) finds
-that token through ``pad_token_id`` and refuses a batch above one without it; a config without one
-gets ``eos_token_id`` (or 0), as fine-tuning scripts set ``model.config.pad_token_id``.
+``source.py``.) ``task_for`` gives a whole config's task: a family's own (``families.TASKS``), else its
+``architectures``' head, else its model type's usual one, else a causal LM; ``head`` also readies the
+config for it (below).
+
+A decoder classifying by its last token (``LlamaForSequenceClassification``) finds that token through
+``pad_token_id`` and refuses a batch above one without it; a config without one gets
+``eos_token_id`` (or 0), as fine-tuning scripts set ``model.config.pad_token_id``.
 
 Written by hand: transformers maps architectures to Auto classes only by model type
 (``MODEL_FOR_..._MAPPING_NAMES``), and makes no example batches.
@@ -33,8 +37,9 @@ import copy
 import torch
 
 from memfit.errors import MemfitError
+from memfit.models import families
 
-__all__ = ["task_of", "AUTO_CLASSES", "LABELLED", "labelled_batch", "with_pad_token", "vocab_size"]
+__all__ = ["head", "task_for", "task_of", "AUTO_CLASSES", "LABELLED", "labelled_batch", "with_pad_token", "vocab_size"]
 
 # architecture name suffix -> task (first match wins)
 _SUFFIXES = (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
@@ -67,6 +72,30 @@ _MAPPINGS = (("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
              ("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
              ("question-answering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
              ("image-classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"))
+
+
+# model_type -> task, for a config whose architectures name no head (a config made in code, or trimmed)
+_MODEL_TYPES = {"bert": "masked-lm", "distilbert": "masked-lm", "roberta": "masked-lm", "xlm-roberta": "masked-lm",
+                "albert": "masked-lm", "electra": "masked-lm", "deberta": "masked-lm", "deberta-v2": "masked-lm",
+                "modernbert": "masked-lm", "t5": "seq2seq", "bart": "seq2seq", "vit": "image-classification"}
+
+
+def head(config, task: str | None = None) -> tuple[str, object]:
+    """(task, config) of a Hugging Face config about to be built: ``task`` where it is known (a catalog
+    entry's), else the config's own (``task_for``); the config readied for that head (``with_pad_token``)."""
+    task = task or task_for(config)
+    return task, with_pad_token(config, task)
+
+
+def task_for(config) -> str:
+    """The task a Hugging Face config trains for (see the module's docstring); refuses multimodal inputs
+    memfit cannot make a batch for."""
+    if config.model_type in families.TASKS:
+        return families.TASKS[config.model_type]
+    if hasattr(config, "vision_config") or hasattr(config, "audio_config"):
+        raise MemfitError(f"memfit cannot make a batch for {config.model_type} (multimodal inputs): pass a factory "
+                          "and batch=, e.g. estimate(lambda: Model(config), batch)")
+    return task_of(getattr(config, "architectures", None)) or _MODEL_TYPES.get(config.model_type, "causal-lm")
 
 
 def task_of(architectures) -> str | None:
