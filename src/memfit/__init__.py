@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 # kineto's two lines per profiler start are silenced only while memfit starts one (memfit.scoped).
 
 __all__ = [
-    "Category", "Fit", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
+    "Category", "Data", "Fit", "Hardware", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
     "estimate", "estimate_generate", "estimate_micro_batch", "estimate_script", "ScriptFailed", "fit", "measure", "profile", "Profile",
     "parse_size", "plan", "format_size", "train", "read_trainer_config", "TrainerConfig",
 ]
@@ -27,6 +27,8 @@ _WHERE = {
     "apply": "memfit.techniques.apply",
     "Category": "memfit.categories",
     "MemfitError": "memfit.errors",
+    # where a step runs and what it runs on: estimate, plan and fit take them (hardware=, data=)
+    "Hardware": "memfit.estimator.inputs", "Data": "memfit.estimator.inputs",
     # estimate: every workload, training and forward (memfit.estimator) and generate (memfit.generation)
     "estimate": "memfit.generation.workloads", "estimate_micro_batch": "memfit.estimator.estimate",
     "estimate_generate": "memfit.generation.generate",
@@ -49,6 +51,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
     from memfit.categories import Category
     from memfit.errors import MemfitError
     from memfit.estimator.estimate import estimate_micro_batch
+    from memfit.estimator.inputs import Data, Hardware
     from memfit.generation.generate import estimate_generate
     from memfit.generation.workloads import estimate
     from memfit.estimator.measure import measure

@@ -140,6 +140,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from memfit.estimator.estimate import estimate, targeted
+    from memfit.estimator.inputs import Data, Hardware
     from memfit.report.tables import report_view, verdict
 
     from memfit.hardware.gpus import target
@@ -159,14 +160,14 @@ def run(args) -> int:
             ranks = (args.gpus or 1) * (args.nodes or 1) // (recipe.tp * recipe.pp * recipe.cp)
             args.batch_size = recipe.micro_batch_size * recipe.grad_accum_steps * max(1, ranks)
     with _args.progress(f"tracing {args.model} on fake tensors") as update:
-        report = estimate(_args.model_of(args), _args.import_spec(args.batch), loss_fn=_args.import_spec(args.loss),
-                          recipe=recipe, steps=args.steps, batch_size=args.batch_size,
-                          seq_len=args.seq_len, fast=False if args.full else None,
-                          device=chosen.device, gpu=card, moe_routing=args.moe_routing,
-                          budget=args.budget if cuda else None, progress=update, lengths=args.lengths,
-                          packed=args.packed, gpus=args.gpus, nodes=args.nodes, device_map=args.device_map,
-                          max_memory=args.max_memory, offload_folder=args.offload_folder,
-                          workload="forward" if args.forward_only else "train")
+        hardware = Hardware(device=chosen.device, gpu=card, budget=args.budget if cuda else None, gpus=args.gpus,
+                            nodes=args.nodes)
+        data = Data(batch_size=args.batch_size, seq_len=args.seq_len, lengths=args.lengths, packed=args.packed)
+        report = estimate(_args.model_of(args), _args.import_spec(args.batch), hardware=hardware, data=data,
+                          loss_fn=_args.import_spec(args.loss), recipe=recipe, steps=args.steps,
+                          fast=False if args.full else None, moe_routing=args.moe_routing, progress=update,
+                          device_map=args.device_map, max_memory=args.max_memory,
+                          offload_folder=args.offload_folder, workload="forward" if args.forward_only else "train")
     report = targeted(chosen, report)
     if config is not None:
         report = dataclasses.replace(report, notes=report.notes + _from_notes(config, args.model))

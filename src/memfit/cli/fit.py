@@ -30,6 +30,7 @@ def run(args) -> int:
     """Also ``memfit estimate --max-batch-size`` (whose args have no ``--out``)."""
     from rich.console import Console
 
+    from memfit.estimator.inputs import Data, Hardware
     from memfit.planner.fit import NoBatchFits, fit
     from memfit.report.tables import fit_view
 
@@ -42,9 +43,11 @@ def run(args) -> int:
         _args.check_out(out)
     with _args.progress(f"fitting {args.model}") as update:
         try:
-            found = fit(_args.model_of(args), _args.import_spec(args.batch), gpu=args.gpu, budget=args.budget, recipe=recipe,
-                        seq_len=args.seq_len, loss_fn=_args.import_spec(args.loss), device=args.device,
-                        progress=update, gpus=getattr(args, "gpus", None), nodes=getattr(args, "nodes", None))
+            hardware = Hardware(gpu=args.gpu, budget=args.budget, device=args.device, gpus=getattr(args, "gpus", None),
+                                nodes=getattr(args, "nodes", None))
+            found = fit(_args.model_of(args), _args.import_spec(args.batch), hardware=hardware,
+                        data=Data(seq_len=args.seq_len), recipe=recipe, loss_fn=_args.import_spec(args.loss),
+                        progress=update)
         except NoBatchFits as err:
             if args.json:
                 print(json.dumps({"fits": False, "message": str(err), "needed_bytes": err.needed_bytes,

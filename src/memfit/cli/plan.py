@@ -42,6 +42,7 @@ def build(pl) -> None:
 def run(args) -> int:
     from rich.console import Console
 
+    from memfit.estimator.inputs import Data, Hardware
     from memfit.planner.plan import NothingFits, plan
     from memfit.report.tables import plan_view
 
@@ -57,10 +58,10 @@ def run(args) -> int:
         gbs = math.lcm(8, (args.gpus or 1) * (args.nodes or 1)) if isinstance(args.gpus, int) else 8
     with _args.progress(f"planning {args.model}") as update:
         try:
-            plans = plan(_args.model_of(args), batch, budget=args.budget, gpu=args.gpu, device=args.device,
-                         global_batch_size=gbs, seq_len=args.seq_len, allow=args.allow,
-                         optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss), progress=update,
-                         gpus=args.gpus, nodes=args.nodes, fixed=_within(tools, args))
+            hardware = Hardware(gpu=args.gpu, device=args.device, budget=args.budget, gpus=args.gpus, nodes=args.nodes)
+            plans = plan(_args.model_of(args), batch, hardware=hardware, data=Data(batch_size=gbs, seq_len=args.seq_len),
+                         allow=args.allow, optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss),
+                         progress=update, fixed=_within(tools, args))
         except NothingFits as err:
             if args.json:
                 smallest = err.smallest.to_dict() if err.smallest is not None else None

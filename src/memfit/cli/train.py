@@ -164,6 +164,7 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
     stored. Says in one line on stderr what it chose, from where, and the predicted speed."""
     import time
 
+    from memfit.estimator.inputs import Data, Hardware
     from memfit.planner.plan import plan
     from memfit.planner.stored import load_plan, plan_key, save_plan
     from memfit.units import format_size
@@ -193,9 +194,10 @@ def _planned(args, s, source, device: str, budget, changes: dict, quiet: bool = 
             conf = use_alloc_conf([chosen])
     else:
         with _args.progress("planning the fastest recipe that fits") as update:
-            plans = plan(source.config if source.config is not None else _args.model_of(args), budget=budget,
-                         gpu=card, global_batch_size=rows, seq_len=s["seq_len"], device="cuda" if on_gpu else "cpu",
-                         fixed=changes, allow=args.allow, progress=update)
+            plans = plan(source.config if source.config is not None else _args.model_of(args),
+                         hardware=Hardware(gpu=card, budget=budget, device="cuda" if on_gpu else "cpu"),
+                         data=Data(batch_size=rows, seq_len=s["seq_len"]), fixed=changes, allow=args.allow,
+                         progress=update)
         chosen, timing = plans.best, None
         if on_gpu:
             from memfit.training.loop import use_alloc_conf

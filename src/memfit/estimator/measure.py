@@ -9,7 +9,7 @@ independent truth that grades both is the allocator (``memfit.truth``), not this
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.estimator.estimate import step_batch, check_args
+from memfit.estimator.checks import check_args, step_batch
 from memfit.models.source import resolve
 from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.report.report import Report

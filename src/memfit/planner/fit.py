@@ -14,6 +14,9 @@ What the answer means: by ``estimate``'s own account (reserved + the memory outs
 GPU, the allocator's peak on the CPU), micro-batch ``n`` of this recipe fits and ``n + 1`` does
 not. It inherits the estimate's accuracy; the test checks it against the CPU allocator.
 
+The answer, ``Fit`` (and ``NoBatchFits``), is in ``fit_result.py``; the search across data-parallel ranks in
+``fit_ranks.py``.
+
 Known limitations:
 * Recipes with ``attention`` or ``offload_optimizer`` set are outside the planner's traces: the
   search then doubles and bisects with full estimates only (a few more of them).
@@ -26,15 +29,16 @@ Known limitations:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from memfit.errors import MemfitError, shown
-from memfit.techniques.recipe import Recipe, recipe_from
-from memfit.units import format_size, parse_size
 from memfit.estimator.checkpoint import checkpoint_recipe
+from memfit.estimator.inputs import Data, Hardware, gather
 from memfit.estimator.verdict import FITS, OOM
+from memfit.planner.fit_result import Fit, NoBatchFits
+from memfit.techniques.recipe import Recipe, recipe_from
+from memfit.units import format_size
 
 __all__ = ["fit", "Fit", "NoBatchFits", "LIMIT"]
 
@@ -42,78 +46,18 @@ LIMIT = 65536  # the largest micro-batch searched
 PROBE = 4  # without a prime-size trace: the second batch size traced (the first is 2)
 
 
-@dataclass(frozen=True)
-class Fit:
-    """The largest micro-batch of ``recipe`` that fits ``budget_bytes``, checked by full estimates.
-
-    ``device_bytes`` is the full estimate at ``micro_batch_size`` (reserved + context on a GPU);
-    ``next_bytes`` the full estimate one size up (``None`` when the search stopped at ``limit``).
-    """
-
-    recipe: Recipe  # the user's recipe with micro_batch_size set to the answer
-    micro_batch_size: int
-    grad_accum_steps: int
-    budget_bytes: int
-    device_bytes: int
-    allocated_bytes: int
-    reserved_bytes: int | None
-    next_bytes: int | None
-    predicted_micro_batch_size: int | None  # from the composed traces, before verification
-    tokens_per_example: int | None  # sequence length for token models, else None
-    estimates: int  # full estimates the verification consulted (a repeated call finds them kept)
-    traces: int  # planner traces the prediction took (0 when the cache passed held them)
-    seconds: float
-    device: str  # "cuda" or "cpu"
-    gpu: str | None
-    model: str
-    report: object = field(repr=False, compare=False, default=None)  # the Report at the answer
-    notes: tuple[str, ...] = ()
-    ranks: int = 1  # data-parallel ranks (``fit(gpus=...)``): the micro-batch is each rank's
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps * self.ranks
-
-    @property
-    def tokens_per_step(self) -> int | None:
-        return None if self.tokens_per_example is None else self.global_batch_size * self.tokens_per_example
-
-    @property
-    def at_limit(self) -> bool:
-        return self.next_bytes is None
-
-    def to_dict(self) -> dict:
-        return {"fits": True, "model": self.model, "device": self.device, "gpu": self.gpu,
-                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
-                "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
-                "ranks": self.ranks,
-                "budget_bytes": self.budget_bytes, "device_bytes": self.device_bytes,
-                "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
-                "margin_bytes": self.budget_bytes - self.device_bytes,
-                "next": {"micro_batch_size": self.micro_batch_size + 1, "device_bytes": self.next_bytes},
-                "predicted_micro_batch_size": self.predicted_micro_batch_size,
-                "estimates": self.estimates, "traces": self.traces, "seconds": round(self.seconds, 2),
-                "recipe": self.recipe.to_dict(), "notes": list(self.notes)}
-
-    def __str__(self) -> str:
-        return (f"micro-batch {self.micro_batch_size} x {self.grad_accum_steps} = global batch "
-                f"{self.global_batch_size}: {format_size(self.device_bytes)} of {format_size(self.budget_bytes)}")
-
-
-class NoBatchFits(MemfitError):
-    """Micro-batch 1 of the recipe does not fit; ``needed_bytes`` is its full estimate."""
-
-    def __init__(self, message: str, needed_bytes: int, budget_bytes: int):
-        super().__init__(message)
-        self.needed_bytes, self.budget_bytes = needed_bytes, budget_bytes
-
-
-def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = None, precision: str = "fp32",
-        optimizer: str = "adamw", seq_len: int | None = None, loss_fn=None, device: str | None = None,
-        limit: int = LIMIT, progress=None, cache=None, gpus: int | None = None, nodes: int | None = None) -> Fit:
+def fit(model, batch=None, *, hardware: Hardware | None = None, data: Data | None = None,
+        recipe: Recipe | None = None, precision: str = "fp32", optimizer: str = "adamw", loss_fn=None,
+        limit: int = LIMIT, progress=None, cache=None, gpu=None, budget=None, seq_len: int | None = None,
+        device: str | None = None, gpus: int | None = None, nodes: int | None = None) -> Fit:
     """The largest micro-batch of ``recipe`` that fits ``budget``, and the global batch it gives.
 
+        memfit.fit("llama-3.2-1b", hardware=memfit.Hardware(gpu="rtx-4090"), data=memfit.Data(seq_len=2048))
+
     model      as for :func:`memfit.estimate`.
+    hardware   a :class:`memfit.Hardware`: ``gpu``, ``budget``, ``device``, ``gpus`` and ``nodes`` below
+               (each also a keyword of that name).
+    data       a :class:`memfit.Data` with ``seq_len`` (also a keyword): the batch size is what fit searches.
     batch      for a model without a config: an example batch (or a zero-argument callable); its
                tensors are grown along dim 0 to each size tried.
     gpu        a catalog GPU (``"rtx-4090"``): CUDA semantics, and its memory as the budget.
@@ -126,23 +70,27 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
                same config: its traces and full estimates are reused; default: made afresh.
 
     gpus, nodes  a data-parallel run (``recipe.parallel`` ddp or fsdp): the answer is the largest per-rank
-               micro-batch, each size a full per-rank estimate (``ranks.fit_ranks``).
+               micro-batch, each size a full per-rank estimate (``fit_ranks.py``).
 
     Raises ``NoBatchFits`` (a ``MemfitError``) when micro-batch 1 does not fit.
     """
     from memfit.techniques.accumulation import MAX_BATCH
 
+    hardware, data = gather(hardware, data, gpu=gpu, budget=budget, device=device, gpus=gpus, nodes=nodes,
+                            seq_len=seq_len)
+    if data.batch_size is not None or data.lengths is not None or data.packed:
+        raise MemfitError("fit searches the batch size of fixed-length rows: give data=Data(seq_len=...) without "
+                          "batch_size, lengths or packed")
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_BATCH:
         raise MemfitError(f"limit must be an integer from 1 to {MAX_BATCH} (examples per micro-batch), got "
                           f"{shown(limit)}")
-    if gpus is not None or nodes is not None:
-        if device is not None and str(device).startswith("cpu"):
-            raise MemfitError("gpus= and device='cpu' conflict: fit across GPUs follows CUDA semantics; drop one")
-        return _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, limit, progress,
-                          gpus, nodes)
+    if hardware.gpus is not None or hardware.nodes is not None:
+        from memfit.planner.fit_ranks import fit_across
+
+        return fit_across(model, batch, hardware, recipe, precision, optimizer, data.seq_len, loss_fn, limit, progress)
     start = time.perf_counter()
-    search = _Search(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
-                     progress, cache)
+    search = _Search(model, batch, hardware, recipe, precision, optimizer, data.seq_len, loss_fn, limit, progress,
+                     cache)
     predicted = search.predict_answer()
     n = search.verify_from(predicted or 1)
     search.finish()
@@ -152,13 +100,13 @@ def fit(model, batch=None, *, gpu=None, budget=None, recipe: Recipe | None = Non
 class _Search:
     """The model, budget and recipe of one ``fit`` call, its predictions and its full estimates."""
 
-    def __init__(self, model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, device, limit,
+    def __init__(self, model, batch, hardware: Hardware, recipe, precision, optimizer, seq_len, loss_fn, limit,
                  progress, cache=None):
-        from memfit.estimator.estimate import check_args, resolve_target
+        from memfit.estimator.checks import check_args, resolve_target
         from memfit.hardware.gpus import target as default_target
         from memfit.models.source import resolve
 
-        check_args(precision, 1, 1, seq_len)
+        check_args(precision, 1)
         recipe, factory = recipe_from(recipe, precision, optimizer)
         if recipe.micro_batch_size is not None:
             raise MemfitError("fit searches micro_batch_size: leave it unset in the recipe")
@@ -166,17 +114,15 @@ class _Search:
             raise MemfitError("fit takes the optimizer by name (adamw, adafactor, ...), not a callable")
         if not isinstance(limit, int) or limit < 1:
             raise MemfitError(f"limit must be a positive integer, got {limit!r}")
-        device = device or "cuda"
-        if gpu is not None and str(device).startswith("cpu"):
-            raise MemfitError("gpu and device='cpu' conflict: drop one")
-        cpu = str(device).startswith("cpu")
+        gpu, budget, cpu = hardware.gpu, hardware.budget, hardware.on_cpu  # (a gpu on the cpu: Hardware refused it)
+        device = hardware.device or "cuda"
         self.target = resolve_target(device, gpu if gpu is not None or cpu else default_target("cuda").gpu)
         if budget is None:
             if gpu is None:
                 raise MemfitError("fit needs a budget: pass budget='24GiB' or gpu='rtx-4090'")
             self.budget = self.target.memory_bytes
         else:
-            self.budget = parse_size(budget)
+            self.budget = budget
         # on a GPU a budget is the process's share of the card, judged by the verdict as torch would
         # enforce it (``verdict.py``); without one, the whole card
         self.limit_budget = None if budget is None or self.target is None else self.budget
@@ -216,7 +162,8 @@ class _Search:
             return None
         from memfit.planner.compose import Engine
         from memfit.planner.cost import Speed
-        from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
+        from memfit.estimator.checks import resolve_target
+        from memfit.hardware.gpus import DEFAULT_GPU
         from memfit.planner.cache import EngineCache
 
         batch = None if self.example is None else _grown(self.example, PROBE)()
@@ -270,9 +217,10 @@ class _Search:
                 self._report()
                 return self.full[n]
             batch = None if self.example is None else _grown(self.example, n * r.grad_accum_steps)
-            self.full[n] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                                    device="cpu" if self.target is None else "cuda", gpu=self.target,
-                                    budget=self.limit_budget)
+            where = Hardware(device="cpu" if self.target is None else "cuda", gpu=self.target,
+                             budget=self.limit_budget)
+            self.full[n] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, hardware=where,
+                                    data=Data(seq_len=self.seq_len))
             self._report()
         return self.full[n]
 
@@ -371,80 +319,6 @@ class _Search:
 
         first = batch_tensors(self.example)[0]  # token ids: a 2-D integer tensor (rows x sequence)
         return first.shape[1] if first.dim() == 2 and not first.is_floating_point() else None
-
-
-def _fit_ranks(model, batch, gpu, budget, recipe, precision, optimizer, seq_len, loss_fn, limit, progress, gpus, nodes):
-    from memfit.estimator.estimate import DEFAULT_GPU, resolve_target
-    from memfit.hardware.cluster import world_of
-    from memfit.models.source import resolve
-
-    world = world_of(gpus, nodes)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise MemfitError(f"limit must be a positive integer, got {limit!r}")
-    recipe, factory = recipe_from(recipe, precision, optimizer)
-    if factory is not None:
-        raise MemfitError("fit across GPUs takes the optimizer by name (the recipe's); drop the optimizer callable")
-    if recipe.micro_batch_size is not None:
-        raise MemfitError("fit searches the micro-batch size: drop micro_batch_size from the recipe")
-    if recipe.parallel == "none":
-        raise MemfitError(f"gpus={gpus} needs parallel=ddp or parallel=fsdp in the recipe (--parallel fsdp)")
-    if batch is not None:
-        raise MemfitError("fit across GPUs grows a catalog or config model's batch: drop batch= (or gpus=)")
-    target = resolve_target("cuda", gpu or DEFAULT_GPU)
-    budget_bytes = target.memory_bytes if budget is None else parse_size(budget)
-    source = resolve(model)
-    recipe, _ = checkpoint_recipe(source, recipe)
-    if seq_len is None and source.config is not None:
-        seq_len = source.default_seq_len()
-    return fit_ranks(source, target=target, budget_bytes=budget_bytes, recipe=recipe, world=world, seq_len=seq_len,
-                     loss_fn=loss_fn, limit=limit, progress=progress)
-
-
-def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World, seq_len, loss_fn=None,
-              limit: int = 65536, progress=None):
-    """``fit`` for one rank of ``world``: the largest per-rank micro-batch of ``recipe`` (its
-    ``grad_accum_steps`` kept) whose per-rank estimate fits ``budget_bytes``: doubling, then
-    bisection, every size a full per-rank estimate (memory grows with the micro-batch)."""
-    from memfit.estimator.estimate import estimate
-
-    start = time.perf_counter()
-    accum, seen = recipe.grad_accum_steps, {}
-
-    def check(micro: int):
-        if micro not in seen:
-            seen[micro] = estimate(source, recipe=recipe.replace(micro_batch_size=micro), seq_len=seq_len,
-                                   batch_size=micro * accum * world.size, gpu=target, budget=budget_bytes,
-                                   gpus=world.gpus, nodes=world.nodes, loss_fn=loss_fn)
-            if progress is not None:
-                progress(len(seen), len(seen) + 1)
-        return seen[micro].verdict != OOM
-
-    if not check(1):
-        one = seen[1]
-        raise NoBatchFits(f"micro-batch 1 of {recipe.describe()} does not fit {world.describe()} x {target.name}: "
-                          f"{format_size(one.device_bytes + (one.missing_bytes or 0))} per rank of "
-                          f"{format_size(budget_bytes)}; memfit plan --gpus {world.gpus}"
-                          + (f" --nodes {world.nodes}" if world.nodes > 1 else "") + " finds a recipe that does",
-                          one.device_bytes + (one.missing_bytes or 0), budget_bytes)
-    low = 1
-    while low * 2 <= limit and check(low * 2):
-        low *= 2
-    high = min(low * 2, limit + 1)  # does not fit (or past the limit)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if check(middle) else (low, middle)
-    report, above = seen[low], seen.get(low + 1)
-    notes = [f"per rank of {world.describe()} ({recipe.parallel}): the global batch is micro-batch x "
-             f"{accum} accumulation x {world.size} ranks"]
-    if above is None:
-        notes.append(f"the search stops at micro-batch {limit} (limit=)")
-    return Fit(recipe=recipe.replace(micro_batch_size=low), micro_batch_size=low, grad_accum_steps=accum,
-               budget_bytes=budget_bytes, device_bytes=report.device_bytes, allocated_bytes=report.peak_bytes,
-               reserved_bytes=report.reserved_bytes,
-               next_bytes=None if above is None else above.device_bytes + (above.missing_bytes or 0),
-               predicted_micro_batch_size=None, tokens_per_example=seq_len, estimates=len(seen), traces=0,
-               seconds=time.perf_counter() - start, device="cuda", gpu=target.name, model=source.name, report=report,
-               notes=tuple(notes), ranks=world.size)
 
 
 def _grown(batch, rows: int):

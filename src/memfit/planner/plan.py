@@ -36,8 +36,9 @@ from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clea
 from memfit.planner.space import ALLOWABLE, allowed_names, check_fixed, custom_optimizer, search_space
 from memfit.errors import MemfitError, shown
 from memfit.estimator.checkpoint import dequantised
+from memfit.estimator.inputs import Data, Hardware, gather
 from memfit.techniques.recipe import Recipe
-from memfit.units import format_size, parse_size
+from memfit.units import format_size
 
 
 __all__ = ["plan", "Plan", "Plans", "NothingFits", "ALLOWABLE", "EngineCache"]
@@ -51,13 +52,20 @@ MAX_CHECKS = 8  # full estimates tried, fastest first, before giving up on the p
 SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 
 
-def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | None = None,
-         seq_len: int | None = None, allow=(), optimizer="adamw", loss_fn=None,
-         device: str | None = None, progress=None, cache: EngineCache | None = None, gpus: int | None = None,
-         nodes: int | None = None, fixed=None) -> Plans:
+def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | None = None, allow=(),
+         optimizer="adamw", loss_fn=None, progress=None, cache: EngineCache | None = None, fixed=None,
+         budget=None, gpu=None, global_batch_size: int | None = None, seq_len: int | None = None,
+         device: str | None = None, gpus: int | None = None, nodes: int | None = None) -> Plans:
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
 
+        memfit.plan("llama-3.1-8b", hardware=memfit.Hardware(gpu="rtx-4090"),
+                    data=memfit.Data(batch_size=64, seq_len=2048), allow=["qlora"])
+
     model       as for :func:`memfit.estimate` (catalog name, config, nn.Module, factory).
+    hardware    a :class:`memfit.Hardware`: ``gpu``, ``budget``, ``device``, ``gpus`` and ``nodes`` below
+                (each also a keyword of that name).
+    data        a :class:`memfit.Data`: its ``batch_size`` is ``global_batch_size`` below, its ``seq_len``
+                ``seq_len`` (each also a keyword).
     batch       for a model without a config: the global batch (dim 0 is split into micro-batches), or
                 a zero-argument callable returning it.
     budget      bytes or a size like ``"24GiB"``; default: the ``gpu``'s memory.
@@ -82,18 +90,18 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
 
     Raises ``NothingFits`` (a ``MemfitError``) when no candidate fits, naming the smallest.
     """
-    from memfit.estimator.estimate import resolve_target
+    from memfit.estimator.checks import resolve_target
     from memfit.hardware.gpus import target as default_target
     from memfit.models.source import resolve
 
-    from memfit.estimator.estimate import MAX_SEQ
-    from memfit.techniques.accumulation import MAX_BATCH
-
     start = time.perf_counter()
+    hardware, data = gather(hardware, data, names={"batch_size": "global_batch_size"}, gpu=gpu, budget=budget,
+                            device=device, gpus=gpus, nodes=nodes, batch_size=global_batch_size, seq_len=seq_len)
+    if data.lengths is not None or data.packed:
+        raise MemfitError("plan searches fixed-length rows: drop lengths and packed from data= (estimate takes them)")
+    gpu, budget, device, gpus, nodes = hardware.gpu, hardware.budget, hardware.device, hardware.gpus, hardware.nodes
+    global_batch_size, seq_len = data.batch_size, data.seq_len
     allowed = allowed_names(allow)
-    for name, value, limit in (("global_batch_size", global_batch_size, MAX_BATCH), ("seq_len", seq_len, MAX_SEQ)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit):
-            raise MemfitError(f"{name} must be an integer from 1 to {limit}, got {shown(value)}")
     for name, value in (("progress", progress), ("loss_fn", loss_fn)):
         if value is not None and not callable(value):
             raise MemfitError(f"{name} must be a callable or None, got {type(value).__name__} {shown(value, 40)}")
@@ -105,16 +113,14 @@ def plan(model, batch=None, *, budget=None, gpu=None, global_batch_size: int | N
         optimizer = fixed["optimizer"]
     if not custom:
         Recipe(optimizer=optimizer)  # an unknown name is one line naming the choices
-    device = device or "cuda"
-    if gpu is not None and str(device).startswith("cpu"):
-        raise MemfitError("gpu and device='cpu' conflict: drop one")
+    device = device or "cuda"  # (a gpu on the cpu: Hardware refused it)
     target = resolve_target(device, gpu if gpu is not None or str(device).startswith("cpu") else default_target("cuda").gpu)
     if budget is None:
         if target is None or gpu is None:
             raise MemfitError("plan needs a budget: pass budget='24GiB' or a gpu='rtx-4090'")
         budget_bytes = target.memory_bytes
     else:
-        budget_bytes = parse_size(budget)
+        budget_bytes = budget  # bytes: Hardware read the size
     if target is not None:  # a budget over the card is refused now, not after the search's traces
         from memfit.estimator.verdict import limits
 

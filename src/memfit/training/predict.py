@@ -170,6 +170,7 @@ class ShapeBudget:
 
     def _estimate(self, rows: int, length: int) -> int:
         from memfit.estimator.estimate import estimate
+        from memfit.estimator.inputs import Hardware
 
         began = time.perf_counter()
         if self.packed:  # rows of two documents, as estimate_micro_batch(packed=True) makes them
@@ -181,9 +182,9 @@ class ShapeBudget:
             batch = {k: torch.cat([v] * self.parts) for k, v in micro.items()}
         recipe = self.recipe.replace(micro_batch_size=rows, grad_accum_steps=self.parts)
         with _disable_current_modes():  # a VirtualBudget around the caller must not count fake tensors
-            report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, gpu=self.gpu,
-                              device="cpu" if self.gpu is None else "cuda", fast=False,
-                              budget=None if self.gpu is None else self.budget)
+            where = Hardware(gpu=self.gpu, device="cpu" if self.gpu is None else "cuda",
+                             budget=None if self.gpu is None else self.budget)
+            report = estimate(self.model, batch=batch, recipe=recipe, loss_fn=self.loss_fn, hardware=where, fast=False)
         self.estimates += 1
         self.seconds += time.perf_counter() - began
         peak = report.peak_bytes if self.gpu is None else _device_peak(report, self.budget, self.expandable)
