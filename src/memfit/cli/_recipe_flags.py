@@ -120,7 +120,7 @@ CLI = {
     "set_to_none": ("optimizer", "free gradients after each step (default); --no-set-to-none zeroes them, "
                                  "kept to next forward"),
     # batch and sequence
-    "micro_batch_size": ("batch", "examples per forward/backward (default: --batch-size / --grad-accum-steps)"),
+    "micro_batch_size": ("batch", "examples per forward/backward (default: the step's examples / --grad-accum-steps)"),
     "grad_accum_steps": ("batch", "micro-batches per optimizer step (default 1): one micro-batch's "
                                   "activations, more passes"),
     # LoRA and quantized weights
