@@ -9,7 +9,8 @@ import json
 import pytest
 
 import memfit
-from memfit.planner.ranks import _Point, tp_degrees, tp_seconds
+from memfit.planner.ranks import tp_degrees, tp_seconds
+from memfit.planner.search import _Point
 from memfit.hardware.cluster import World
 from memfit.models.source import resolve
 from memfit.techniques.recipe import Recipe

@@ -1,0 +1,100 @@
+"""The data-parallel dimension ``plan`` searches across GPUs (``ranks.plan_ranks``): the structures it is tried
+with and the seconds of its collectives and of an offloaded step. The other mesh dimensions (TP, EP, PP, CP) are
+``mesh.py``'s; the search that traces them is ``search.py``'s.
+
+The structures: DDP; FSDP2 resharding after forward, ZeRO-3-like; FSDP2 keeping gathered parameters to backward,
+ZeRO-2-like; FSDP2 with ``CPUOffloadPolicy``, at any GPU count, one included; over several nodes HSDP and FSDP2
+over every rank; each with activation checkpointing off and, for a model of blocks, every block. Mixed precision is
+bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce, fp32 shards, as torchtitan
+trains), autocast for DDP.
+
+The collectives are rings: an all-gather or reduce-scatter of B bytes moves B x (n-1)/n per rank, an all-reduce
+twice that, at the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between nodes
+(``hardware/gpus.py``), at the host link's efficiency. FSDP2 all-gathers every unit in forward, and again in
+backward when it reshards, for every micro-batch; it reduce-scatters once per step (sync on the last micro-batch)
+or once per micro-batch; HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the gradients once
+per step. Offload adds, unhidden, each gathered shard over the host link (fp32, per gather), the sharded gradients
+back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``. Left out: how the step overlaps these with
+its kernels (``search.py``).
+"""
+
+from __future__ import annotations
+
+from memfit.hardware.cluster import World
+from memfit.hardware.gpus import NETWORK_BANDWIDTH, peer_link
+from memfit.planner.cost import EFFICIENCY
+from memfit.planner.mesh import MAX_SHARD
+from memfit.techniques.parallel import mixed_dtypes
+from memfit.techniques.recipe import Recipe
+
+__all__ = ["structures", "comm_seconds", "offload_seconds", "HOST_STEP_BANDWIDTH", "ADAMW_BYTES"]
+
+
+def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
+    """The recipe structures searched (without the micro-batch), likely fastest first."""
+    bf16 = card is None or card.bf16
+    ddp = {"parallel": "ddp", "precision": "bf16-mixed" if bf16 else "fp32"}
+    policy = {"mixed_precision": "bf16:fp32"} if bf16 else {}
+    zero2 = {"parallel": "fsdp", "reshard_after_forward": "false", **policy}
+    zero3 = {"parallel": "fsdp", **policy}
+    # offloaded gradients are reduced every micro-batch: kept unsharded (sync on the last) they would
+    # sit on the GPU whole, which is what offload is there to avoid
+    offload = {**zero3, "offload": "cpu", "sync_grads": "every"}
+    found = []
+    host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
+    # over every rank: 1/size each (up to MAX_SHARD ranks: past them a trace takes minutes)
+    spread = [{**zero3, "shard_over": "world"}] if 1 < world.nodes and world.size <= MAX_SHARD else []
+    if spread and host_step:
+        spread.append({**offload, "shard_over": "world"})
+    for checkpointing in ("off", "blocks") if has_blocks else ("off",):
+        bases = (ddp, zero2, zero3) if world.size > 1 else (zero3,)
+        for base in bases + ((offload,) if host_step else ()) + tuple(spread):
+            found.append({**base, "checkpointing": checkpointing, "optimizer": optimizer})
+    return found
+
+
+#: bytes/s one rank's share of the host streams through an offloaded optimizer step: a node's DRAM
+#: (~400 GB/s for two sockets of DDR5) shared by 8 ranks. An assumption, like ``NETWORK_BANDWIDTH``.
+HOST_STEP_BANDWIDTH = 50e9
+#: bytes an AdamW step reads and writes per fp32 parameter: parameter, gradient, two moments read,
+#: parameter and moments written (4 bytes each)
+ADAMW_BYTES = 7 * 4
+
+
+def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: int, card) -> float:
+    """Seconds an offloaded step adds on top of the GPU's: each gather's shard over the host link (fp32,
+    every micro-batch, twice when resharding), the sharded gradients back once, and the optimizer step
+    on the host."""
+    if recipe.offload == "none":
+        return 0.0
+    link = card.host_link_bandwidth * EFFICIENCY["host_link"]
+    shard = params * 4 / (world.gpus if recipe.shard_over == "node" else world.size)
+    gathers = (1 + (recipe.reshard_after_forward != "false")) * micro_batches
+    reduces = micro_batches if recipe.sync_grads == "every" else 1
+    return (gathers + reduces) * shard / link + shard / 4 * ADAMW_BYTES / HOST_STEP_BANDWIDTH
+
+
+def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
+    """(seconds of collectives per step, seconds of one unit's all-gather) for one rank (module docstring)."""
+    if world.size == 1:
+        return 0.0, 0.0
+    efficiency = EFFICIENCY["host_link"]
+    within = peer_link(card)[1] * efficiency
+    between = NETWORK_BANDWIDTH * efficiency
+    if recipe.parallel == "ddp":
+        ring = 2 * params * 4 * (world.size - 1) / world.size  # fp32 gradients, one all-reduce per step
+        return ring / (between if world.nodes > 1 else within), 0.0
+    n = world.gpus if recipe.shard_over == "node" else world.size
+    if recipe.shard_over == "world" and world.nodes > 1:  # one ring over every rank: as fast as its network hops
+        within = between
+    dtypes = mixed_dtypes(recipe.mixed_precision) or ("fp32", "fp32")
+    gather_bytes, reduce_bytes = (4 if d == "fp32" else 2 for d in dtypes)
+    gathers = 1 + (recipe.reshard_after_forward != "false")  # forward, and backward when resharded
+    all_gather = params * gather_bytes * (n - 1) / n / within if n > 1 else 0.0
+    reduces = micro_batches if recipe.sync_grads == "every" else 1
+    seconds = all_gather * gathers * micro_batches
+    seconds += reduces * params * reduce_bytes * (n - 1) / n / within if n > 1 else 0.0
+    if world.nodes > 1 and recipe.shard_over == "node":  # HSDP: the shards all-reduced between nodes
+        seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
+    return seconds, all_gather / max(units, 1)
+
