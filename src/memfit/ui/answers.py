@@ -147,19 +147,22 @@ class Answers:
     def estimate(self, q: Query, progress=None):
         """The Report of ``q``'s training step on its card (``memfit.estimate``)."""
         def make():
+            from memfit.estimator.inputs import Data, Hardware
             from memfit.generation.workloads import estimate
 
-            return estimate(q.model, recipe=q.recipe, batch_size=q.batch_size, seq_len=q.seq_len, gpu=q.gpu,
-                            budget=q.budget, progress=progress)
+            return estimate(q.model, recipe=q.recipe, hardware=Hardware(gpu=q.gpu, budget=q.budget),
+                            data=Data(batch_size=q.batch_size, seq_len=q.seq_len), progress=progress)
         return self._cached(("estimate", q), make)
 
     def plan(self, q: Query, allow: tuple[str, ...] = (), progress=None):
         """The fastest recipes for ``q``'s model, batch and card (``memfit.plan``); its optimizer is kept."""
         def make():
+            from memfit.estimator.inputs import Data, Hardware
             from memfit.planner.plan import plan
 
-            return plan(q.model, budget=q.budget, gpu=q.gpu, global_batch_size=q.batch_size, seq_len=q.seq_len,
-                        allow=tuple(allow), optimizer=q.recipe.optimizer, progress=progress, cache=self._engines)
+            return plan(q.model, hardware=Hardware(gpu=q.gpu, budget=q.budget),
+                        data=Data(batch_size=q.batch_size, seq_len=q.seq_len), allow=tuple(allow),
+                        optimizer=q.recipe.optimizer, progress=progress, cache=self._engines)
         key = ("plan", q.source, q.gpu, q.budget, q.batch_size, q.seq_len, q.recipe.optimizer, tuple(sorted(allow)))
         return self._cached(key, make)
 
