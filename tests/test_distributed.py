@@ -1,6 +1,6 @@
 """Per-rank estimates of data-parallel steps (``techniques/parallel.py``) against real ``torchrun`` runs.
 
-The fast subset of ``bench/distributed.py``: 2 ranks over gloo on this CPU, each rank's peak from its
+The fast subset of ``bench/distributed/distributed.py``: 2 ranks over gloo on this CPU, each rank's peak from its
 own allocator events (``memfit.distributed.truth``), against ``memfit.estimate(..., gpus=2)`` under
 PyTorch's fake process group. Plus the rules: the batch over ranks, conflicts, bad cluster input.
 """
@@ -118,7 +118,7 @@ def test_fsdp_allocates_on_its_own_streams_under_cuda_semantics(configs):
     from memfit.estimator.verdict import replay
     from memfit.hardware.gpus import gpu
     from memfit.models.source import resolve
-    from memfit.techniques.parallel import COPY_IN_STREAM, REDUCE_SCATTER_STREAM
+    from memfit.techniques.fsdp_step import COPY_IN_STREAM, REDUCE_SCATTER_STREAM
 
     recipe = Recipe(parallel="fsdp")
     with fake_world(World(gpus=2), 0):

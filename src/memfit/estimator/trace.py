@@ -130,7 +130,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
 def _offloaded(ledger, scratch, recipe, cuda: bool = True):
     """(the GPU's side, report fields of the host's side) of an FSDP2 step with ``CPUOffloadPolicy``."""
     from memfit.accounting.replay import replay as replay_log
-    from memfit.techniques.parallel import host_records
+    from memfit.techniques.fsdp_step import host_records
 
     host = host_records(ledger)
     changed = True
@@ -171,7 +171,7 @@ def _offloaded(ledger, scratch, recipe, cuda: bool = True):
     # Each sharded gradient is made on the GPU, in its reduce-scatter stream (the reduce-scatter's output, or
     # its cast to the shards' dtype), then copied to the host; the fake step, run on the host, makes it there.
     # The GPU holds it from its making to the copy.
-    from memfit.techniques.parallel import REDUCE_SCATTER_STREAM
+    from memfit.techniques.fsdp_step import REDUCE_SCATTER_STREAM
 
     staged = frozenset(i for i in host if ledger.records[i].category == Category.GRADIENTS
                        and ledger.records[i].stream == REDUCE_SCATTER_STREAM and ledger.records[i].donor is None

@@ -40,7 +40,7 @@ def _ddp_on_fake_group(watch):
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from memfit.techniques.parallel import on_fake_group
+    from memfit.techniques.ddp import on_fake_group
 
     init = DistributedDataParallel.__init__
     signature = inspect.signature(init)

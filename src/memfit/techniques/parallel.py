@@ -15,12 +15,12 @@ over every rank of every node instead (1/size each, all-gathers over the network
 
 Under CUDA semantics each allocation carries its stream (``Record.stream``): FSDP2 gathers on its
 copy-in stream (implicit prefetching) and reduce-scatters into buffers of its reduce-scatter stream,
-and the caching allocator keeps a pool per stream (``_fsdp_roles``).
+and the caching allocator keeps a pool per stream (``fsdp_step.py``).
 
 ``offload`` is FSDP2's ``CPUOffloadPolicy``: the shards, their gradients and the optimizer state live
 in host memory (pinned by default) and the optimizer steps there; each unit's shard is copied to the
 GPU for its all-gather and each sharded gradient back after its reduce-scatter. The GPU then holds
-the gathered units, activations and buffers; the host the rest (``host_records``).
+the gathered units, activations and buffers; the host the rest (``fsdp_step.host_records``).
 
 ``parallel=ddp`` is ``DistributedDataParallel``: every rank holds the whole model and its
 optimizer state, plus the reducer's gradient buckets (one copy of the trainable parameters).
@@ -42,6 +42,9 @@ so far) counts.
 pp x replicate x shard x tp (torchtitan's order; ep and cp split ``shard``): the stage is cut first, its blocks
 split over the TP group, then FSDP2 shards it over the data-parallel dimensions.
 
+This module declares the technique (its fields, their checks and conflicts) and applies it; FSDP2's
+sharding is ``fsdp.py``, its tensors during the step ``fsdp_step.py``, DDP ``ddp.py``.
+
 Does not combine with (yet, each one error): chunked_loss (its head runs outside the root's
 forward, on resharded weights), compile, qlora and 8/4-bit optimizers (bitsandbytes does not take
 DTensors), offload_optimizer and optimizer_in_backward.
@@ -49,14 +52,12 @@ DTensors), offload_optimizer and optimizer_in_backward.
 
 from __future__ import annotations
 
-import contextlib
-import re
-import warnings
-
-from memfit.errors import MemfitError, shown
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.context_parallel import ROTATE, check_cp, context_parallel, cp_conflict
-from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel, shard_experts
+from memfit.techniques.ddp import replicate
+from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel
+from memfit.techniques.fsdp import mixed_dtypes, reshard_value, shard
+from memfit.techniques.fsdp_step import fsdp_roles, host_records
 from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
 from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, pipeline_conflict
 
@@ -67,34 +68,10 @@ OFFLOAD = ("none", "cpu", "cpu-unpinned")
 CONSTRUCTION = ("meta", "host", "device")
 #: optimizers whose step runs only on a GPU (bitsandbytes, torchao kernels): not on an offloaded host
 _DEVICE_ONLY = ("8bit", "4bit", "paged", "fp8")
-_DTYPES = ("bf16", "fp16", "fp32")
-
-
-def reshard_value(value) -> bool | int:
-    """``reshard_after_forward`` as FSDP2 takes it: True, False or a group size >= 2."""
-    text = str(value).strip().lower()
-    if text in ("true", "false"):
-        return text == "true"
-    if re.fullmatch(r"[0-9]{1,6}", text) and int(text) >= 2:
-        return int(text)
-    raise MemfitError(f"reshard_after_forward {shown(value)} not understood: use true (ZeRO-3-like), false "
-                      "(ZeRO-2-like) or a group size N >= 2 that divides the GPUs per node")
 
 
 def _check_reshard(value) -> None:
     reshard_value(value)
-
-
-def mixed_dtypes(value) -> tuple | None:
-    """(param dtype, reduce dtype) names of a ``mixed_precision`` value; None for ``none``."""
-    text = str(value).strip().lower()
-    if text == "none":
-        return None
-    parts = text.split(":")
-    if len(parts) <= 2 and all(p in _DTYPES for p in parts) and parts[0] != "fp32":
-        return parts[0], parts[-1]
-    raise MemfitError(f"mixed_precision {shown(value)} not understood: use none, bf16, bf16:fp32 (compute "
-                      "dtype[:reduce dtype]), fp16 or fp16:fp32")
 
 
 def _check_mixed(value) -> None:
@@ -186,11 +163,11 @@ def _apply(build) -> None:
             build.watch.settle()
             return
     if recipe.parallel == "fsdp":
-        _shard(build, place)
+        shard(build, place)
     else:
-        _replicate(build, place)
+        replicate(build, place)
     if recipe.parallel == "fsdp":
-        build.step_contexts.append(lambda: _fsdp_roles(build.watch))
+        build.step_contexts.append(lambda: fsdp_roles(build.watch))
     if recipe.grad_accum_steps > 1 and recipe.sync_grads == "last":
         build.before_micro.append(_sync_last if recipe.parallel == "fsdp" else _ddp_sync_last)
     if recipe.construction != "device":  # built on the GPU: the whole model and its sharding are seen
@@ -218,309 +195,6 @@ def _mesh_parallel(build, place):
         context_parallel(build, mesh)
     dp = Layout.data_parallel(mesh)
     return dataclasses.replace(place, world=World(layout.shard, layout.replicate), mesh=dp, flat=dp)
-
-
-def _shard(build, place) -> None:
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-    recipe = build.recipe
-    reshard = reshard_value(recipe.reshard_after_forward)
-    shards = (place.mesh if recipe.shard_over == "node" else place.flat).shape[-1]
-    if isinstance(reshard, int) and not isinstance(reshard, bool) and shards % reshard:
-        raise MemfitError(f"reshard_after_forward={reshard} does not divide the {shards} GPUs FSDP2 shards over: "
-                          "pick a divisor, or true / false")
-    dtypes = mixed_dtypes(recipe.mixed_precision)
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    policy = (MixedPrecisionPolicy(param_dtype=names[dtypes[0]], reduce_dtype=names[dtypes[1]]) if dtypes
-              else MixedPrecisionPolicy())
-    # pinning needs a GPU: a fake estimate on a CPU build shards unpinned, and reports the pinned bytes
-    offload = (CPUOffloadPolicy(pin_memory=recipe.offload == "cpu" and not place.fake) if recipe.offload != "none"
-               else OffloadPolicy())
-    with _mesh_outside_fake():
-        _fully_shard(build, place, reshard, policy, offload)
-
-
-def _fully_shard(build, place, reshard, policy, offload) -> None:
-    import torch
-    from torch.distributed.fsdp import fully_shard
-
-    from memfit.techniques.checkpointing import find_blocks
-
-    mesh = place.mesh if build.recipe.shard_over == "node" else place.flat
-    shards = mesh.shape[-1]
-    uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
-    if uneven is not None:
-        place.notes["uneven"] = uneven  # the last rank's shards are smaller: estimate.py traces it too
-    # a rank's pipeline stages under a looped schedule each run on their own: each is a root, as torchtitan
-    # shards each model part (a root's all-gather runs in its own forward)
-    stages = getattr(build.model, "stages", None)
-    for root in (list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]):
-        blocks = _units(root, find_blocks(root))
-        for experts in getattr(build, "experts", ()):  # expert parallel: each MoE layer's experts on their own
-            shard_experts(experts, build, reshard, policy, offload)
-        for _, block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
-        # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
-        # backward (its backward comes first), as torchtitan and torchtune leave it.
-        fully_shard(root, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
-                    offload_policy=offload)
-
-
-def _units(model, blocks) -> list:
-    """The blocks FSDP2 wraps on their own: the repeated ones (a model's ``_no_split_modules`` may name
-    one-off modules, BERT's embeddings), less any holding a parameter tied to another module (a tied
-    weight must be in one FSDP group: it stays with the root)."""
-    from collections import Counter
-
-    kinds = Counter(type(block) for _, block in blocks)
-    seen = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    return [(name, block) for name, block in blocks if kinds[type(block)] > 1
-            and not any(seen[id(p)] > 1 for p in block.parameters())]
-
-
-@contextlib.contextmanager
-def _mesh_outside_fake():
-    """FSDP2 makes the smaller mesh of a partial reshard (``reshard_after_forward=N``) inside
-    ``fully_shard``, from the mesh's rank tensor: under ``FakeTensorMode`` that real tensor is
-    refused, so that one function runs with the fake mode lifted (it allocates no parameter)."""
-    import torch.distributed.fsdp._fully_shard._fully_shard as module
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from memfit.scoped import patched
-
-    from torch.distributed.device_mesh import DeviceMesh
-
-    made = getattr(module, "_get_post_forward_mesh_info", None)
-    joined = DeviceMesh.__dict__.get("_concatenate")  # with TP: the 2-D (dp, tp) mesh of each DTensor shard
-    if made is None:  # another torch: nothing to lift
-        yield
-        return
-
-    def outside(*args, **kwargs):
-        with unset_fake_temporarily():
-            return made(*args, **kwargs)
-
-    def concatenate(meshes):
-        # every mode lifted, the ledger's too: the slice finds this rank's row with nonzero() (row 0 under them)
-        with _disable_current_modes():
-            return joined.__func__(meshes)
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(module, "_get_post_forward_mesh_info", outside))
-        if isinstance(joined, staticmethod):
-            stack.enter_context(patched(DeviceMesh, "_concatenate", staticmethod(concatenate)))
-        stack.enter_context(_lazy_chunks())
-        yield
-
-
-class _Chunks:
-    """``_chunk_with_empty(tensor, n, dim)`` as FSDP2 reads it, one chunk at a time (see ``_lazy_chunks``)."""
-
-    def __init__(self, tensor, n: int, dim: int):
-        self.tensor, self.n, self.dim = tensor, n, dim
-        self.size = -(-tensor.shape[dim] // n)  # torch.chunk's chunk size: the 0th is always full
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        start = (i % self.n) * self.size
-        length = min(self.size, self.tensor.shape[self.dim] - start)
-        return self.tensor.narrow(self.dim, start, length) if length > 0 else self.tensor.new_empty(0)
-
-
-@contextlib.contextmanager
-def _lazy_chunks():
-    """FSDP2's ``fully_shard`` splits every parameter into one chunk per rank and reads two of them (this
-    rank's and the 0th). Under a fake world of thousands of ranks that is thousands of dispatched views and
-    empties per parameter (a 2-layer model at 4,096 ranks: a minute; a 70B model's 724 parameters: hours),
-    so while it shards, the chunks are made when read: the same views (``narrow`` is what ``chunk``
-    returns), the same empty tensor past the last, nothing allocated either way."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param as module
-
-    from memfit.scoped import patched
-
-    made = getattr(module, "_chunk_with_empty", None)
-    if made is None:  # another torch: chunked as it chunks
-        yield
-        return
-
-    def lazy(tensor, num_chunks: int, dim: int):
-        if num_chunks <= 64 or tensor.dim() == 0 or tensor.shape[dim] == 0:
-            return made(tensor, num_chunks, dim)
-        return _Chunks(tensor, num_chunks, dim)
-
-    with patched(module, "_chunk_with_empty", lazy):
-        yield
-
-
-@contextlib.contextmanager
-def _fsdp_roles(watch):
-    """Labels FSDP2's own tensors while a step runs: gathered parameters, gradients before their
-    reduce-scatter, and the all-gather / reduce-scatter buffers (``categories.py``). FSDP2 has no
-    hooks for these, so three of its private functions are wrapped for the step, as torch's own
-    ``FSDPMemTracker`` does; where a torch lacks one, its tensors stay temporaries (bytes unchanged)."""
-    import torch
-
-    from memfit.categories import Category
-    from memfit.hardware.cuda import active as cuda_active
-    from memfit.scoped import patched
-
-    try:
-        import torch.distributed.fsdp._fully_shard._fsdp_param as param_module
-        import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_module
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    gather, reduce = getattr(group_module, "foreach_all_gather", None), getattr(group_module, "foreach_reduce", None)
-    init = getattr(getattr(param_module, "FSDPParam", None), "init_unsharded_param", None)
-    if gather is None or reduce is None or init is None:
-        yield
-        return
-
-    streams = getattr(watch, "on_stream", None)  # a ledger; the truth's watch labels nothing
-
-    def all_gather(*args, **kwargs):
-        # implicit prefetching (not async_op) copies in and gathers on FSDP2's own streams
-        async_op = args[2] if len(args) > 2 else kwargs.get("async_op", False)
-        with streams(0 if async_op else COPY_IN_STREAM) if streams else contextlib.nullcontext():
-            result = gather(*args, **kwargs)
-        if result is not None:
-            watch.mark(result[0], Category.COMMUNICATION)
-        return result
-
-    def reduce_scatter(fsdp_params, unsharded_grads, *args, **kwargs):
-        for grad in unsharded_grads:  # foreach_reduce empties the list
-            watch.mark(grad, Category.UNSHARDED_GRADIENTS)
-        with contextlib.ExitStack() as scope:
-            comm = args[2] if len(args) > 2 else kwargs.get("reduce_scatter_comm")
-            if streams is not None and comm is not None and hasattr(comm, "allocate"):
-                scope.enter_context(_reduce_streams(comm, watch))
-            result = reduce(fsdp_params, unsharded_grads, *args, **kwargs)
-        watch.mark(result[0], Category.COMMUNICATION)
-        return result
-
-    inputs = getattr(param_module.FSDPParam, "all_gather_inputs", None)
-    staged = streams is not None and isinstance(inputs, property) and cuda_active()
-
-    def all_gather_inputs(self):
-        # CPUOffloadPolicy on a GPU: each shard is copied to the GPU (``.to(device, non_blocking=True)``, on the
-        # copy-in stream) and cast to the compute dtype there; the copy lives until the cast is made. The fake
-        # step runs on the host, where that ``.to`` is a no-op: the copy is allocated here instead.
-        if not self.offload_to_cpu:
-            return inputs.fget(self)
-        copy = torch.empty_like(self._sharded_param_data)
-        out = inputs.fget(self)
-        del copy
-        return out
-
-    def unsharded(self):
-        init(self)
-        for tensor in (getattr(self, "_unsharded_param", None), *getattr(self, "all_gather_outputs", ())):
-            if tensor is not None:
-                watch.mark(tensor, Category.UNSHARDED_PARAMETERS)
-
-    with patched(group_module, "foreach_all_gather", all_gather), \
-            patched(group_module, "foreach_reduce", reduce_scatter), \
-            patched(param_module.FSDPParam, "init_unsharded_param", unsharded), \
-            (patched(param_module.FSDPParam, "all_gather_inputs", property(all_gather_inputs)) if staged
-             else contextlib.nullcontext()):
-        yield
-
-
-# The streams of FSDP2's allocations under CUDA semantics (``Record.stream``; 0 is the default stream).
-COPY_IN_STREAM, REDUCE_SCATTER_STREAM = 1, 2
-
-
-@contextlib.contextmanager
-def _reduce_streams(comm, ledger):
-    """``foreach_reduce`` allocates the reduce-scatter input on the current stream, then enters the
-    reduce-scatter stream for the output and all after it (the post-reduce cast, HSDP's all-reduce
-    stream taken as the same)."""
-    from memfit.scoped import patched
-
-    allocate = comm.allocate
-    calls = 0
-    scope = contextlib.ExitStack()
-
-    def counted(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        if calls == 2:  # the output: from here on, the reduce-scatter stream
-            scope.enter_context(ledger.on_stream(REDUCE_SCATTER_STREAM))
-        return allocate(*args, **kwargs)
-
-    with scope, patched(comm, "allocate", counted):
-        yield
-
-
-def host_records(ledger) -> set[int]:
-    """Records an offloaded FSDP2 step keeps in host memory: the shards, their gradients, the optimizer
-    state, and what the optimizer step allocates (it runs on the host). Everything else is the GPU's."""
-    from memfit.categories import Category
-
-    host = {Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE}
-    return {i for i, r in enumerate(ledger.records) if r.category in host or r.phase == "optimizer"}
-
-
-def _replicate(build, place) -> None:
-    from torch.nn.parallel import DistributedDataParallel
-
-    # DDP replicates over the whole world (the default group), across nodes too.
-    if not place.fake:
-        # torch's defaults, as a plain script has them (the start-up broadcast is construction)
-        build.model = DistributedDataParallel(build.model, init_sync=place.init_sync,
-                                              broadcast_buffers=place.broadcast_buffers)
-        return
-    # On fake tensors DDP's start-up broadcast and per-forward buffer broadcast read data pointers:
-    # both are off here (a coalesced copy of the buffers per forward, small beside a step, goes unseen).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers' rename
-        build.model = DistributedDataParallel(build.model, broadcast_buffers=False, init_sync=False)
-    on_fake_group(build.model, build.watch)
-
-
-def on_fake_group(ddp, watch) -> None:
-    """``ddp`` (a DDP made with ``init_sync=False`` and ``broadcast_buffers=False`` on fake tensors and the fake
-    process group) made to run there: the fake group's all-reduce completes with no value, so a comm hook gives
-    DDP's reducer its bucket back (marked ``communication`` in ``watch``), and the reducer's bucket rebuild, which
-    reads a data pointer, is left out (``_NoRebuild``). A user's script's DDP goes through it too
-    (``script/ranks.py``)."""
-    ddp.register_comm_hook(watch, _bucket_back)
-    ddp.reducer = _NoRebuild(ddp.reducer)
-
-
-class _NoRebuild:
-    """DDP's reducer, less the bucket rebuild at the second step's forward: the rebuild reads a
-    gradient's data pointer, which a fake tensor has not. It frees the old buckets before making
-    the new ones (``Reducer::initialize_buckets``), the same bytes in the order gradients became
-    ready, so the memory of the step does not change."""
-
-    def __init__(self, reducer):
-        self._reducer = reducer
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
-
-
-def _bucket_back(watch, bucket):
-    """A DDP comm hook for the fake process group: the bucket reduced in place, as the built-in
-    all-reduce hook leaves it (no memory of its own); labels the bucket."""
-    import torch
-
-    from memfit.categories import Category
-
-    watch.mark(bucket.buffer(), Category.COMMUNICATION)
-    future = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
 
 
 def _sync_last(model, last: bool) -> None:
