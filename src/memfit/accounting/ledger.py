@@ -17,6 +17,10 @@ reads the module that the running autograd node's forward was called in (stored 
 What a dispatch-level trace cannot see is scratch that a kernel allocates inside itself (oneDNN
 convolution and RNN kernels, bf16 matmul reorders, mixed-dtype casts). Ops of those families are
 recorded as *probe sites*; ``scratch.py`` measures their scratch with the allocator itself.
+
+This module holds the ledger's storage log and its dispatch; three parts of it live beside it: the probe sites
+(``probes.py``), the tensor subclasses whose handlers run below the mode (``subclasses.py``) and what CUDA
+semantics add, workspaces and streams (``cuda_semantics.py``). The log's vocabulary is ``events.py``'s.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
-from memfit.accounting.events import (ALLOC, FREE, KEPT, MANAGED, MARK, RENAME, SPIKE, Record, Site, _DTensor,
-                                      float8_tensor_type, managed_peak, plain, storage_events)
+from memfit.accounting.cuda_semantics import CudaSemantics
+from memfit.accounting.events import (ALLOC, FREE, KEPT, MANAGED, MARK, RENAME, SPIKE, Record, Site, managed_peak,
+                                      plain, storage_events)
+from memfit.accounting.probes import ProbeSites, probe_worthy
+from memfit.accounting.subclasses import SubclassDispatch, dtensor_handler, local as _local, wrapper_handler
 from memfit.categories import PRIORITY, Category
 from memfit.scoped import patched, rng_hop_rules
 
@@ -51,69 +58,10 @@ _IN_PLACE_IN_BACKWARD = {
     ("GatherBackward0", torch.ops.aten.scatter_add.default): torch.ops.aten.scatter_add_.default,
     ("IndexBackward0", torch.ops.aten.index_put.default): torch.ops.aten.index_put_.default}
 _IN_PLACE_OPS = {op for _, op in _IN_PLACE_IN_BACKWARD}
-# Collectives and FSDP2's copy-in/out ops: no kernel scratch to replay (they cannot run alone). A
-# backend's own staging copies (gloo's) are not the step's: the truth leaves them out too
-# (``distributed/truth.py``), as NCCL's buffers are outside the caching allocator.
-_NOT_PROBED = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
 _SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax, torch.ops.aten.softmax}
-_CONV_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
-# ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
-_MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
-    "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
 
 
-def _dtensor_handler(func, args, kwargs):
-    """DTensor's own Python handler of ``func`` on DTensor arguments (``loss_parallel``'s cross-entropy, a
-    convolution, the GradScaler's inf check), or None. Called below this mode, a handler's inner ops would
-    allocate where the ledger cannot see them (its temporaries: the loss-parallel step was 4 % low); run
-    with the ledger pushed back, each of them is recorded like any other op."""
-    if _DTensor is None:
-        return None
-    handler = _DTensor._op_dispatcher._custom_op_handlers.get(func)  # a few ops: looked up before any flattening
-    if handler is None or not any(isinstance(a, _DTensor) for a in tree_flatten((args, kwargs))[0]):
-        return None
-    return handler
-
-
-def _wrapper_handler(types):
-    """The ``__torch_dispatch__`` of torchao's ``Float8TrainingTensor`` when it is among the op's argument types,
-    or None. Called below this mode, it dequantises, scales and multiplies in ops the ledger would not see (a
-    float8 MLP's step was 30 KB under the CPU allocator); run with the ledger pushed back, they are recorded."""
-    float8 = float8_tensor_type()
-    if float8 is None or not any(issubclass(t, float8) for t in types):
-        return None
-    return lambda func, args, kwargs: float8.__torch_dispatch__(func, types, args, kwargs)
-
-
-def _local(value):
-    """A DTensor's local shard (what its kernels run on); anything else as it is."""
-    return plain(value)[0] if isinstance(value, torch.Tensor) else value
-
-
-def _probe_worthy(func, tensors) -> bool:
-    """Ops whose CPU kernels were seen allocating internally (see TORCH-FACTS.md), and every
-    custom op (bitsandbytes, torchao): their kernels are opaque to a dispatch-level trace."""
-    if func.namespace in _NOT_PROBED:
-        return False
-    if func.namespace not in ("aten", "prim", "prims"):
-        return True
-    name = func.__name__
-    if any(word in name for word in ("convolution", "mkldnn", "rnn", "lstm", "gru")):
-        return True
-    if name.startswith("_scaled_dot_product_flash_attention_for_cpu") and \
-            not all(t.is_contiguous() for t in tensors):  # it copies such operands (context parallel's chunks)
-        return True
-    floats = {t.dtype for t in tensors if t.is_floating_point()}
-    low = floats & {torch.bfloat16, torch.float16}
-    # oneDNN reorders low-precision matmul operands; TensorIterator casts mixed-dtype inputs.
-    return bool(low) and (name.split(".")[0] in MATMULS or len(floats) > 1)
-
-
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation",
-           "_grouped_mm"}  # bf16 grouped_mm converts each group to fp32: cpu_kernels.py
-
-
-class Ledger(TorchDispatchMode):
+class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
     """Records allocations, frees and probe sites while a step runs under it.
 
     Use as a context manager around the step; call :meth:`close` when done so late frees
@@ -149,7 +97,7 @@ class Ledger(TorchDispatchMode):
         self.prime: int | None = None  # the batch has this prime number of rows (the planner)
         self.counter = None  # an ``ops.OpCounter`` while one is attached (the planner)
         self.on_phase = None  # called with no arguments as each phase begins (a progress bar)
-        # Names of more aten ops whose kernel scratch is replayed (``scratch.py``) beside ``_probe_worthy``'s:
+        # Names of more aten ops whose kernel scratch is replayed (``scratch.py``) beside ``probes.probe_worthy``'s:
         # a generation's ``_scaled_dot_product_flash_attention_for_cpu`` (per-thread buffers of the prefill).
         self.probe_ops: frozenset[str] = frozenset()
         # Several devices (``device_map``): ``placer.place(ledger, args, kwargs, made, many)`` gives each
@@ -303,44 +251,8 @@ class Ledger(TorchDispatchMode):
         self._track(state.untyped_storage(), Category.TEMPORARIES)
         return state
 
-    def _workspace(self, func, args, kwargs) -> None:
-        thread = "backward" if self.phase == "backward" else "forward"
-        if func.overloadpacket not in _MATMUL_OPS:
-            return
-        self.libraries.add("cublas")
-        device = self.placer.device_of(self, args, kwargs) if self.placer is not None else None
-        if (thread, device) not in self._workspaces:  # one cuBLAS handle per thread and device
-            self._workspaces.add((thread, device))
-            index = len(self.records)
-            where = f", GPU {device}" if device is not None else ""
-            self.records.append(Record(self.cublas_workspace, Category.TEMPORARIES, self.phase, self.step,
-                                       f"(cuBLAS workspace, {thread} thread{where})", device=device))
-            self.events.append((ALLOC, index))
-
-    def _conv_workspaces(self, func, args, out) -> None:
-        """cuDNN's workspace of each call a convolution makes on CUDA: allocated after its outputs, freed when
-        the call returns (``hardware/cuda.conv_workspaces``)."""
-        from memfit.hardware.cuda import conv_workspaces
-
-        args = tree_map(_local, args)
-        for nbytes in conv_workspaces(func, args, _local(out) if isinstance(out, torch.Tensor) else None):
-            index = len(self.records)
-            self.records.append(Record(nbytes, Category.TEMPORARIES, self.phase, self.step, self._module(),
-                                       stream=self.stream))
-            self.events.append((ALLOC, index))
-            self.events.append((FREE, index))
-
     def _module(self) -> str:
         return self._modules.current()
-
-    @contextlib.contextmanager
-    def on_stream(self, stream: int):
-        """Storages allocated inside are on CUDA stream ``stream`` (``Record.stream``)."""
-        before, self.stream = self.stream, stream
-        try:
-            yield
-        finally:
-            self.stream = before
 
     def record_of(self, tensor: torch.Tensor) -> Record | None:
         """The record of the storage that holds ``tensor``'s memory, if tracked."""
@@ -403,7 +315,7 @@ class Ledger(TorchDispatchMode):
             func = _IN_PLACE_IN_BACKWARD.get((node.name() if node is not None else "", func), func)
         if self.cublas_workspace is not None:
             self._workspace(func, args, kwargs)
-        handler = _dtensor_handler(func, args, kwargs) or _wrapper_handler(types)
+        handler = dtensor_handler(func, args, kwargs) or wrapper_handler(types)
         if handler is None:
             out = func(*args, **kwargs)
         else:  # its own ops seen here, as the allocator sees theirs (loss_parallel's cross-entropy)
@@ -438,40 +350,16 @@ class Ledger(TorchDispatchMode):
         if donor is not None and out_records and out_records[0] is not None:
             self.records[out_records[0]].donor = donor
             self.records[donor].donated = True
-        if self.cublas_workspace is not None and func in _CONV_OPS:
+        if self.cublas_workspace is not None:
             self._conv_workspaces(func, args, out)
         if self.device.type == "cpu" and self.cublas_workspace is None:
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
             args, kwargs = tree_map(_local, (args, kwargs))
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            if tensors and (_probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
+            if tensors and (probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
                 self._add_site(func, args, kwargs, out_records, out_metas)
         return out
-
-    def _handled(self, handler, func, args, kwargs):
-        """``handler(func, args, kwargs)`` with this mode pushed back, so its inner ops are recorded; but not
-        the global-shape fake run DTensor's sharding propagation makes to learn the output's shape (in a real
-        run those are fake tensors, no memory)."""
-        propagator = getattr(getattr(_DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-        shapes = getattr(propagator, "_propagate_tensor_meta", None)  # another torch may name it otherwise
-
-        def unseen(*a, **k):
-            mode = _pop_mode()
-            try:
-                return shapes(*a, **k)
-            finally:
-                _push_mode(mode)
-
-        _push_mode(self)
-        self._handlers += 1
-        try:
-            with patched(propagator, "_propagate_tensor_meta", unseen) if shapes is not None \
-                    else contextlib.nullcontext():
-                return handler(func, args, kwargs)
-        finally:
-            self._handlers -= 1
-            _pop_mode()
 
     def _note_attention(self, out: torch.Tensor) -> None:
         """A softmax over a square last pair of dims of a 4-D tensor is an attention matrix."""
@@ -528,24 +416,6 @@ class Ledger(TorchDispatchMode):
         record = self.records[index]
         fresh = record.phase == "backward" and record.step == self.step and not record.donated
         return index if fresh and record.category is Category.TEMPORARIES else None
-
-    def _add_site(self, func, args, kwargs, out_records, out_metas) -> None:
-        flat, spec = tree_flatten((args, kwargs))
-        key_parts, layout, arg_records = [], [], []
-        for leaf in flat:
-            if isinstance(leaf, torch.Tensor):
-                meta = (tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.requires_grad)
-                key_parts.append(meta)
-                layout.append(("tensor", meta))
-                arg_records.append(self._ids.get(leaf.untyped_storage()))
-            else:
-                key_parts.append(repr(leaf))
-                layout.append(("value", leaf))
-        key = (func, tuple(key_parts), torch.is_grad_enabled())  # oneDNN RNN sizes its workspace by grad mode
-        site = Site(key, self.phase, self.step, self._module(), [func, spec, layout], arg_records,
-                    out_records, out_metas)
-        self.sites.append(site)
-        self.events.append((SPIKE, len(self.sites) - 1))
 
 
 def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:

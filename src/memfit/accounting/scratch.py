@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._pytree import tree_unflatten
 
 from memfit.accounting.allocator_events import allocation_sizes, span
-from memfit.accounting.ledger import MATMULS
+from memfit.accounting.probes import MATMULS
 from memfit.hardware.cpu_kernels import probe_operands
 from memfit.scoped import quiet_profiler
 

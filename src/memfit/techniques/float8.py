@@ -10,7 +10,7 @@ dequantised to the high precision, then multiplied), which is what the CPU truth
 calls ``torch._scaled_mm`` on cards with float8 units.
 
 The ledger sees the casts and the emulated matmul inside ``Float8TrainingTensor``'s own dispatch
-(``accounting/ledger.py``: ``_wrapper_handler``). It changes the math (float8 operands): it is the user's choice by name
+(``accounting/subclasses.py``: ``wrapper_handler``). It changes the math (float8 operands): it is the user's choice by name
 (``--float8 rowwise``), which ``plan`` keeps fixed; it does not search it (its cost model has no float8 matmul
 rate yet). Not yet: FSDP2's float8 all-gather (``enable_fsdp_float8_all_gather``),
 float8 with TP, LoRA or compile (each one error).

@@ -1,0 +1,71 @@
+"""What a trace with CUDA semantics adds to the ledger's log beside the step's own storages: the cuBLAS workspace
+of each thread's handle (forward's and backward's, per device), cuDNN's workspace of each convolution call, and
+the stream each storage is allocated on (``Record.stream``: the caching allocator keeps a pool per stream).
+
+A CPU trace sees none of these; ``Ledger(cublas_workspace=...)`` turns them on. Left out: the bytes of the CUDA
+context and the libraries the step loads, outside the allocator (``hardware/outside.py``; the ledger only notes
+which libraries, ``Ledger.libraries``), and kernel scratch on the CPU (``probes.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_map
+
+from memfit.accounting.events import ALLOC, FREE, Record
+from memfit.accounting.subclasses import local
+from memfit.categories import Category
+
+__all__ = ["CudaSemantics"]
+
+# the convolution ops, whose calls each take a cuDNN workspace on CUDA
+_CONV_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+# ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
+_MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
+
+
+class CudaSemantics:
+    """The ledger's part that logs the CUDA libraries' workspaces and each storage's stream (``Ledger``'s
+    ``records``, ``events``, ``phase``, ``step``, ``placer``, ``stream``, ``libraries`` and ``cublas_workspace``)."""
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: int):
+        """Storages allocated inside are on CUDA stream ``stream`` (``Record.stream``)."""
+        before, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = before
+
+    def _workspace(self, func, args, kwargs) -> None:
+        thread = "backward" if self.phase == "backward" else "forward"
+        if func.overloadpacket not in _MATMUL_OPS:
+            return
+        self.libraries.add("cublas")
+        device = self.placer.device_of(self, args, kwargs) if self.placer is not None else None
+        if (thread, device) not in self._workspaces:  # one cuBLAS handle per thread and device
+            self._workspaces.add((thread, device))
+            index = len(self.records)
+            where = f", GPU {device}" if device is not None else ""
+            self.records.append(Record(self.cublas_workspace, Category.TEMPORARIES, self.phase, self.step,
+                                       f"(cuBLAS workspace, {thread} thread{where})", device=device))
+            self.events.append((ALLOC, index))
+
+    def _conv_workspaces(self, func, args, out) -> None:
+        """cuDNN's workspace of each call a convolution makes on CUDA: allocated after its outputs, freed when
+        the call returns (``hardware/cuda.conv_workspaces``)."""
+        if func not in _CONV_OPS:
+            return
+        from memfit.hardware.cuda import conv_workspaces
+
+        args = tree_map(local, args)
+        for nbytes in conv_workspaces(func, args, local(out) if isinstance(out, torch.Tensor) else None):
+            index = len(self.records)
+            self.records.append(Record(nbytes, Category.TEMPORARIES, self.phase, self.step, self._module(),
+                                       stream=self.stream))
+            self.events.append((ALLOC, index))
+            self.events.append((FREE, index))
+
