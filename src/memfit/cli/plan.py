@@ -42,7 +42,7 @@ def build(pl) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from memfit.estimator.inputs import Data, Hardware
+    from memfit.estimator.inputs import gather
     from memfit.planner.plan import NothingFits, plan
     from memfit.report.tables import plan_view
 
@@ -58,8 +58,11 @@ def run(args) -> int:
         gbs = math.lcm(8, (args.gpus or 1) * (args.nodes or 1)) if isinstance(args.gpus, int) else 8
     with _args.progress(f"planning {args.model}") as update:
         try:
-            hardware = Hardware(gpu=args.gpu, device=args.device, budget=args.budget, gpus=args.gpus, nodes=args.nodes)
-            plans = plan(_args.model_of(args), batch, hardware=hardware, data=Data(batch_size=gbs, seq_len=args.seq_len),
+            # gather names the flag's field in an error (global_batch_size, as plan()'s keyword), not Data's batch_size
+            hardware, data = gather(names={"batch_size": "global_batch_size"}, batch_size=gbs, seq_len=args.seq_len,
+                                    gpu=args.gpu, device=args.device, budget=args.budget, gpus=args.gpus,
+                                    nodes=args.nodes)
+            plans = plan(_args.model_of(args), batch, hardware=hardware, data=data,
                          allow=args.allow, optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss),
                          progress=update, fixed=_within(tools, args))
         except NothingFits as err:
