@@ -219,3 +219,29 @@ def test_the_checks_see_what_they_should():
     assert any(t == "memfit.estimator.depth" for t, _, _ in GRAPH["memfit.estimator.traced"])
     assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": ["b"], "b": []}) == []
+
+
+# A module a reader can hold: over this many lines it is split by concept (issue 50), unless its docstring says why
+# it must stay whole (a sentence with "whole" and the limit, e.g. "kept whole past 450 lines: ...").
+LONGEST = 450
+
+
+def _too_long(files) -> list[str]:
+    out = []
+    for path in files:
+        text = path.read_text()
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > LONGEST and not ("whole" in doc and str(LONGEST) in doc):
+            out.append(f"{path}: {lines} lines")
+    return out
+
+
+def test_no_module_past_the_longest_a_reader_holds(tmp_path):
+    assert not _too_long(sorted(ROOT.rglob("*.py"))), _too_long(sorted(ROOT.rglob("*.py")))
+    # the check itself: a long module fails, the same with its reason passes
+    long = tmp_path / "long.py"
+    long.write_text('"""A module."""\n' + "x = 1\n" * (LONGEST + 1))
+    kept = tmp_path / "kept.py"
+    kept.write_text(f'"""A module, kept whole past {LONGEST} lines: one state machine."""\n' + "x = 1\n" * (LONGEST + 1))
+    assert _too_long([long, kept]) == [f"{long}: {LONGEST + 2} lines"]
