@@ -5,12 +5,13 @@ against real ``torchrun`` runs over gloo graded by each rank's allocator events 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
 import memfit
-from memfit.distributed.truth import launch
+from memfit.distributed.truth import launch_many
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
 
@@ -27,10 +28,17 @@ def tiny(tmp_path_factory):
 
 
 def _estimate(path, recipe, gpus, batch=2):
-    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, device="cpu")
+    return _estimated(path, json.dumps(recipe, sort_keys=True), gpus, batch)
 
 
-@pytest.mark.parametrize("recipe, gpus, batch", [
+@functools.cache
+def _estimated(path, recipe, gpus, batch):
+    """One estimate per (model, recipe, world, batch) for the module: several tests read the same (frozen) report."""
+    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**json.loads(recipe)), gpus=gpus,
+                           device="cpu")
+
+
+TRUTHS = [  # (recipe, gpus, batch): every case a 2-rank truth, all run in one torchrun (``launch_many``)
     ({"tp": 2}, 2, 2),
     # bf16 autocast: its matmuls' oneDNN scratch is probed on the local shards (the whole weight's shape: +3.4 %)
     ({"tp": 2, "precision": "bf16-mixed"}, 2, 2),
@@ -39,10 +47,21 @@ def _estimate(path, recipe, gpus, batch=2):
     ({"tp": 2, "sequence_parallel": True, "loss_parallel": True}, 2, 2),
     # FSDP2 over the other 2 ranks of a (dp_shard x tp) mesh needs 4 ranks: `python -m bench distributed --only
     # fsdp-tp-2x2-sequence-loss-bf16-checkpointing` (the suite keeps to 2-rank truths to stay within its time)
-])
-def test_tensor_parallel_matches_torchrun(tiny, recipe, gpus, batch):
+]
+
+
+@pytest.fixture(scope="module")
+def truths(tiny):
+    """Every case of ``TRUTHS`` run for real in one 2-rank torchrun: per case, each rank's result."""
+    return launch_many([{"model": tiny, "recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2}
+                        for recipe, _, batch in TRUTHS], 2)
+
+
+@pytest.mark.parametrize("case", range(len(TRUTHS)))
+def test_tensor_parallel_matches_torchrun(tiny, truths, case):
+    recipe, gpus, batch = TRUTHS[case]
     report = _estimate(tiny, recipe, gpus, batch)
-    truths = launch({"model": tiny, "recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2}, gpus)
+    truths = truths[case]
     assert len({t["peak_bytes"] for t in truths}) == 1  # every rank holds the same
     truth = truths[0]
     # every phase to within bytes (the forward was one gathered logits tensor high while FakeTensorMode's
@@ -104,12 +123,12 @@ def test_fsdp_with_tensor_parallel_takes_the_depth_fast_path(tmp_path):
     trace to the byte, allocated and reserved under the CUDA allocator's model (Llama-3.1-70B at FSDP32 x TP8:
     8.6 s instead of 59 s). TP without FSDP2 stays traced in full (its fast path was 3 % off)."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(TINY, num_hidden_layers=12, tie_word_embeddings=False)))
+    path.write_text(json.dumps(dict(TINY, num_hidden_layers=6, tie_word_embeddings=False)))  # 4 traced, 2 written
     recipe = Recipe(tp=2, parallel="fsdp", mixed_precision="bf16:fp32", checkpointing="blocks",
                     sequence_parallel=True, loss_parallel=True)
     fast, full = (memfit.estimate(str(path), batch_size=4, seq_len=64, recipe=recipe, gpus=4, device="cuda",
                                   fast=f) for f in (True, False))
-    assert any("traced 4 of 12 blocks" in n for n in fast.notes)
+    assert any("traced 4 of 6 blocks" in n for n in fast.notes)
     assert (fast.peak_bytes, fast.reserved_bytes, fast.phase_peaks) == \
         (full.peak_bytes, full.reserved_bytes, full.phase_peaks)
     with pytest.raises(MemfitError, match="without fsdp"):
