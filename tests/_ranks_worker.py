@@ -1,5 +1,6 @@
 """A training run for the data-parallel tests and bench/: ``torchrun ... tests/_ranks_worker.py CASE``
-(one process per rank) or ``run(case)`` in this process (the one-process reference).
+(one process per rank; CASE a JSON list: each case in turn, ``run_many``) or ``run(case)`` in this process
+(the one-process reference).
 
 CASE is JSON: ``out_dir``, ``recipe`` (Recipe fields), ``steps``, ``global_batch_size``, ``inject``
 (``{rank: [[step, micro_batch, phase, nth], ...]}``), ``budget``, ``checkpoint_every``, ``resume``;
@@ -68,8 +69,22 @@ def run(case: dict):
     return m, out
 
 
+def run_many(cases: list):
+    """Several cases in one torchrun (the tests' start-up paid once): each on a process group of its own, under its
+    own keys in torchrun's store (a case's rendezvous keys are stale for the next), that ``train`` finds initialised."""
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://"))
+    for i, case in enumerate(cases):
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"tests/case-{i}", store), rank=rank, world_size=world)
+        run(case)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    run(json.loads(sys.argv[1]))
+    case = json.loads(sys.argv[1])
+    run_many(case) if isinstance(case, list) else run(case)
     # Every rank's result file is written and train() has returned (its process group destroyed). About one
     # process in a hundred then aborts in C++ teardown at interpreter exit ("terminate called without an
     # active exception": seen with the result files of all ranks on disk, and in a hand-written FSDP2 loop

@@ -5,13 +5,14 @@ made to choose as the estimate assumes (``expert_parallel.route``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 
 import memfit
 from memfit.cli import main
-from memfit.distributed.truth import launch
+from memfit.distributed.truth import launch_many
 from memfit.errors import MemfitError
 from memfit.techniques.expert_parallel import routed_sizes
 from memfit.techniques.recipe import Recipe
@@ -34,12 +35,27 @@ def _estimate(path, recipe, gpus, batch=2, routing="balanced", **kwargs):
                            moe_routing=routing, **kwargs)
 
 
-@pytest.mark.parametrize("routing", ["balanced", "worst"])
-def test_expert_parallel_matches_torchrun(moe, routing):
-    recipe = {"parallel": "fsdp", "ep": 2}
-    truths = launch({"model": moe, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2,
-                     "moe_routing": routing}, 2)
-    report = _estimate(moe, recipe, 2, routing=routing, steps=2)
+@functools.cache
+def _ep2(path, routing):
+    """ep=2 over 2 ranks (2 steps), one estimate per routing for the module: the truths and the routing test read it."""
+    return _estimate(path, {"parallel": "fsdp", "ep": 2}, 2, routing=routing, steps=2)
+
+
+ROUTINGS = ("balanced", "worst")
+
+
+@pytest.fixture(scope="module")
+def truths(moe):
+    """ep=2 run for real under each routing, both in one 2-rank torchrun: per routing, each rank's result."""
+    cases = [{"model": moe, "recipe": {"parallel": "fsdp", "ep": 2}, "batch_size": 2, "seq_len": 32, "steps": 2,
+              "moe_routing": routing} for routing in ROUTINGS]
+    return dict(zip(ROUTINGS, launch_many(cases, 2)))
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_expert_parallel_matches_torchrun(moe, truths, routing):
+    truths = truths[routing]
+    report = _ep2(moe, routing)
     peaks = [t["peak_bytes"] for t in truths]
     if routing == "balanced":
         assert peaks[0] == peaks[1]  # each rank receives as many pairs as it sends
@@ -52,7 +68,7 @@ def test_expert_parallel_matches_torchrun(moe, routing):
 
 
 def test_worst_routing_holds_more_and_the_experts_are_split(moe):
-    balanced, worst = (_estimate(moe, {"parallel": "fsdp", "ep": 2}, 2, routing=r) for r in ("balanced", "worst"))
+    balanced, worst = _ep2(moe, "balanced"), _ep2(moe, "worst")
     assert worst.peak_bytes > balanced.peak_bytes
     # FSDP2 alone gathers each layer's whole experts; with ep=2 a rank holds only its own half
     alone = _estimate(moe, {"parallel": "fsdp"}, 2)
@@ -68,7 +84,7 @@ def test_the_routing_splits_the_pairs_as_the_truth_runs_route_them():
 
 def test_expert_parallel_takes_the_depth_fast_path(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(MOE, num_hidden_layers=8)))
+    path.write_text(json.dumps(dict(MOE, num_hidden_layers=6)))  # 4 blocks traced, 2 written out
     recipe = {"parallel": "fsdp", "ep": 2, "precision": "bf16-mixed"}
     full, fast = (_estimate(str(path), recipe, 4, batch=4, routing="worst", fast=f) for f in (False, True))
     assert fast.peak_bytes == full.peak_bytes and fast.phase_peaks == full.phase_peaks

@@ -35,8 +35,10 @@ def _torchrun(nproc, case, restarts=0, popen=False):
                f"--max-restarts={restarts}", str(ROOT / "tests" / "_ranks_worker.py"), json.dumps(case)]
     if popen:
         return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=ENV)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
+    if isinstance(case, list):
+        return None
     return [json.loads(Path(case["out_dir"], f"result-{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -56,6 +58,33 @@ def _close(a, b, tol=1e-5):
     assert set(a) == set(b)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=tol)
+
+
+# runs the tests only read: one 2-rank torchrun for all (``_ranks_worker.run_many``), each in its own folder
+PLAIN = ("fsdp", "ddp")
+INJECT = {
+    "fsdp": {"1": [[0, 0, "forward", 7], [2, 1, "backward", 3]], "0": [[1, 1, "forward", 2], [3, 0, "optimizer", 2]]},
+    "ddp": {"0": [[0, 0, "forward", 3]], "1": [[1, 1, "backward", 4], [2, 0, "optimizer", 1]]},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{(parallel, kind): (out_dir, each rank's result)}``: 4 steps of 8 examples on 2 ranks, FSDP2 and DDP, plain
+    (kind None) and with out-of-memory errors injected (``INJECT``); and FSDP2's 2 constant steps (its checkpoint)."""
+    keys = [(p, None) for p in PLAIN] + [(p, "oom") for p in INJECT] + [("fsdp", "constant")]
+    cases = []
+    for parallel, kind in keys:
+        case = {"out_dir": str(tmp_path_factory.mktemp(f"{parallel}-{kind}")), "steps": 4,
+                "recipe": dict(RECIPE, parallel=parallel)}
+        if kind == "oom":
+            case["inject"] = INJECT[parallel]
+        if kind == "constant":  # the checkpoint the resume test copies: 2 steps, a constant schedule
+            case.update(steps=2, schedule="constant")
+        cases.append(case)
+    _torchrun(2, cases)
+    return {key: (Path(case["out_dir"]), [json.loads(Path(case["out_dir"], f"result-{r}.json").read_text())
+                                          for r in range(2)]) for key, case in zip(keys, cases)}
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +113,9 @@ def test_even_micro_batches_split_the_largest_then_borrow():
     assert even_micro_batches([], 2) == [None, None]
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_two_ranks_equal_one_process(tmp_path, reference, parallel):
-    results = _torchrun(2, {"out_dir": str(tmp_path), "steps": 4, "recipe": dict(RECIPE, parallel=parallel)})
+@pytest.mark.parametrize("parallel", PLAIN)
+def test_two_ranks_equal_one_process(runs, reference, parallel):
+    tmp_path, results = runs[parallel, None]
     assert [r["world_size"] for r in results] == [2, 2]
     np.testing.assert_allclose(results[0]["losses"], reference["losses"], rtol=1e-6)
     assert results[0]["losses"] == results[1]["losses"]  # the world's loss, on every rank
@@ -97,13 +126,10 @@ def test_two_ranks_equal_one_process(tmp_path, reference, parallel):
     assert not (tmp_path / "result-1.json").read_text() == ""  # every rank ran to the end
 
 
-@pytest.mark.parametrize("parallel, inject", [
-    ("fsdp", {"1": [[0, 0, "forward", 7], [2, 1, "backward", 3]], "0": [[1, 1, "forward", 2], [3, 0, "optimizer", 2]]}),
-    ("ddp", {"0": [[0, 0, "forward", 3]], "1": [[1, 1, "backward", 4], [2, 0, "optimizer", 1]]}),
-])
-def test_ooms_on_either_rank_are_redone_by_both(tmp_path, reference, parallel, inject):
-    results = _torchrun(2, {"out_dir": str(tmp_path), "steps": 4, "recipe": dict(RECIPE, parallel=parallel),
-                            "inject": inject})
+@pytest.mark.parametrize("parallel", INJECT)
+def test_ooms_on_either_rank_are_redone_by_both(runs, reference, parallel):
+    inject = INJECT[parallel]
+    tmp_path, results = runs[parallel, "oom"]
     for rank, faults in inject.items():
         own = [e for e in results[int(rank)]["ooms"] if e["phase"] != "another rank's"]
         assert [e["phase"] for e in own] == [f[2] for f in faults]
@@ -113,11 +139,11 @@ def test_ooms_on_either_rank_are_redone_by_both(tmp_path, reference, parallel, i
     _close(_weights(tmp_path), reference["weights"])
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_and_on_four(tmp_path):
+def test_a_two_rank_checkpoint_resumes_on_one_and_on_four(tmp_path, runs):
     constant = {"schedule": "constant", "recipe": dict(RECIPE, parallel="fsdp")}
     _, straight = worker.run({"out_dir": str(tmp_path / "one"), "steps": 4, "schedule": "constant",
                               "recipe": RECIPE})
-    _torchrun(2, dict(constant, out_dir=str(tmp_path / "two"), steps=2))
+    shutil.copytree(runs["fsdp", "constant"][0], tmp_path / "two")  # 2 steps on 2 ranks
     assert (tmp_path / "two" / "step-000000002" / ".metadata").is_file()
     shutil.copytree(tmp_path / "two", tmp_path / "four")
     _, alone = worker.run({"out_dir": str(tmp_path / "two"), "steps": 4, "schedule": "constant", "recipe": RECIPE})
