@@ -58,11 +58,33 @@ def _graded(source, precision, seq_len=32):
     return report, truth
 
 
+# Lengths other than 32, graded here rather than estimated once more in a test of their own:
+# - Mamba at a longer sequence: the fake trace collapses the per-token scan (models/mamba_scan.py), the real run
+#   loops over every token (was test_collapsed_mamba_scan_matches_the_real_loop_at_a_longer_sequence);
+# - rotary and state-space models have no position limit: Mixtral's max_position_embeddings=128 is a training
+#   length, not a table size, and Mamba-2 has none (was test_rotary_and_state_space_models_have_no_position_limit,
+#   which only asked for a peak above 0); ``make_batch`` is where a length past a position table is refused.
+SEQ = {"mamba": 128, "mixtral": 256, "mamba2": 160}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """``graded(family, precision)``: (estimate, allocator truth) of the family at its SEQ, once a module."""
+    made = {}
+
+    def get(family, precision):
+        if (family, precision) not in made:
+            made[family, precision] = _graded(_source(tmp_path_factory.mktemp(family), family), precision,
+                                              SEQ.get(family, 32))
+        return made[family, precision]
+
+    return get
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_family_matches_allocator(tmp_path, family, precision):
-    source = _source(tmp_path, family)
-    report, truth = _graded(source, precision)
+def test_family_matches_allocator(graded, family, precision):
+    report, truth = graded(family, precision)
     assert abs(report.peak_bytes - truth) / truth < TOLERANCE, (report.peak_bytes, truth)
     assert report.unprobed_ops == 0
 
@@ -94,63 +116,90 @@ def test_distilbert_config_json_names_its_limit(tmp_path):
     assert memfit.estimate(str(tmp_path / "config.json"), seq_len=64).peak_bytes > 0
 
 
-def test_rotary_and_state_space_models_have_no_position_limit(tmp_path):
-    # max_position_embeddings=128 is a training length for a rotary model, not a table size
-    assert memfit.estimate(_source(tmp_path, "mixtral"), seq_len=256).peak_bytes > 0
-    assert memfit.estimate(_source(tmp_path, "mamba2"), seq_len=160, fast=False).peak_bytes > 0
-
-
 DEEP = [("mamba", ["num_hidden_layers"]), ("mamba2", ["num_hidden_layers"]), ("mixtral", ["num_hidden_layers"]),
         ("whisper", ["encoder_layers", "decoder_layers"])]
+# The fewest blocks a 4-block copy (first, second, middle, last) is shallower than: the middle block is written
+# out twice. fast=True engages the fast path below FAST_MIN_DEPTH (tests/test_depth.py checks it engages by
+# itself from there).
+DEPTH = 5
 
 
-@pytest.mark.parametrize("family, keys", DEEP)
-def test_depth_fast_path_agrees_with_full_trace(tmp_path, family, keys):
-    config = {**CONFIGS[family], **{key: 8 for key in keys}}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    path = str(tmp_path / "config.json")
-    fast = memfit.estimate(path, seq_len=8)
-    full = memfit.estimate(path, seq_len=8, fast=False)
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """``deep(family)``: the family at DEPTH blocks, estimated once each way and kept for both tests below:
+    (the fast estimate, the ledger of the copy it traced, the full trace's report, its ledger). The copy's
+    ledger is the one the estimate wrote out (caught on its way out of ``depth.fake_trace``); the full trace
+    is what ``estimate(fast=False)`` runs, with the ledger kept."""
+    from unittest import mock
+
+    from memfit.estimator import depth
+    from memfit.estimator.fake_trace import fake_trace
+    from memfit.techniques.recipe import recipe_from
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            keys = dict(DEEP)[family]
+            path = tmp_path_factory.mktemp(family) / "config.json"
+            path.write_text(json.dumps({**CONFIGS[family], **{key: DEPTH for key in keys}}))
+            copies = []
+
+            def caught(*args, **kwargs):
+                copies.append(fake_trace(*args, **kwargs))
+                return copies[-1]
+
+            with mock.patch.object(depth, "fake_trace", caught):
+                fast = memfit.estimate(str(path), seq_len=8, fast=True)
+            recipe, factory = recipe_from(memfit.Recipe(), "fp32", "adamw")
+            full, result = fake_trace(resolve(str(path)), None, recipe=recipe, loss_fn=None, optimizer=factory,
+                                      steps=2, batch_size=1, seq_len=8, keep=True)
+            assert len(copies) == 1  # the 4-block copy, nothing else
+            made[family] = fast, copies[0][1].ledger, full, result.ledger
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", dict(DEEP))
+def test_depth_fast_path_agrees_with_full_trace(deep, family):
+    fast, _, full, _ = deep(family)
     assert fast.method == "depth" and full.method == "fake"
+    assert fast.settings["traced_depths"] == [4] and fast.settings["depth"] == DEPTH
     assert fast.peak_bytes == full.peak_bytes
 
 
-@pytest.mark.parametrize("family, keys", DEEP)
-def test_written_log_is_the_full_trace_log_on_cpu(tmp_path, family, keys):
+@pytest.mark.parametrize("family", dict(DEEP))
+def test_written_log_is_the_full_trace_log_on_cpu(deep, family):
     """Event for event (kernel scratch sites aside: they keep the shallow copy's). Mamba's conv
     fallback calls a fresh activation module that is no submodule of the model, and CPU AdamW
     loops over parameters (``foreach=False``), freeing a block's last temporary in the next block."""
     from memfit.accounting.ledger import ALLOC, FREE, SPIKE
     from memfit.accounting.synth import synthesise
-    from memfit.estimator.fake_trace import fake_trace
-    from memfit.techniques.recipe import recipe_from
 
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIGS[family], **{key: 8 for key in keys}}))
-    source = resolve(str(tmp_path / "config.json"))
-    recipe, factory = recipe_from(memfit.Recipe(), "fp32", "adamw")
-
-    def trace(src):
-        return fake_trace(src, None, recipe=recipe, loss_fn=None, optimizer=factory, steps=2, batch_size=1,
-                          seq_len=8, keep=True)[1].ledger
+    _, copy, _, full = deep(family)
 
     def events(ledger):
         return [(kind, ledger.records[i].nbytes, ledger.records[i].category, ledger.records[i].module)
                 if kind in (ALLOC, FREE) else (kind, None if kind == SPIKE else i) for kind, i in ledger.events]
-    log = synthesise(trace(source.shallow(4)), depth=8)
+    log = synthesise(copy, depth=DEPTH)
     assert log.unmatched == 0
-    assert events(log) == events(trace(source))
+    assert events(log) == events(full)
 
 
-# Parameter counts published on the model cards (whisper-small's card rounds 241.7M to 244M).
+# Parameter counts published on the model cards (whisper-small's card rounds 241.7M to 244M), against the
+# catalog's stored counts: configs/_counts.json, which tests/test_catalog.py checks against fresh meta builds
+# and against an estimate's report.parameters (it used to be a whole estimate of each model here).
 PUBLISHED = {"mixtral-8x7b": 46.7e9, "qwen1.5-moe-a2.7b": 14.3e9, "qwen3-30b-a3b": 30.5e9,
              "whisper-large-v3": 1.55e9, "llava-1.5-7b": 7.06e9, "mamba-130m": 0.129e9}
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_new_catalog_entries_match_published_sizes(name):
-    assert name in CATALOG
-    report = memfit.estimate(name, seq_len=600 if name.startswith("llava") else 32)
-    assert abs(report.parameters - PUBLISHED[name]) / PUBLISHED[name] < 0.01
+def test_new_catalog_entries_match_published_sizes():
+    from memfit.models import counts
+
+    for name, published in PUBLISHED.items():
+        assert name in CATALOG
+        assert abs(counts.table()[name].params - published) / published < 0.01, name
 
 
 def _forced_router(build, routing):
@@ -174,35 +223,41 @@ def _forced_router(build, routing):
     return forced_build
 
 
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory):
+    """The mixtral build and batch, and ``truth(routing, precision)``: the allocator's peak with the router
+    forced, each measured once for both tests below."""
+    path = tmp_path_factory.mktemp("mixtral") / "config.json"
+    path.write_text(json.dumps(CONFIGS["mixtral"]))
+    source = resolve(str(path))
+    batch = source.make_batch(2, 32)
+    truths = {}
+
+    def truth(routing, precision):
+        if (routing, precision) not in truths:
+            truths[routing, precision] = true_peak(_forced_router(source.build, routing), batch, precision=precision)
+        return truths[routing, precision]
+
+    return source.build, batch, truth
+
+
 @pytest.mark.parametrize("routing", ["balanced", "worst"])
-def test_moe_routing_matches_the_forced_real_routing_in_bf16(tmp_path, routing):
+def test_moe_routing_matches_the_forced_real_routing_in_bf16(routed, routing):
     # Pure bf16 is where routing shows: the CPU grouped_mm converts each expert's rows to fp32.
-    build = _forced_router(_source(tmp_path, "mixtral").build, routing)
-    batch = resolve(str(tmp_path / "config.json")).make_batch(2, 32)
-    report = memfit.estimate(build, batch, precision="bf16", moe_routing=routing)
-    truth = true_peak(build, batch, precision="bf16")
-    assert abs(report.peak_bytes - truth) / truth < TOLERANCE, (report.peak_bytes, truth)
+    build, batch, truth = routed
+    report = memfit.estimate(_forced_router(build, routing), batch, precision="bf16", moe_routing=routing)
+    assert abs(report.peak_bytes - truth(routing, "bf16")) / truth(routing, "bf16") < TOLERANCE, (
+        report.peak_bytes, truth(routing, "bf16"))
 
 
-def test_moe_routing_changes_only_bf16_kernel_scratch(tmp_path):
-    build = _source(tmp_path, "mixtral").build
-    batch = resolve(str(tmp_path / "config.json")).make_batch(2, 32)
-    truths = {(r, p): true_peak(_forced_router(build, r), batch, precision=p)
-              for r in ("balanced", "worst") for p in ("fp32", "bf16")}
-    assert truths["balanced", "fp32"] == truths["worst", "fp32"]  # every expert tensor is tokens x top_k
+def test_moe_routing_changes_only_bf16_kernel_scratch(routed):
+    build, batch, truth = routed
+    assert truth("balanced", "fp32") == truth("worst", "fp32")  # every expert tensor is tokens x top_k
     # where the CPU converts bf16 expert rows to fp32 the worst routing needs more scratch; on a CPU
     # with native bf16 matmuls (AMX, AVX512-BF16: no conversion) the two are equal
-    assert truths["worst", "bf16"] >= truths["balanced", "bf16"]
+    assert truth("worst", "bf16") >= truth("balanced", "bf16")
     with pytest.raises(MemfitError, match="balanced, worst"):
         memfit.estimate(build, batch, moe_routing="uniform")
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_collapsed_mamba_scan_matches_the_real_loop_at_a_longer_sequence(tmp_path, precision):
-    # The fake trace collapses the per-token loop (models/mamba_scan.py); the real run loops.
-    source = _source(tmp_path, "mamba")
-    report, truth = _graded(source, precision, seq_len=128)
-    assert abs(report.peak_bytes - truth) / truth < TOLERANCE, (report.peak_bytes, truth)
 
 
 def test_a_vision_language_model_without_a_batch_recipe_is_one_line(tmp_path):
@@ -216,6 +271,6 @@ def test_a_vision_language_model_without_a_batch_recipe_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_moe_reports_its_routing_assumption(tmp_path):
-    report = memfit.estimate(_source(tmp_path, "qwen2_moe"), seq_len=16)
+def test_moe_reports_its_routing_assumption(graded):
+    report, _ = graded("qwen2_moe", "fp32")  # the note is the trace's, whatever the model was given as
     assert any("balanced routing assumed" in note for note in report.notes)
