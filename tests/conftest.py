@@ -1,6 +1,11 @@
 import os
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+# OpenMP's idle threads sleep instead of spinning: torch keeps its threads (the CPU kernels' scratch depends on their
+# count, estimator/sharded.py), but on 2 cores shared by 2 pytest workers and their torchrun children a spinning
+# thread burned the other worker's core (a Mamba truth: 5-30 s of CPU spinning, 1.2-2.3 s passive). Set before torch
+# loads its OpenMP runtime; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # memfit answers in CUDA semantics by default (the GPU torch sees, else h100-sxm). Most tests grade an
 # estimate against this CPU's own allocator, so the suite's default is the CPU's, as a user without a GPU
 # can ask (MEMFIT_DEVICE=cpu); tests/test_gpu_default.py unsets it to test the default itself.
