@@ -16,6 +16,14 @@ CONFIG = str(ROOT / "examples" / "tiny-llama" / "config.json")
 
 
 @pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    """examples/tiny-llama with 2 blocks instead of 4: each estimate the planner and the run make costs its ops."""
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(json.loads(Path(CONFIG).read_text()) | {"num_hidden_layers": 2}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "tokens.bin"
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_tokens.py"), str(path)], check=True,
@@ -23,8 +31,8 @@ def tokens(tmp_path_factory):
     return str(path)
 
 
-def _train(tokens, out, *extra):
-    return ["train", CONFIG, "--data", tokens, "--seq-len", "64", "--global-batch-size", "4", "--steps", "2",
+def _train(config, tokens, out, *extra):
+    return ["train", config, "--data", tokens, "--seq-len", "64", "--global-batch-size", "4", "--steps", "2",
             "--out-dir", str(out), "--json", *extra]
 
 
@@ -32,12 +40,12 @@ def _first_line(err: str) -> str:
     return next(line for line in err.splitlines() if line.startswith("memfit train:"))
 
 
-def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp_path, monkeypatch, capsys):
+def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(config, tokens, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     # the planner's own choice (calibration may pick another on shared cores: a predicted plan, which the run
     # then checks with estimates of its own; tests/test_train_plan.py times candidates)
-    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-calibrate")) == 0
+    assert main(_train(config, tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-calibrate")) == 0
     captured = capsys.readouterr()
     line = _first_line(captured.err)
     assert "fastest recipe that fits" in line and "planned in" in line and "tokens/s" in line
@@ -56,7 +64,7 @@ def test_a_budget_plans_the_fastest_recipe_and_a_rerun_reads_it_back(tokens, tmp
     assert len(stored) == 1
 
     # the same question again: the stored plan (nothing estimated)
-    assert main(_train(tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-calibrate",
+    assert main(_train(config, tokens, out, "--budget", "96MiB", "--precision", "bf16-mixed", "--no-calibrate",
                        "--no-resume")) == 0
     captured = capsys.readouterr()
     assert "the stored plan" in _first_line(captured.err)
@@ -109,9 +117,9 @@ def test_when_train_plans(recipe, flags, device, budget, gpu, plans):
     assert _plans(args, {"gpu": gpu}, recipe, device, budget, changes) is plans
 
 
-def test_no_plan_trains_the_flags_as_given(tokens, tmp_path, monkeypatch, capsys):
+def test_no_plan_trains_the_flags_as_given(config, tokens, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "cache"))
-    assert main(_train(tokens, tmp_path / "a", "--budget", "96MiB", "--no-plan", "--precision", "bf16-mixed")) == 0
+    assert main(_train(config, tokens, tmp_path / "a", "--budget", "96MiB", "--no-plan", "--precision", "bf16-mixed")) == 0
     captured = capsys.readouterr()
     assert "memfit train:" not in captured.err and json.loads(captured.out)["recipe"]["precision"] == "bf16-mixed"
     assert not (tmp_path / "cache").exists()
