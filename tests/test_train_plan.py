@@ -18,20 +18,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "examples" / "tiny-llama" / "config.json")
 
 
-def _source():
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """examples/tiny-llama with 2 blocks instead of 4: the estimates and timed steps here cost its ops."""
+    import json
+
     from memfit.models.source import resolve
 
-    return resolve(CONFIG)
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(json.loads(Path(CONFIG).read_text()) | {"num_hidden_layers": 2}))
+    return resolve(str(path))
 
 
 def _plan(recipe, seq_len=None, device_bytes=0, reserved=None):
     return Plan(recipe, device_bytes, reserved, device_bytes, 0.01, 100.0, 6400.0, verified=True, seq_len=seq_len)
 
 
-def test_calibration_leaves_no_timed_model_alive():
+def test_calibration_leaves_no_timed_model_alive(source):
     """Each timed model, its optimizer state and its step's closures go before calibrate returns (on CUDA its
     allocator blocks too): the run then starts on an empty device, not beside the leftovers."""
-    source = _source()
     built = []
 
     def build():
@@ -50,10 +55,9 @@ def test_calibration_leaves_no_timed_model_alive():
     assert not alive
 
 
-def test_rows_of_one_length_follow_the_plan_without_estimating(tmp_path):
+def test_rows_of_one_length_follow_the_plan_without_estimating(source, tmp_path):
     from memfit.training.predict import ShapeBudget, meta_copy
 
-    source = _source()
     model = meta_copy(source.build())
     recipe = memfit.Recipe(micro_batch_size=2)
     padded = ShapeBudget(lambda: meta_copy(model), recipe, 2**30, longest=64, max_rows=4)
@@ -78,10 +82,11 @@ def test_cuda_shapes_are_judged_as_the_planner_judges_them():
     its cache and retries before it fails). A shape whose uncapped reserved peak is just past the allocator's
     limit still fits; a little less room and it does not, as the verdict says."""
     from memfit.hardware.gpus import gpu
+    from memfit.models.source import resolve
     from memfit.training.data import collate
     from memfit.training.predict import ShapeBudget, meta_copy
 
-    model = meta_copy(_source().build())
+    model = meta_copy(resolve(CONFIG).build())  # 4 blocks: the margins below are this model's
     card = gpu("h100-sxm")
     recipe = memfit.Recipe(micro_batch_size=4, grad_accum_steps=2, optimizer_impl="fused")
     rows = collate([{"input_ids": torch.ones(256, dtype=torch.long)}] * 4)
@@ -108,7 +113,7 @@ def test_a_budget_is_the_process_s_the_allocator_gets_it_less_the_context():
     assert card.allowed_bytes(2 * card.memory_bytes) == card.usable_bytes()
 
 
-def test_a_run_following_a_plan_takes_its_micro_batch_and_a_fused_step_has_no_copies(tmp_path, monkeypatch):
+def test_a_run_following_a_plan_takes_its_micro_batch_and_a_fused_step_has_no_copies(source, tmp_path, monkeypatch):
     from memfit.techniques import safe_step
     from memfit.training.data import open_data
     from memfit.training.loop import train
@@ -143,14 +148,14 @@ def test_a_run_following_a_plan_takes_its_micro_batch_and_a_fused_step_has_no_co
     recipe = memfit.Recipe(micro_batch_size=2, grad_accum_steps=2, optimizer_impl="fused")
     plan = _plan(recipe, seq_len=64, device_bytes=40 * 2**20)
     torch.manual_seed(0)
-    result = train(_source().build(), data, plan=plan, budget="64MiB", global_batch_size=4, seq_len=64, steps=2,
+    result = train(source.build(), data, plan=plan, budget="64MiB", global_batch_size=4, seq_len=64, steps=2,
                    out_dir=tmp_path / "run", progress=False, tensorboard=False)
     import json
 
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(line["estimate_seconds"] == 0 and line["micro_batches"] == 2 for line in lines)
     assert result.steps == 2 and chunked == []  # fused: no rolled-back copies on top of the plan's peak
-    train(_source().build(), data, recipe=recipe.replace(optimizer_impl="foreach"), budget="64MiB",
+    train(source.build(), data, recipe=recipe.replace(optimizer_impl="foreach"), budget="64MiB",
                     global_batch_size=4, seq_len=64, steps=1, out_dir=tmp_path / "run2", progress=False,
                     tensorboard=False)
     assert chunked and set(chunked) == {8}  # the SafeStep of the run (and of its estimates)
