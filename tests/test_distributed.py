@@ -7,6 +7,7 @@ PyTorch's fake process group. Plus the rules: the batch over ranks, conflicts, b
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 import memfit
 from memfit.categories import Category
-from memfit.distributed.truth import launch, main_thread
+from memfit.distributed.truth import launch, launch_many, main_thread
 from memfit.hardware.cluster import World, fake_world, placement, world_of
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
@@ -38,18 +39,37 @@ def configs(tmp_path_factory):
 
 
 def _estimate(path, recipe, gpus=2, batch=4, **kwargs):
-    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), gpus=gpus, **kwargs)
+    return _estimated(path, json.dumps(recipe, sort_keys=True), gpus, batch, tuple(sorted(kwargs.items())))
 
 
-@pytest.mark.parametrize("name, recipe", [
+@functools.cache
+def _estimated(path, recipe, gpus, batch, kwargs):
+    """One estimate per (model, recipe, world, batch, options) for the module: several tests read the same (frozen)
+    report (plain FSDP2 over 2 ranks: the truth's case, the offload and the ZeRO-2 comparisons)."""
+    return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**json.loads(recipe)), gpus=gpus,
+                           **dict(kwargs))
+
+
+TRUTHS = [  # (config, recipe): every case a 2-rank truth, all run in one torchrun (``launch_many``)
     ("tiny", {"parallel": "fsdp"}),
     ("tiny", {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}),
     ("uneven", {"parallel": "fsdp", "reshard_after_forward": "false"}),
     ("tiny", {"parallel": "fsdp", "offload": "cpu-unpinned"}),
-])
-def test_every_rank_matches_torchrun(configs, name, recipe):
+]
+
+
+@pytest.fixture(scope="module")
+def truths(configs):
+    """Every case of ``TRUTHS`` run for real in one 2-rank torchrun: per case, each rank's result."""
+    return launch_many([{"model": configs[name], "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}
+                        for name, recipe in TRUTHS], 2)
+
+
+@pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["fsdp", "ddp-accumulation", "uneven-zero2", "offload"])
+def test_every_rank_matches_torchrun(configs, truths, case):
+    name, recipe = TRUTHS[case]
     report = _estimate(configs[name], recipe)
-    truths = launch({"model": configs[name], "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}, 2)
+    truths = truths[case]
     estimated = {r["rank"]: r["peak_bytes"] for r in report.ranks}
     for truth in truths:
         estimate = estimated.get(truth["rank"], estimated[0])
@@ -235,17 +255,22 @@ def test_resize_frees_and_allocates():
     assert {r.category for r in ledger.records} == {Category.UNSHARDED_PARAMETERS}  # the storage's role
 
 
-def test_cli_gpus(configs):
-    run = [sys.executable, "-m", "memfit.cli", "estimate", configs["tiny"], "--seq-len", "32"]
-    done = subprocess.run(run + ["--parallel", "fsdp", "--gpus", "2", "--batch-size", "4", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    data = json.loads(done.stdout)
+def test_cli_gpus(configs, capsys):
+    """The verb in this process (``memfit.cli.main``); one bad input in a process of its own: exit 2, one line."""
+    from memfit.cli import main
+
+    run = ["estimate", configs["tiny"], "--seq-len", "32"]
+    assert main(run + ["--parallel", "fsdp", "--gpus", "2", "--batch-size", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert data["world"]["size"] == 2 and data["peak_bytes"] == max(r["peak_bytes"] for r in data["ranks"])
-    for flags, words in ((["--nodes", "2"], "needs gpus="), (["--gpus", "2"], "--parallel fsdp"),
-                         (["--parallel", "fsdp", "--gpus", "2", "--batch-size", "3"], "does not divide")):
-        done = subprocess.run(run + flags, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+    for flags, words in ((["--nodes", "2"], "needs gpus="), (["--gpus", "2"], "--parallel fsdp")):
+        assert main(run + flags) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err
+    flags = ["--parallel", "fsdp", "--gpus", "2", "--batch-size", "3"]
+    done = subprocess.run([sys.executable, "-m", "memfit.cli", *run, *flags], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "does not divide" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_plan_across_gpus_checks_its_choice(configs):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import memfit
-from memfit.distributed.truth import launch
+from memfit.distributed.truth import launch_many
 from memfit.errors import MemfitError
 from memfit.techniques.pipeline_parallel import cut
 from memfit.techniques.recipe import Recipe
@@ -32,20 +32,31 @@ def _estimate(path, recipe, gpus, batch=4):
     return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), device="cpu", **world)
 
 
-@pytest.mark.parametrize("recipe, gpus", [
+TRUTHS = [  # every case a 2-rank truth, all run in one torchrun (``launch_many``)
     # GPipe: every micro-batch's activations live at the turn; with autocast and checkpointed blocks
-    ({"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 1, "grad_accum_steps": 4, "precision": "bf16-mixed",
-      "checkpointing": "blocks"}, 2),
-    # FSDP2 shards each stage over its 2 data-parallel ranks (the (pp, dp) mesh); 1F1B
-    ({"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4}, 4),
+    {"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 1, "grad_accum_steps": 4, "precision": "bf16-mixed",
+     "checkpointing": "blocks"},
+    # FSDP2 on each stage (the (pp, dp) mesh, here dp=1: its gathers and frees, not yet its sharding); 1F1B. Each stage
+    # sharded over 2 data-parallel ranks needs 4: `python -m bench distributed --only pp-2-fsdp-2-1f1b`
+    {"pp": 2, "parallel": "fsdp", "micro_batch_size": 1, "grad_accum_steps": 4},
     # Interleaved 1F1B: 4 stages, two a rank (0 and 2, 1 and 3). 4 stages over 4 ranks with 1F1B, and interleaved
     # with FSDP2 (each stage its own root): bench/distributed/distributed.py (2 ranks here keep the suite's time)
-    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batch_size": 1, "grad_accum_steps": 4}, 2),
-])
-def test_pipeline_matches_torchrun_on_every_stage(tiny, recipe, gpus):
-    batch = 4 * gpus // recipe["pp"]  # 4 rows per data-parallel rank
+    {"pp": 2, "pp_schedule": "interleaved-1f1b", "micro_batch_size": 1, "grad_accum_steps": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def truths(tiny):
+    """Every case of ``TRUTHS`` run for real in one 2-rank torchrun (4 rows a step): per case, each rank's result."""
+    return launch_many([{"model": tiny, "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}
+                        for recipe in TRUTHS], 2)
+
+
+@pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["gpipe", "fsdp", "interleaved"])
+def test_pipeline_matches_torchrun_on_every_stage(tiny, truths, case):
+    recipe, gpus, batch = TRUTHS[case], 2, 4
     report = _estimate(tiny, recipe, gpus, batch=batch)
-    truths = launch({"model": tiny, "recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2}, gpus)
+    truths = truths[case]
     estimated = {r["rank"]: r for r in report.ranks}
     dp = gpus // recipe["pp"]
     # every stage traced (each is its own kind of rank), its first data-parallel rank standing for the others
