@@ -107,7 +107,7 @@ def test_plan_takes_batch_size_and_keeps_global_batch_size(monkeypatch, capsys):
 
     monkeypatch.setattr("memfit.planner.plan.plan", plan)
     assert main(["plan", "gpt2", "--batch-size", "16", "--budget", "1GiB"]) == 2
-    assert seen["global_batch_size"] == 16
+    assert seen["data"].batch_size == 16  # the global batch, in the Data value the CLI builds (issue 50)
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
