@@ -139,7 +139,8 @@ def test_the_fast_path_traces_it_in_full():
     import memfit
     from memfit import Recipe
 
-    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=12, num_attention_heads=4,
+    # 6 blocks: more than the 4 the depth path traces (without safe_step this config's fast estimate is "depth")
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=6, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
                             architectures=["LlamaForCausalLM"])
     recipe = Recipe(safe_step=8, precision="bf16-mixed")
