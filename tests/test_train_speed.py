@@ -26,7 +26,7 @@ SHAPE = dict(batch=8, seq=128, steps=5, smallest=2)  # micro-batches of 1 are th
 
 @pytest.fixture(scope="module")
 def rows():
-    return train_speed.compare(CONFIG, "cpu", [18 * MiB, 24 * MiB, 48 * MiB], **SHAPE, log=lambda line: None)
+    return train_speed.compare(CONFIG, "cpu", [14 * MiB, 24 * MiB, 48 * MiB], **SHAPE, log=lambda line: None)
 
 
 def test_memfit_trains_within_the_budget_without_an_oom(rows):
@@ -35,9 +35,12 @@ def test_memfit_trains_within_the_budget_without_an_oom(rows):
 
 
 def test_the_budgets_need_different_loops(rows):
-    bests = [tuple(row["best_loop"][k] for k in ("micro", "checkpointing", "bf16")) for row in rows]
-    assert len(set(bests)) >= 2, bests
-    assert rows[0]["loops_that_fit"] < rows[-1]["loops_that_fit"]
+    # which loops fit is the allocator's (deterministic); which one is fastest is a timing on shared cores, so
+    # the check is that the roomy budget's fastest loop does not fit the smallest: that budget forces a choice
+    assert rows[0]["loops_that_fit"] < rows[1]["loops_that_fit"] < rows[-1]["loops_that_fit"]
+    setting = ("micro", "checkpointing", "bf16", "fused")
+    smallest = {tuple(x[k] for k in setting) for x in rows[0]["loops"] if x["fits"]}
+    assert tuple(rows[-1]["best_loop"][k] for k in setting) not in smallest, (rows[-1]["best_loop"], smallest)
 
 
 def _same_setting(recipe: str, loop: dict) -> bool:
