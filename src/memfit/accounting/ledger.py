@@ -47,6 +47,7 @@ __all__ = ["Ledger", "Record", "Site", "plain", "ALLOC", "FREE", "SPIKE", "MARK"
            "storage_events", "managed_peak"]
 
 _BORN = {torch.ops.aten.lift_fresh.default}
+_DEVICE = torch.ops.prim.device.default
 # (backward node, op) -> the in-place op a plain run uses there. Autograd formulas take an
 # out-of-place path when any input is "subclass-like", which a fake tensor, or any tensor under a
 # Python dispatch mode, is (``areAnyTensorSubclassLike`` in FunctionsManual.cpp); a plain run
@@ -309,6 +310,8 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         self._chain.setdefault(first, [first]).append(new)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # most of a step's dispatches (autograd asks each output's device): nothing to record
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if func in _IN_PLACE_OPS:
             node = torch._C._current_autograd_node()
