@@ -198,12 +198,18 @@ def test_cli_launches_torchrun_and_rank_zero_reports(tmp_path):
     assert (out / "step-000000003" / "model.safetensors").is_file()
 
 
-def test_cli_launch_errors_are_one_line(tmp_path):
+def test_cli_launch_errors_are_one_line(tmp_path, monkeypatch, capfd):
+    # in this process (each is refused before torchrun starts; a subprocess paid ~4 s of imports for each):
+    # ``python -m memfit.cli`` exits with main's status, which test_cli_launches_torchrun_and_rank_zero_reports runs
+    from memfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
     model = str(ROOT / "examples" / "tiny-llama" / "config.json")
     for extra, words in ((["--nnodes", "2", "--nproc-per-node", "2", "--parallel", "fsdp"], "--rdzv-endpoint"),
                          (["--nproc-per-node", "2"], "--parallel fsdp"),
                          (["--max-restarts", "2"], "--nproc-per-node")):
-        done = subprocess.run([sys.executable, "-m", "memfit.cli", "train", model, "--data", "x.bin", "--seq-len", "8",
-                               "--steps", "1", "--global-batch-size", "2", *extra], capture_output=True, text=True,
-                              env=ENV, cwd=tmp_path)
-        assert done.returncode == 2 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        capfd.readouterr()
+        status = main(["train", model, "--data", "x.bin", "--seq-len", "8", "--steps", "1", "--global-batch-size", "2",
+                       *extra])
+        err = capfd.readouterr().err
+        assert status == 2 and words in err and len(err.strip().splitlines()) == 1, err
