@@ -93,7 +93,11 @@ def test_gpus_fits_80_columns_one_line_a_card(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def estimated():
-    """The text of ``memfit estimate gpt2`` at 80 columns, with NO_COLOR and without, both on a terminal."""
+    """The text of ``memfit estimate gpt2`` at 80 columns, with NO_COLOR and without, both on a terminal
+    (FORCE_COLOR). In this process: the environment is read as each call draws its table."""
+    import contextlib
+    import io
+
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLUMNS", "80")
@@ -103,10 +107,11 @@ def estimated():
                 mp.setenv("NO_COLOR", "1")
             else:
                 mp.delenv("NO_COLOR", raising=False)
-            proc = subprocess.run([sys.executable, "-m", "memfit.cli", "estimate", "gpt2", "--seq-len", "64",
-                                   "--budget", "24GiB"], capture_output=True, text=True)
-            assert proc.returncode == 0, proc.stderr
-            out[no_color] = proc.stdout
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                code = main(["estimate", "gpt2", "--seq-len", "64", "--budget", "24GiB"])
+            assert code == 0
+            out[no_color] = text.getvalue()
     return out
 
 

@@ -142,18 +142,21 @@ def test_unknown_quant_method_is_refused(tmp_path):
         resolve(str(tmp_path))
 
 
-def test_cli_hub_ids_offline():
-    done = _cli("estimate", "Qwen/Qwen3-8B", "--revision", OLD, "--seq-len", "64", "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["parameters"] == 8190735360
-    done = _cli("estimate", "someone/tiny-custom", "--trust-remote-code", "--seq-len", "16", "--json")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["peak_bytes"] > 0
+def test_cli_hub_ids_offline(offline_hub, capsys):
+    """In this process through memfit.cli.main (the fixture cache, offline); the environment variables a
+    process reads and its exit status: test_cli_no_cache_and_no_network_is_one_line, a real process."""
+    from memfit.cli import main
+
+    assert main(["estimate", "Qwen/Qwen3-8B", "--revision", OLD, "--seq-len", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == 8190735360
+    assert main(["estimate", "someone/tiny-custom", "--trust-remote-code", "--seq-len", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
     for args, text in ((("someone/tiny-custom",), "--trust-remote-code"), (("Qwen/Qwen3-8x",), "did you mean"),
                        (("someone/unknown-arch",), "unknown to transformers")):
-        done = _cli("estimate", *args)
-        assert done.returncode == 2 and text in done.stderr and "Traceback" not in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        code = main(["estimate", *args])
+        err = capsys.readouterr().err
+        assert code == 2 and text in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_no_cache_and_no_network_is_one_line(tmp_path):
