@@ -116,6 +116,14 @@ def test_a_toy_technique_is_searched_by_the_planner(toy):
     assert {r.toy_scale for r in space} == {1, 2}
     assert any(r.optimizer_in_backward for r in space)
     assert not [r for r in space if r.toy_scale == 2 and r.optimizer_in_backward]
-    plans = memfit.plan(_config(), gpu="rtx-4090", global_batch_size=2, seq_len=16)
+    # planned: a small module and its batch on the CPU (its axes: precision x toy x micro-batch x in
+    # backward, a few small traces; a config model's search traces 48 graphs for the toy's two values)
+    from memfit.models.zoo import classify
+
+    model = lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))  # noqa: E731
+    batch = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    calls = len(toy.CALLS)
+    plans = memfit.plan(model, batch, loss_fn=classify, device="cpu", budget="64MiB")
     assert {p.recipe.toy_scale for p in plans.front} | {p.recipe.toy_scale for p in plans} == {1, 2}
     assert "toy_scale" in plans.best.recipe.to_dict()
+    assert {value for value, _ in toy.CALLS[calls:]} == {1, 2}  # each value traced: applied in the steps
