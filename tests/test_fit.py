@@ -111,7 +111,15 @@ def test_bad_input_is_one_line(kwargs, needle):
         fit(_config(), **kwargs)
 
 
-def test_cli_fit_and_estimate_max_batch_size_agree(tmp_path, capsys):
+def test_cli_fit_and_estimate_max_batch_size_agree(tmp_path, capsys, monkeypatch):
+    """The verbs route their flags to the same fit: ``fit``, ``estimate --max-batch-size``, the human view with
+    ``--out`` and nothing-fits. Each CLI call would make a fresh ``EngineCache`` of the same config; here they
+    share one (``memfit.planner.fit.fit`` given ``cache=``), so the config is traced once for all of them. The
+    API's fit keeps its own cache (the module's): its answer is the CLI's by traces of its own."""
+    import memfit.planner.fit as fitting
+
+    shared, real = EngineCache(), fitting.fit
+    monkeypatch.setattr(fitting, "fit", lambda *args, **kwargs: real(*args, **{"cache": shared, **kwargs}))
     path = tmp_path / "config.json"
     _config().to_json_file(path)
     budget = f"{(_context() + 120 * MIB) // MIB}MiB"
