@@ -47,12 +47,12 @@ def test_float8_is_within_one_percent_of_the_allocator(tiny, float8, precision):
 
 
 def test_the_depth_fast_path_equals_the_full_trace(write_config):
-    deep = write_config(dict(TINY, num_hidden_layers=8))
+    deep = write_config(dict(TINY, num_hidden_layers=6))  # past the 4-block copy: the middle block written 3 times
     recipe = Recipe(float8="rowwise", precision="bf16-mixed")
     full, fast = (memfit.estimate(deep, batch_size=2, seq_len=64, recipe=recipe, device="cpu", fast=f)
                   for f in (False, True))
     assert fast.peak_bytes == full.peak_bytes and fast.phase_peaks == full.phase_peaks
-    assert any("traced 4 of 8 blocks" in n for n in fast.notes)
+    assert any("traced 4 of 6 blocks" in n for n in fast.notes)
 
 
 def test_float8_on_cuda_semantics_runs_scaled_mm(tiny):

@@ -5,6 +5,8 @@ The truth compiles torchao's step once per parameter shape (Inductor, C++ on thi
 has three shapes, small enough to compile in seconds, chosen to cover every branch of the rule: a
 plain moment (LayerNorm, 256 values), a quantised one below 256 blocks and one at 256 blocks."""
 
+import functools
+
 import pytest
 import torch
 import transformers as tf
@@ -30,10 +32,19 @@ def _batch():
     return {"x": torch.randn(8, 64, generator=torch.Generator().manual_seed(0))}
 
 
+_COMPILE = torch.compile  # as torch has it: the fake step's stand-in must be gone after every estimate
+
+
+@functools.cache
+def _estimate(optimizer):
+    """The estimate of the module's model with ``optimizer`` (reports are frozen: shared between tests)."""
+    return memfit.estimate(_factory, _batch(), loss_fn=_loss, recipe=Recipe(optimizer=optimizer))
+
+
 @pytest.mark.parametrize("optimizer", ["ao_adamw8bit", "adamw4bit", "ao_adamw_fp8"])
 def test_estimate_equals_the_allocator(optimizer):
     recipe = Recipe(optimizer=optimizer)
-    report = memfit.estimate(_factory, _batch(), loss_fn=_loss, recipe=recipe)
+    report = _estimate(optimizer)
     measured = true_peak(_factory, _batch(), loss_fn=_loss, recipe=recipe)
     assert report.peak_bytes == measured, (report.peak_bytes, measured)
     assert report.phase_peaks["optimizer"] == report.peak_bytes  # the step's buffers make the peak here
@@ -54,30 +65,29 @@ def test_state_is_torchaos_layout(optimizer):
         n = p.numel()
         per_moment = int(n * code) + 4 * n // block + 4 * table if n >= 4096 else 4 * n
         expected += 2 * per_moment + 4  # two moments and the fp32 step counter
-    report = memfit.estimate(_factory, _batch(), loss_fn=_loss, recipe=Recipe(optimizer=optimizer))
-    assert report.by_category["optimizer_state"] == expected
+    assert _estimate(optimizer).by_category["optimizer_state"] == expected
 
 
 def test_four_bit_step_outgrows_eight_bit_state_savings():
     """4-bit state is half 8-bit's, but its step holds 26 bytes per value of a parameter; the fake
     step's stand-in for ``torch.compile`` is gone afterwards."""
-    compile_before = torch.compile
-    peaks = {o: memfit.estimate(_factory, _batch(), loss_fn=_loss, recipe=Recipe(optimizer=o))
-             for o in ("ao_adamw8bit", "adamw4bit")}
-    assert torch.compile is compile_before
+    peaks = {o: _estimate(o) for o in ("ao_adamw8bit", "adamw4bit")}
+    assert torch.compile is _COMPILE  # after these estimates and any the module made before
     assert peaks["adamw4bit"].by_category["optimizer_state"] < peaks["ao_adamw8bit"].by_category["optimizer_state"]
     assert peaks["adamw4bit"].peak_bytes > peaks["ao_adamw8bit"].peak_bytes
 
 
 def test_fast_path_equals_full_trace():
-    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=12, num_attention_heads=4,
+    """6 blocks: the shallowest past the 4-block copy where the middle block is written out three times."""
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=6, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
                             architectures=["LlamaForCausalLM"])
     for optimizer in ("ao_adamw8bit", "adamw4bit"):
         recipe = Recipe(optimizer=optimizer, precision="bf16-mixed")
         fast = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, gpu="rtx-4090", fast=True)
         full = memfit.estimate(config, recipe=recipe, batch_size=2, seq_len=64, gpu="rtx-4090", fast=False)
-        assert fast.method == "depth" and fast.peak_bytes == full.peak_bytes, optimizer
+        assert fast.method == "depth" and fast.settings["traced_depths"] == [4] and full.method == "fake", optimizer
+        assert fast.peak_bytes == full.peak_bytes, optimizer
         assert fast.by_category == full.by_category and fast.reserved_bytes == full.reserved_bytes
 
 
