@@ -138,7 +138,8 @@ def test_the_fields_are_cli_flags(tmp_path, capsys):
 
 
 def test_fast_path_equals_full_trace_with_targets_dropout_and_bf16_adapters():
-    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=12, num_attention_heads=4,
+    # 6 blocks: past the 4 the depth path traces (first, second, middle, last), so fast=True writes 2 out
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=6, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
                             architectures=["LlamaForCausalLM"])
     recipe = Recipe(lora="qlora:8", precision="bf16-mixed", lora_targets="q_proj,v_proj,down_proj",
