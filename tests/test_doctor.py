@@ -217,6 +217,10 @@ def test_activations_on_a_virtual_budget_then_the_first_fix_runs(tmp_path, fixed
 
 
 def test_optimizer_temporaries_and_model_states_on_a_virtual_budget(tmp_path, fixed_speed, monkeypatch):
+    from memfit.planner import cache as engine_cache
+
+    shared = engine_cache.EngineCache()  # the three diagnoses of one model and step time fixes on the same traces
+    monkeypatch.setattr(engine_cache, "EngineCache", lambda: shared)
     model, shape = _config(tmp_path, "wide", WIDE), dict(batch_size=1, seq_len=16)
     report = memfit.estimate(model, **shape)
     graph = max(report.phase_peaks["forward"], report.phase_peaks["backward"])

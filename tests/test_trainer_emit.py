@@ -139,7 +139,7 @@ def test_emitted_estimate_equals_the_plan(llama, tmp_path, capsys):
 
 def test_plan_emits_every_tool(llama, tmp_path, capsys):
     out = tmp_path / "emitted"
-    assert main(["plan", llama, "--device", "cpu", "--budget", "1GiB", "--seq-len", "32", "--batch-size", "4",
+    assert main(["plan", llama, "--device", "cpu", "--budget", "1GiB", "--seq-len", "32", "--batch-size", "2",
                  "--emit", "all", "--emit-dir", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [e["tool"] for e in result["emitted"]] == list(TOOLS)
