@@ -38,9 +38,11 @@ _WIDTHS = {
     "qwen3-next-80b-a3b": dict(_MOE, num_experts=8, linear_num_key_heads=2, linear_num_value_heads=4,
                                linear_key_head_dim=16, linear_value_head_dim=16),
 }
-# the fewest layers where a copy is shallower than the model: a pattern of period p needs 4p + 1
-# (Gemma 3's 26 as published: 6 does not divide it, and the copy's last unit is short)
-_DEPTHS = {"gemma-3-1b": 26, "deepseek-v3": 10, "glm-4.5": 10, "gpt-oss-20b": 12, "granite-4.0-h-tiny": 10}
+# the fewest layers where a copy is shallower than the model: a pattern of period p needs 4p + 1, three dense
+# layers first 3 + 4 (the copy: the dense three, two MoE, the last); gpt-oss's pairs at 10, five whole units
+# (Gemma 3's 26 as published: 6 does not divide it, and the copy's last unit is short; Granite 4 here: attention
+# at layer 5 of 10, the copy 9 blocks)
+_DEPTHS = {"gemma-3-1b": 26, "deepseek-v3": 7, "glm-4.5": 7, "gpt-oss-20b": 10, "granite-4.0-h-tiny": 10}
 
 
 def narrow(name, layers=None):
