@@ -26,6 +26,12 @@ def config(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def plain(config):
+    """The step on one GPU without a device_map, bf16-mixed: the reference two tests compare with."""
+    return memfit.estimate(config, precision="bf16-mixed", fast=False, **KW)
+
+
 def _param_bytes(names, dtype_size: int) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
@@ -33,15 +39,14 @@ def _param_bytes(names, dtype_size: int) -> int:
                if any(n == k or n.startswith(k + ".") for k in names))
 
 
-def test_one_gpu_map_is_the_plain_step(config):
-    plain = memfit.estimate(config, precision="bf16-mixed", fast=False, **KW)
+def test_one_gpu_map_is_the_plain_step(config, plain):
     placed = memfit.estimate(config, precision="bf16-mixed", device_map={"": 0}, **KW)
     assert (placed.peak_bytes, placed.reserved_bytes, placed.by_category) == (
         plain.peak_bytes, plain.reserved_bytes, plain.by_category)
     assert [row["device"] for row in placed.devices] == ["cuda:0"]
 
 
-def test_split_over_two_gpus_puts_each_module_and_its_state_on_its_gpu(config):
+def test_split_over_two_gpus_puts_each_module_and_its_state_on_its_gpu(config, plain):
     report = memfit.estimate(config, precision="bf16-mixed", device_map=SPLIT, **KW)
     rows = {row["device"]: row for row in report.devices}
     assert set(rows) == {"cuda:0", "cuda:1"}
@@ -56,7 +61,6 @@ def test_split_over_two_gpus_puts_each_module_and_its_state_on_its_gpu(config):
     assert (report.peak_bytes, report.device_bytes) == (top["peak_bytes"], top["device_bytes"])
     assert top["device_bytes"] == max(r["device_bytes"] for r in rows.values())
     # each GPU holds less than the model on one GPU
-    plain = memfit.estimate(config, precision="bf16-mixed", fast=False, **KW)
     assert all(row["peak_bytes"] < plain.peak_bytes for row in rows.values())
 
 
