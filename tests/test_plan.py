@@ -16,6 +16,10 @@ from memfit.planner.space import search_space as _space
 
 GPU = "rtx-4090"
 CACHE = EngineCache()  # the plans of this file share their traces: one config under many budgets
+# the plain graph alone: a search over the other axes (optimizer, step, micro-batch), a handful of traces
+# a global batch of 2 (the nothing-fits answer and the CLI's): its own engine, one for both tests
+SMALL = EngineCache()
+NARROW = {"precision": "bf16-mixed", "checkpointing": "off", "offload_activations": False, "chunked_loss": 0}
 
 
 def _config(layers=2):
@@ -33,7 +37,9 @@ def _plan(budget_mib, global_batch_size=8, cache=CACHE, **kw):
 @pytest.fixture(scope="module")
 def sweep():
     out = {}
-    for mib in (40, 48, 64, 160):  # accumulation + offload, selective, plain; 160: the same choice, no traces
+    # 40: accumulation + offload; 64: bf16-mixed micro-batch 8; 160: fp32 micro-batch 8 (no traces: its
+    # recipe was verified at 40). Three different choices (48 chose what 40 does: dropped)
+    for mib in (40, 64, 160):
         try:
             out[mib] = _plan(mib)
         except NothingFits as err:
@@ -62,8 +68,14 @@ def test_more_budget_is_never_slower(sweep):
 def test_exact_by_default_and_allow_by_name(sweep):
     plans = sweep[160]
     assert all(p.recipe.is_exact for p in plans) and all(p.recipe.is_exact for p in plans.front)
-    allowed = _plan(160, allow="lora,adamw8bit")
-    assert allowed.candidates > plans.candidates
+    # allowed by name: over the plain graph's search (CACHE holds its traces), LoRA's graph and the
+    # optimizer traces of LoRA and 8-bit states are what is traced anew
+    exact = _plan(160, fixed=NARROW)
+    allowed = _plan(160, allow="lora,adamw8bit", fixed=NARROW)
+    assert all(p.recipe.is_exact for p in exact) and all(p.recipe.is_exact for p in exact.front)
+    assert allowed.candidates > exact.candidates
+    assert {p.recipe.lora for p in allowed} | {p.recipe.lora for p in allowed.front} > {"off"}
+    assert {p.recipe.optimizer for p in allowed} | {p.recipe.optimizer for p in allowed.front} > {"adamw"}
     assert any(not p.recipe.is_exact for p in allowed.front)
     with pytest.raises(MemfitError, match="allow takes"):
         _plan(160, allow="fp8")
@@ -71,10 +83,10 @@ def test_exact_by_default_and_allow_by_name(sweep):
 
 def test_nothing_fits_names_the_smallest_and_it_is_the_smallest():
     # a global batch of 2: the smallest candidates are micro-batches of 1 either way, and each full
-    # check traces 2 micro-batches, not the 2 + 3 that a long accumulation is read from (its own
-    # cache: CACHE holds the sweep's one engine)
+    # check traces 2 micro-batches, not the 2 + 3 that a long accumulation is read from (under a budget
+    # it runs out of, all 8: 25 s a check). Its own cache, SMALL, shared with the CLI's plan
     with pytest.raises(NothingFits) as caught:
-        _plan(4, global_batch_size=2, cache=None)
+        _plan(4, global_batch_size=2, cache=SMALL)
     err = caught.value
     assert "nothing fits" in str(err) and "needs" in str(err) and "\n" not in str(err)
     smallest = err.smallest
@@ -124,11 +136,17 @@ def test_space_covers_the_axes():
     assert all(r.is_exact for r in space)
 
 
-def test_cli_plan_json_out_and_exit_codes(tmp_path, capsys):
+def test_cli_plan_json_out_and_exit_codes(tmp_path, capsys, monkeypatch):
+    import memfit.planner.plan as planner
+
     path = tmp_path / "config.json"
     _config().to_json_file(path)
     out = tmp_path / "recipe.yaml"
-    # a global batch of 2: the CLI's output and exit codes, not the search, are what is checked here
+    # a global batch of 2: the CLI's output and exit codes, not the search, are what is checked here;
+    # the CLI's plan() gets SMALL (test_nothing_fits' config and batch, read from the file: the same
+    # key), whose traces it reuses
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: real(*a, cache=SMALL, **k))
     assert main(["plan", str(path), "--gpu", GPU, "--global-batch-size", "2", "--seq-len", "128",
                  "--json", "--out", str(out)]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -197,8 +215,10 @@ def test_traces_are_kept_only_by_a_cache_the_caller_passes(sweep):
     """No hidden state: a plan without ``cache=`` traces afresh; the sweep's plans shared CACHE's."""
     shared = sweep[160]
     assert len(CACHE) == 1 and shared.settings["traces"] < 10  # the earlier budgets' traces, reused
-    fresh = plan(_config(), gpu=GPU, budget=shared.budget, global_batch_size=8, seq_len=128)
-    assert fresh.settings["traces"] > shared.settings["traces"]
+    # the same question without cache= (over the plain graph: a handful of traces, all made afresh)
+    shared = _plan(160, fixed=NARROW)
+    fresh = plan(_config(), gpu=GPU, budget=shared.budget, global_batch_size=8, seq_len=128, fixed=NARROW)
+    assert len(CACHE) == 1 and fresh.settings["traces"] > shared.settings["traces"]
     assert fresh.best == shared.best
 
 
@@ -214,8 +234,11 @@ def test_fixed_fields_are_in_every_candidate_and_the_rest_is_searched(sweep):
 
 
 def test_a_fixed_math_changing_value_is_the_users_choice():
-    plans = _plan(64, fixed=Recipe(precision="bf16"))  # a Recipe: its non-default fields
-    assert {p.recipe.precision for p in plans} == {"bf16"}
+    # a Recipe: its non-default fields (checkpointing too: pure bf16's graphs with and without offload
+    # and chunked loss, not all twelve)
+    plans = _plan(64, fixed=Recipe(precision="bf16", checkpointing="blocks"))
+    assert {p.recipe.precision for p in plans} == {"bf16"} and {p.recipe.checkpointing for p in plans} == {"blocks"}
+    assert not plans.best.recipe.is_exact and plans.settings["fixed"] == {"precision": "bf16", "checkpointing": "blocks"}
 
 
 @pytest.mark.parametrize("fixed, words", [({"bogus": 1}, "no Recipe field 'bogus'"), ("bf16", "fixed takes a dict"),
