@@ -32,7 +32,6 @@ def _batch():
     return {"x": torch.randn(8, 64, generator=torch.Generator().manual_seed(0))}
 
 
-_COMPILE = torch.compile  # as torch has it: the fake step's stand-in must be gone after every estimate
 
 
 @functools.cache
@@ -72,7 +71,9 @@ def test_four_bit_step_outgrows_eight_bit_state_savings():
     """4-bit state is half 8-bit's, but its step holds 26 bytes per value of a parameter; the fake
     step's stand-in for ``torch.compile`` is gone afterwards."""
     peaks = {o: _estimate(o) for o in ("ao_adamw8bit", "adamw4bit")}
-    assert torch.compile is _COMPILE  # after these estimates and any the module made before
+    # after these estimates and any the module made before; not "is torch.compile as at import": Lightning
+    # replaces torch.compile with its own wrapper when a test of its scripts first imports it
+    assert not getattr(torch.compile, "__module__", "").startswith("memfit"), torch.compile
     assert peaks["adamw4bit"].by_category["optimizer_state"] < peaks["ao_adamw8bit"].by_category["optimizer_state"]
     assert peaks["adamw4bit"].peak_bytes > peaks["ao_adamw8bit"].peak_bytes
 
