@@ -362,9 +362,10 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         if self.device.type == "cpu" and self.cublas_workspace is None:
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
-            args, kwargs = tree_map(_local, (args, kwargs))
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            # (the arguments are rebuilt with their shards only for a site: most ops are not probed)
+            tensors = [_local(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if tensors and (probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
+                args, kwargs = tree_map(_local, (args, kwargs))
                 self._add_site(func, args, kwargs, out_records, out_metas)
         return out
 
