@@ -120,10 +120,35 @@ class ScalarReads(TorchDispatchMode):
     one gathered logits tensor too many at tensor parallelism's peak).
     """
 
-    def __init__(self):
+    def __init__(self, kernels=None):
         super().__init__()
         self.reads = 0
         self._all = WeakIdKeyDictionary()
+        # ``CpuKernels`` run inside this mode rather than as a mode of its own below it: each mode on the
+        # stack costs every op a trip through Python (~3 % of a fake trace each)
+        self.kernels = kernels
+        self._routed = None
+
+    def __enter__(self):
+        if self.kernels is not None:
+            self._routed = self.kernels.routed()
+            self._routed.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._exit_routing(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._exit_routing(*exc)
+
+    def _exit_routing(self, *exc):
+        routed, self._routed = self._routed, None
+        if routed is not None:
+            routed.__exit__(*exc)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -139,7 +164,7 @@ class ScalarReads(TorchDispatchMode):
                 if tensor.dtype == torch.bool:
                     return tensor in self._all
                 return 0.0 if tensor.is_floating_point() else 0
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {})) if self.kernels is None else self.kernels.handle(func, args, kwargs)
         # torch._check_tensor_all (transformers' torch_compilable_check) reads ``_is_all_true``.
         if func.overloadpacket in (torch.ops.aten.all, torch.ops.aten._is_all_true) and isinstance(out, torch.Tensor):
             self._all[out] = True

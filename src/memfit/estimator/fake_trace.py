@@ -73,10 +73,10 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
                           "check the batch (or batch_size and seq_len)") from None
     if layout is not None and not layout.ragged and not layout.packed:
         unread_masks(module)
-    reads = ScalarReads()
     config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
     top_k = getattr(getattr(config, "text_config", None) or config, "num_experts_per_tok", None)
-    with mode, CpuKernels(source.moe_routing, top_k), reads, collapsed_scans(), packing:
+    reads = ScalarReads(kernels=CpuKernels(source.moe_routing, top_k))
+    with mode, reads, collapsed_scans(), packing:
         try:
             report, result = trace(module, batch, recipe=recipe, loss_fn=loss_fn, optimizer=optimizer,
                                    steps=steps, method="fake", gpu=gpu, detail=detail, prime=prime, keep=keep,

@@ -176,7 +176,9 @@ def _forward(source, copy, request: Request, precision: str, weights: str, *, up
         build_fake(source.build, mode, torch.device("cpu"), dtype)
     check_generates(model, source.name)
     extra = quantize_weights(model, weights, dtype)
-    reads = KnownValues(max(LIMIT, 4 * request.batch_size * request.prompt_len))
+    top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None)
+    reads = KnownValues(max(LIMIT, 4 * request.batch_size * request.prompt_len),
+                        kernels=CpuKernels(source.moe_routing, top_k))  # in the mode: one mode less an op
     prompt = {}
     for name, value in prompt_batch(request, vocab_size(model.config)).items():
         prompt[name] = mode.from_tensor(value)
@@ -185,8 +187,7 @@ def _forward(source, copy, request: Request, precision: str, weights: str, *, up
     if upto is not None:
         ledger.on_phase = _stop_at(ledger, upto)
     register(ledger, model, extra, prompt)
-    top_k = getattr(model.config.get_text_config(decoder=True), "num_experts_per_tok", None)
-    with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads, semantics(gpu):
+    with as_real(), mode, Outliers(), reads, semantics(gpu):
         try:
             traced(model, prompt, request, ledger, source.name)
         except _Stop:

@@ -54,7 +54,9 @@ def estimate_full(source, request: Request, precision: str, weights: str, progre
     check_generates(model, source.name)
     extra = quantize_weights(model, weights, dtype)
     config = model.config
-    reads = KnownValues(max(LIMIT, 4 * request.batch_size * request.prompt_len))
+    top_k = getattr(config.get_text_config(decoder=True), "num_experts_per_tok", None)
+    reads = KnownValues(max(LIMIT, 4 * request.batch_size * request.prompt_len),
+                        kernels=CpuKernels(source.moe_routing, top_k))  # in the mode: one mode less an op
     prompt = {}
     for name, value in prompt_batch(request, vocab_size(config)).items():
         prompt[name] = mode.from_tensor(value)
@@ -62,8 +64,7 @@ def estimate_full(source, request: Request, precision: str, weights: str, progre
     ledger = generation_ledger(model, weights, gpu)
     ledger.on_phase = _ticker(progress, request.new_tokens + 1)
     register(ledger, model, extra, prompt)
-    top_k = getattr(config.get_text_config(decoder=True), "num_experts_per_tok", None)
-    with as_real(), mode, Outliers(), CpuKernels(source.moe_routing, top_k), reads, semantics(gpu):
+    with as_real(), mode, Outliers(), reads, semantics(gpu):
         _check_length(traced(model, prompt, request, ledger, source.name), request, config)
         # inside CpuKernels: a mixture-of-experts kernel is replayed with the routing assumed
         scratch, unprobed = measure_scratch(ledger)

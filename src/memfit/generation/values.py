@@ -46,8 +46,8 @@ class KnownValues(ScalarReads):
     ``known(tensor, value)`` seeds a value (the prompt's ids and mask); ``answered`` counts reads
     answered from a value, ``reads`` (``ScalarReads``) those answered by the training-step default."""
 
-    def __init__(self, limit: int = LIMIT):
-        super().__init__()
+    def __init__(self, limit: int = LIMIT, kernels=None):
+        super().__init__(kernels)
         self.limit = limit
         self.answered = 0
         self._values = WeakIdKeyDictionary()  # fake tensor -> real tensor of its value

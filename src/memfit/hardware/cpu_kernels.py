@@ -32,6 +32,7 @@ default on CPU and GPU.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
@@ -127,7 +128,21 @@ class CpuKernels(TorchDispatchMode):
         finally:
             _ROUTING.reset(self._token)
 
+    @contextlib.contextmanager
+    def routed(self):
+        """The routing its kernels' replays follow, without pushing the mode: for a mode that runs
+        ``handle`` itself (``estimator/fake.py``'s ``ScalarReads``; one mode less on every op)."""
+        token = _ROUTING.set(self.state)
+        try:
+            yield self
+        finally:
+            _ROUTING.reset(token)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.handle(func, args, kwargs)
+
+    def handle(self, func, args, kwargs=None):
+        """``func`` run as this mode runs it (the mode itself popped, as in ``__torch_dispatch__``)."""
         kwargs = kwargs or {}
         operands = _MATMUL_OPERANDS.get(func.overloadpacket)
         if operands is not None:
