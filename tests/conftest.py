@@ -46,3 +46,35 @@ def write_config(tmp_path_factory):
         return str(path)
 
     return write
+
+
+@pytest.fixture
+def train_in_process(tmp_path, monkeypatch, capfd):
+    """``train_in_process(args) -> (exit code, captured)``: ``memfit train ARGS --data TOKENS`` in this process, where
+    ``--nproc-per-node`` runs torchrun's launcher in-process (as in a ``memfit`` process): only the ranks start
+    Python. TOKENS: byte-level tokens (nanoGPT's uint16 .bin layout, as examples/make_tokens.py writes) of this
+    file's own text. The ranks run one OpenMP thread each, quietly; torchrun's launcher installs its own handlers
+    for SIGTERM/SIGINT/SIGHUP/SIGQUIT (to end its ranks): this process's are put back after each run."""
+    import signal
+
+    import numpy as np
+
+    from memfit.cli import main
+
+    data = tmp_path / "tokens.bin"
+    np.frombuffer(open(__file__, "rb").read(), dtype=np.uint8).astype(np.uint16).tofile(data)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+    def train(args):
+        handlers = {sig: signal.getsignal(sig) for sig in signals}
+        capfd.readouterr()
+        try:
+            code = main(["train", *map(str, args), "--data", str(data)])
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        return code, capfd.readouterr()
+
+    return train

@@ -115,36 +115,16 @@ def test_a_dense_model_has_no_experts_to_split(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_memfit_train_with_expert_parallel_equals_fsdp2_alone(moe, tmp_path, monkeypatch, capfd):
+def test_memfit_train_with_expert_parallel_equals_fsdp2_alone(moe, tmp_path, train_in_process):
     """Two torchrun ranks training the MoE with ep=2 take the same losses as FSDP2 alone over the same ranks: the
     experts split and the all-to-all change where the work runs, not the math (the experts' gradient divided by
     the data-parallel degree, as transformers does); the EP run checkpoints and resumes. (A resumed run's steps
     follow the schedule of its own step count, so losses are compared on runs that were not interrupted.)
-    ``memfit train --nproc-per-node 2`` runs in this process (torchrun's launcher is in-process): only the ranks
-    start Python, not a launcher process as well; rank 0's summary is read from this process's stdout."""
-    import signal
-
-    import numpy as np
-
-    from memfit.cli import main
-
-    # byte-level tokens (nanoGPT's uint16 .bin layout, as examples/make_tokens.py writes) of this file's own text
-    data = tmp_path / "tokens.bin"
-    np.frombuffer(open(__file__, "rb").read(), dtype=np.uint8).astype(np.uint16).tofile(data)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
-    # torchrun's launcher installs its own handlers for these (to end its ranks): this process's are put back after
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
-
+    ``memfit train --nproc-per-node 2`` runs in this process (``train_in_process``, tests/conftest.py); rank 0's
+    summary is read from this process's stdout."""
     def train(out, *extra):
-        capfd.readouterr()
-        try:
-            code = main(["train", moe, "--data", str(data), "--seq-len", "32", "--global-batch-size", "4", "--out-dir",
-                         str(out), "--nproc-per-node", "2", "--parallel", "fsdp", "--json", *extra])
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        printed = capfd.readouterr()
+        code, printed = train_in_process([moe, "--seq-len", "32", "--global-batch-size", "4", "--out-dir", out,
+                                          "--nproc-per-node", "2", "--parallel", "fsdp", "--json", *extra])
         assert code == 0, printed.err[-3000:]
         summary = json.loads(printed.out[printed.out.index("{"):printed.out.rindex("}") + 1])
         return summary, [json.loads(x)["loss"] for x in open(out / "metrics.jsonl")]

@@ -181,29 +181,14 @@ def _cmdline(pid):
         return ""
 
 
-def test_cli_launches_torchrun_and_rank_zero_reports(tmp_path, monkeypatch, capfd):
-    """``memfit train --nproc-per-node 2`` in this process (torchrun's launcher is in-process, as in a ``memfit``
-    process): only the ranks start Python; what they print is this process's stdout, which is rank 0's summary
+def test_cli_launches_torchrun_and_rank_zero_reports(tmp_path, train_in_process):
+    """``memfit train --nproc-per-node 2`` in this process (``train_in_process``, tests/conftest.py): only the ranks
+    start Python; what they print is this process's stdout, which is rank 0's summary
     alone. (``python -m memfit.cli``'s exit status is main's: tests/test_cli.py runs it.)"""
-    from memfit.cli import main
-
-    # byte-level tokens (nanoGPT's uint16 .bin layout, as examples/make_tokens.py writes) of this file's own text
-    data = tmp_path / "tokens.bin"
-    np.frombuffer(open(__file__, "rb").read(), dtype=np.uint8).astype(np.uint16).tofile(data)
     out = tmp_path / "run"
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
-    # torchrun's launcher installs its own handlers for these (to end its ranks): this process's are put back after
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
-    capfd.readouterr()
-    try:
-        code = main(["train", str(ROOT / "examples" / "tiny-llama" / "config.json"), "--data", str(data), "--seq-len",
-                     "64", "--global-batch-size", "4", "--steps", "3", "--out-dir", str(out), "--nproc-per-node", "2",
-                     "--parallel", "fsdp", "--json"])
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    printed = capfd.readouterr()
+    code, printed = train_in_process([ROOT / "examples" / "tiny-llama" / "config.json", "--seq-len", "64",
+                                      "--global-batch-size", "4", "--steps", "3", "--out-dir", out,
+                                      "--nproc-per-node", "2", "--parallel", "fsdp", "--json"])
     assert code == 0, printed.err[-3000:]
     summary = json.loads(printed.out)  # rank 0 alone prints
     assert summary["processes"] == 2 and summary["steps"] == 3
