@@ -33,8 +33,11 @@ def test_fast_path_agrees_with_full_trace(config, precision):
 
 
 def test_fast_path_is_chosen_for_deep_configs_only():
-    assert memfit.estimate(_llama(8), seq_len=64).method == "depth"
-    assert memfit.estimate(_llama(4), seq_len=64).method == "fake"
+    from memfit.estimator.traced import FAST_MIN_DEPTH
+
+    assert memfit.estimate(_llama(FAST_MIN_DEPTH), seq_len=64).method == "depth"
+    # one block fewer is traced in full: the threshold itself, not just "shallow" (4 passed with a threshold of 5)
+    assert memfit.estimate(_llama(FAST_MIN_DEPTH - 1), seq_len=64).method == "fake"
 
 
 def _trace(config, recipe, depth=None, **kwargs):
