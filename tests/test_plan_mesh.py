@@ -148,13 +148,31 @@ def test_pipeline_degrees_bubble_and_sends():
     assert pp_seconds(Recipe(), 1, 8192, 16384, card, True) == 0
 
 
-def test_a_pipeline_is_searched_over_nodes(write_config):
+def _count_traces(monkeypatch) -> list:
+    """The per-rank fake traces a plan's search runs (``RankSearch._trace_kernels``), each its recipe."""
+    from memfit.planner.search import RankSearch
+
+    runs, trace = [], RankSearch._trace_kernels
+
+    def counted(self, model, recipe, micro, traced):
+        runs.append(recipe)
+        return trace(self, model, recipe, micro, traced)
+
+    monkeypatch.setattr(RankSearch, "_trace_kernels", counted)
+    return runs
+
+
+def test_a_pipeline_is_searched_over_nodes(write_config, monkeypatch):
     """Over two nodes FSDP2 x PP (1F1B) is a candidate: its per-rank memory is the full estimate of every stage at
     pp micro-batches (here all of them), its step time has the bubble in it. 6 blocks: past the 4 the depth path
     traces (as the TP/CP/EP tests' 6), 3 a stage at pp=2; 8 traced every candidate deeper for nothing more."""
     path = write_config(dict(TINY, num_hidden_layers=6))
+    runs = _count_traces(monkeypatch)
     plans = memfit.plan(path, gpu="h100-sxm", gpus=1, nodes=2, global_batch_size=2, seq_len=32)
     assert plans.settings["pp_degrees"] == [2]
+    # 12 data-parallel structures, one trace each (one row a rank); the pipeline's flat kernels (the whole model on
+    # its mesh, one row) are the checkpointed FSDP2-over-every-rank structure's trace, not run again
+    assert plans.settings["traces"] == 13 and len(runs) == 12 and len(set(runs)) == 12
     assert any("pipeline parallel searched at pp=2" in n for n in plans.notes)
     staged = [p for p in plans if p.recipe.pp == 2]
     assert len(staged) == 1
@@ -186,3 +204,44 @@ def test_context_parallel_is_searched_for_long_sequences(tiny):
     assert plans.settings["cp_degrees"] == [2, 4]
     rings = [p for p in plans if p.recipe.cp > 1]
     assert rings and all(p.recipe.parallel == "fsdp" and p.recipe.tp == 1 for p in rings)
+
+
+def test_a_budget_below_what_is_outside_the_allocator_traces_nothing(tiny, monkeypatch):
+    """A rank that holds the budget or more outside torch's allocator (the CUDA context, the step's kernels, its NCCL
+    communicators: 1068 MiB for DDP over 2 RTX 4090s, cuBLAS left out) is out of memory at every micro-batch: no
+    structure is traced, and the answer is the one the traces gave (each 1226 MiB a rank, all out of memory)."""
+    from memfit.estimator.verdict import run_outside
+    from memfit.hardware.gpus import gpu
+
+    runs = _count_traces(monkeypatch)
+    with pytest.raises(memfit.NothingFits, match="every structure is over budget at micro-batch 1"):
+        memfit.plan(tiny, gpu="rtx-4090", budget="700MiB", gpus=2, global_batch_size=2, seq_len=32)
+    assert runs == []
+    card = gpu("rtx-4090")
+    least = run_outside(card, Recipe(parallel="ddp"), 2, matmul=False).bytes
+    assert 700 * 2**20 <= least < run_outside(card, Recipe(parallel="ddp"), 2).bytes
+
+
+def test_a_shallow_copy_out_of_memory_is_not_traced_deeper(write_config, monkeypatch):
+    """A deep model's candidate is traced at 2 blocks first: out of memory there, it is out of memory at depth
+    (``_Point.at``), and the 4-block copy is not traced; fitting there, both are."""
+    from memfit.hardware.gpus import gpu
+    from memfit.planner.search import RankSearch
+
+    source = resolve(write_config(dict(TINY, num_hidden_layers=8)))
+    search = RankSearch(source, target=gpu("h100-sxm"), budget_bytes=2**30, world=World(2), global_batch_size=2,
+                        seq_len=32, optimizer="adamw")
+    assert search.depths == (2, 4)
+    asked, verdicts = [], {}
+
+    def one(depth, recipe, micro, traced):
+        asked.append(depth)
+        return _Point(10, 10, 50 * depth, verdicts[depth], 100, 1.0, phases=(("backward", 10),))
+
+    monkeypatch.setattr(search, "_one", one)
+    verdicts.update({2: "out_of_memory", 4: "out_of_memory"})
+    recipe, point, traced = search.trace({"parallel": "fsdp"}, 1, 1)
+    assert asked == [2] and point.verdict == "out_of_memory"
+    verdicts.update({2: "fits", 4: "fits"})
+    asked.clear()
+    assert search.trace({"parallel": "fsdp"}, 1, 1)[1].verdict == "fits" and asked == [2, 4]

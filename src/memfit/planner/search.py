@@ -16,8 +16,14 @@ its memory (``_Point``) and its seconds of compute and of data-parallel collecti
   ``m + pp - 1`` slots, FSDP2's collectives of a stage's weights and the point-to-point sends.
 
 A deep decoder of identical blocks is traced at 2 and 4 blocks and each candidate composed at full depth
-(``_Point.at``; a shallow copy out of memory is out of memory deep). Left out: which structures and degrees are
-searched, and choosing among the candidates (``ranks.py``).
+(``_Point.at``; a shallow copy out of memory is out of memory deep, so the 4-block copy is not traced when the
+2-block one is out of memory). Left out: which structures and degrees are searched, and choosing among the
+candidates (``ranks.py``).
+
+Work whose answer is already known is not done: a structure whose rank holds the budget or more outside torch's
+allocator alone is out of memory at every micro-batch, untraced (``RankSearch.beyond``); the same trace (model
+depth, recipe, micro-batches) asked twice in one search runs once (a pipeline's flat kernels are often a
+structure's). ``runs`` counts the traces that did run.
 """
 
 from __future__ import annotations
@@ -145,6 +151,9 @@ class RankSearch:
         self.kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (
             getattr(config, "head_dim", None) or (self.hidden // heads if heads else 0))
         self.done = self.traces = self.total = 0
+        self.runs = 0  # fake traces run (``kernels``): ``traces`` less the ones answered without one, plus flat ones
+        self.skipped = 0  # structures out of memory by what is outside the allocator alone (``beyond``)
+        self._kernels = {}  # (depth traced, recipe, micro, traced) -> ``kernels``' answer, within this search
         self.results, self.notes = [], []
         self.estimated = {}  # a pipeline candidate's recipe -> its full per-rank estimate (every stage)
         self._flat = None  # the whole model's kernels on a pipeline's mesh (``_flat_kernels``), once traced
@@ -165,11 +174,22 @@ class RankSearch:
         if self.progress is not None:
             self.progress(min(self.done, self.total), self.total)
 
-    def kernels(self, model, recipe: Recipe, micro: int, traced: int):
+    def kernels(self, depth: int | None, recipe: Recipe, micro: int, traced: int):
         """(report, seconds of one micro-batch's kernels, seconds of the optimizer step's) of ``recipe`` traced with
-        ``traced`` micro-batches of ``micro`` rows."""
+        ``traced`` micro-batches of ``micro`` rows, on the model (``depth`` None) or its shallow copy of ``depth``
+        blocks; once per search for the same arguments."""
+        key = (depth, recipe.replace(grad_accum_steps=traced), micro, traced)
+        if key not in self._kernels:
+            model = self.source if depth is None else self.source.shallow(depth)
+            self._kernels[key] = self._trace_kernels(model, recipe, micro, traced)
+        else:
+            self.tick()
+        return self._kernels[key]
+
+    def _trace_kernels(self, model, recipe: Recipe, micro: int, traced: int):
         from memfit.estimator.fake_trace import fake_trace
 
+        self.runs += 1
         with fake_world(self.world, 0):
             report, replay = fake_trace(model, None, recipe=recipe.replace(grad_accum_steps=traced),
                                         loss_fn=self.loss_fn, optimizer=None, steps=2, batch_size=micro * traced,
@@ -182,20 +202,39 @@ class RankSearch:
         speed = self.speed
         return report, speed.kernel_seconds(micro_rows.cost()) / traced, speed.kernel_seconds(step_rows.cost())
 
-    def _one(self, model, recipe: Recipe, micro: int, traced: int) -> _Point:
-        report, per_micro, step = self.kernels(model, recipe, micro, traced)
+    def _one(self, depth: int | None, recipe: Recipe, micro: int, traced: int) -> _Point:
+        report, per_micro, step = self.kernels(depth, recipe, micro, traced)
         return _Point.of(report, per_micro * recipe.grad_accum_steps + step)
+
+    def beyond(self, fields: dict) -> bool:
+        """Whether a rank of this structure holds the budget or more outside torch's allocator alone: the CUDA
+        context, a training step's kernels, its NCCL communicators and offload streams (``verdict.run_outside``,
+        as the trace counts them, less cuBLAS's, which the trace adds only when it sees a matmul). Its trace would
+        leave the allocator no bytes (``verdict.limits``), so every micro-batch is out of memory: a proven answer,
+        not traced (a training step allocates on the device)."""
+        from memfit.estimator.verdict import run_outside
+
+        if self.target is None or self.budget_bytes is None:
+            return False
+        least = run_outside(self.target, Recipe(**fields), self.world.size, matmul=False).bytes
+        return least >= self.budget_bytes
 
     def trace(self, fields: dict, micro: int, per_rank: int):
         """(recipe, point, micro-batches traced): memory stops changing after the second micro-batch, so at most
         ``TRACED_MICRO`` run (a per-rank batch of thousands of micro-batches would trace each one, twice); the
         step's kernels are scaled to all of them."""
+        from memfit.estimator.verdict import OOM
+
         recipe = Recipe(**fields, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
         traced = min(recipe.grad_accum_steps, TRACED_MICRO)
         self.traces += 1
         if self.depths is None:
-            return recipe, self._one(self.source, recipe, micro, traced), traced
-        low, high = (self._one(self.source.shallow(d), recipe, micro, traced) for d in self.depths)
+            return recipe, self._one(None, recipe, micro, traced), traced
+        low = self._one(self.depths[0], recipe, micro, traced)
+        if low.verdict == OOM:  # out of memory shallow: out of memory deep (``_Point.at``), the deeper copy untraced
+            self.tick()
+            return recipe, low, traced
+        high = self._one(self.depths[1], recipe, micro, traced)
         return recipe, _Point.at(low, high, *self.depths, self.source.depth, self.budget_bytes), traced
 
     def structure(self, split: int, fields: dict):
@@ -204,6 +243,9 @@ class RankSearch:
         world, target, seq_len, depth = self.world, self.target, self.seq_len or 0, self.source.depth or 0
         per_rank = self.global_batch_size // (world.size // split)  # TP and CP peers read the same rows
         tp = fields.get("tp", 1)
+        if self.beyond(fields):
+            self.skipped += 1
+            return
         sizes = sorted((d for d in divisors(per_rank) if per_rank // d <= MAX_ACCUM_STEPS), reverse=True)
         fit = _largest_fitting(lambda f, m: self.trace(f, m, per_rank), fields, sizes)
         if fit is None:
@@ -234,10 +276,9 @@ class RankSearch:
                       grad_accum_steps=1)
         source, depths = self.source, self.depths
         if depths is None:
-            whole, per_micro, step = self.kernels(source, flat, 1, 1)
+            whole, per_micro, step = self.kernels(None, flat, 1, 1)
             return per_micro, step, whole.parameters
-        (low, low_micro, low_step), (high, high_micro, high_step) = (self.kernels(source.shallow(d), flat, 1, 1)
-                                                                      for d in depths)
+        (low, low_micro, low_step), (high, high_micro, high_step) = (self.kernels(d, flat, 1, 1) for d in depths)
         return (at_depth(low_micro, high_micro, *depths, source.depth), at_depth(low_step, high_step, *depths,
                                                                                   source.depth),
                 int(at_depth(low.parameters, high.parameters, *depths, source.depth)))
