@@ -16,17 +16,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.training import train_speed  # noqa: E402
+from memfit.planner.cache import EngineCache  # noqa: E402
 
 MiB = 2**20
 
 
 CONFIG = train_speed.tiny_config(layers=2, hidden=96)
-SHAPE = dict(batch=8, seq=128, steps=5, smallest=2)  # micro-batches of 1 are the slowest loops everywhere
+# micro-batches of 1 are the slowest loops everywhere; 3 steps: the first (not timed) and two timed. The peak is
+# every step's from the second on (the optimizer's states exist from the first step's end), so the fits are those of
+# a longer run; the timings are two steps each, and a low ratio is timed again (``retime``, below).
+SHAPE = dict(batch=8, seq=128, steps=3, smallest=2)
+CACHE = EngineCache()  # the planner's traces of the three budgets, kept for retime
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return train_speed.compare(CONFIG, "cpu", [14 * MiB, 24 * MiB, 48 * MiB], **SHAPE, log=lambda line: None)
+    return train_speed.compare(CONFIG, "cpu", [14 * MiB, 24 * MiB, 48 * MiB], **SHAPE, log=lambda line: None,
+                               cache=CACHE)
 
 
 def test_memfit_trains_within_the_budget_without_an_oom(rows):
@@ -60,10 +66,15 @@ def test_memfit_comes_close_to_the_fastest_loop_that_fits(rows):
         # memfit chose the best loop's own setting: what is left is the two runs' timing on cores the rest of the
         # suite shares (0.69-0.76 seen there, 0.96-1.17 alone), so a wider bound; a different choice must be close
         bound = 0.6 if _same_setting(row["memfit"]["recipe"], row["best_loop"]) else 0.8
-        for _ in range(2):  # a noisy timing on shared cores is not a wrong choice: measure that budget again
+        # a noisy timing on shared cores is not a wrong choice: measure that budget again (retime: memfit plans,
+        # calibrates and trains again, its plan trains once more after the two fastest loops that fit run again;
+        # every loop's earlier timing still counts, so the bar only rises; the grid's fits are the allocator's)
+        for _ in range(2):
             if row["ratio"] >= bound:
                 break
-            row = train_speed.compare(CONFIG, "cpu", [row["budget"]], **SHAPE, log=lambda line: None)[0]
+            shape = {k: v for k, v in SHAPE.items() if k != "smallest"}
+            row = train_speed.retime(CONFIG, "cpu", row, **shape, cache=CACHE, log=print)
+            assert row["memfit_within_budget"], row["memfit"]
             bound = 0.6 if _same_setting(row["memfit"]["recipe"], row["best_loop"]) else 0.8
         assert row["ratio"] >= bound, (row["budget_text"], row["memfit"]["recipe"], row["best_loop"], row["ratio"])
 
@@ -80,3 +91,35 @@ def test_the_gpu_grid_stops_one_below_the_first_micro_batch_that_fits():
     assert ran == [(32, False), (16, False), (8, False), (4, False), (2, False), (1, False),
                    (32, True), (16, True), (8, True), (4, True)]
     assert all(x["bf16"] and x["fused"] for x in loops)
+
+
+def test_retime_keeps_every_earlier_loop_timing_and_checks_the_budget_again(monkeypatch):
+    """The retry's arithmetic (no training): memfit's figure is the faster of its two new runs, the bar the fastest
+    timing of any fitting loop so far (a loop not run again keeps its first timing, one run again its faster), and
+    a run past the budget or with an OOM makes the row fail its budget check."""
+    loops = [dict(micro=8, checkpointing=False, bf16=False, fused=True, fits=True, tokens_per_second=100.0, peak_bytes=5),
+             dict(micro=4, checkpointing=False, bf16=False, fused=True, fits=True, tokens_per_second=90.0, peak_bytes=4),
+             dict(micro=2, checkpointing=False, bf16=False, fused=True, fits=True, tokens_per_second=80.0, peak_bytes=3),
+             dict(micro=2, checkpointing=True, bf16=False, fused=True, fits=False)]
+    row = {"budget": 10, "budget_text": "10 B", "memfit": {"recipe": "r", "tokens_per_second": 50.0, "peak_bytes": 6,
+                                                            "ooms": 0}, "loops": loops, "memfit_within_budget": True}
+    plan = object()
+    memfit = iter([70.0, 95.0])
+    monkeypatch.setattr(train_speed, "memfit_run", lambda *a, keep, **k: (keep(plan), {
+        "recipe": "r", "tokens_per_second": next(memfit), "measured_step_seconds": 1.0, "peak_bytes": 6, "ooms": 0})[1])
+    monkeypatch.setattr(train_speed, "memfit_train", lambda c, d, cap, chosen, **k: {
+        "tokens_per_second": next(memfit), "measured_step_seconds": 1.0, "peak_bytes": 7 if chosen is plan else 99,
+        "ooms": 0})
+    again = {8: 60.0, 4: 120.0}  # the first loop slower now (its 100 stands), the second faster
+    ran = []
+    monkeypatch.setattr(train_speed, "hand_loop", lambda *a, micro, **k: (ran.append(micro), {
+        "fits": True, "tokens_per_second": again[micro], "peak_bytes": 4})[1])
+    out = train_speed.retime(None, "cpu", row, batch=8, seq=4, log=lambda line: None)
+    assert ran == [8, 4]  # the two fastest that fit
+    assert out["memfit"]["tokens_per_second"] == 95.0 and out["best_loop"]["micro"] == 4
+    assert out["ratio"] == round(95 / 120, 3) and out["memfit_within_budget"] and out["loops_that_fit"] == 3
+    assert [x["tokens_per_second"] for x in out["loops"][:3]] == [100.0, 120.0, 80.0]
+    memfit = iter([70.0, 95.0])
+    monkeypatch.setattr(train_speed, "memfit_train", lambda *a, **k: {
+        "tokens_per_second": next(memfit), "measured_step_seconds": 1.0, "peak_bytes": 11, "ooms": 0})
+    assert not train_speed.retime(None, "cpu", row, batch=8, seq=4, log=lambda line: None)["memfit_within_budget"]

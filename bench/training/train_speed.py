@@ -139,21 +139,20 @@ def hand_loop(config, device, cap: int, *, batch: int, seq: int, micro: int, che
     return {"fits": True, "tokens_per_second": batch * seq / statistics.median(times[1:]), "peak_bytes": used}
 
 
-def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gpu: str | None, cache=None) -> dict:
+def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gpu: str | None, cache=None,
+               keep=None) -> dict:
     """What ``memfit train --budget`` does by default: plan the fastest recipe that fits, then train it.
-    ``cache``: an ``EngineCache`` the budgets of one model share (the planner's traces, not its answer)."""
+    ``cache``: an ``EngineCache`` the budgets of one model share (the planner's traces, not its answer);
+    ``keep(plan)``: given the chosen ``Plan`` (``retime`` trains it again)."""
     from memfit.planner.plan import plan
-    from memfit.training.loop import train
+    from memfit.training.loop import use_alloc_conf
 
     start = time.perf_counter()
     plans = plan(config, budget=cap, gpu=gpu, global_batch_size=batch, seq_len=seq,
                  device="cpu" if device == "cpu" else "cuda", cache=cache)
     planned = time.perf_counter() - start
-    conf = None
-    if device == "cuda":  # as memfit train does: the allocator setting the plan fits with (the loops keep it)
-        from memfit.training.loop import use_alloc_conf
-
-        conf = use_alloc_conf(plans[:4])
+    # on CUDA, as memfit train does: the allocator setting the plan fits with (the loops keep it)
+    conf = use_alloc_conf(plans[:4]) if device == "cuda" else None
     from memfit.models.source import resolve
     from memfit.training.calibrate import calibrate
 
@@ -161,6 +160,21 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
     timing = calibrate(plans, lambda: _build(config, device), source.make_batch(batch, seq), device=device, budget=cap,
                        gpu=gpu)
     chosen = next(p for p in plans if p.recipe == timing.recipe)
+    if keep is not None:
+        keep(chosen)
+    ran = memfit_train(config, device, cap, chosen, batch=batch, seq=seq, steps=steps, gpu=gpu)
+    return {"recipe": chosen.recipe.describe(), "predicted_tokens_per_second": chosen.tokens_per_second,
+            "plan_first": plans.best.recipe.describe(), "timed": timing.to_dict(),
+            "predicted_step_seconds": chosen.step_seconds, "measured_step_seconds": ran["measured_step_seconds"],
+            "tokens_per_second": ran["tokens_per_second"], "peak_bytes": ran["peak_bytes"], "ooms": ran["ooms"],
+            "alloc_conf": conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "plan_seconds": round(planned, 1),
+            "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": ran["estimate_seconds"]}
+
+
+def memfit_train(config, device, cap: int, chosen, *, batch: int, seq: int, steps: int, gpu: str | None) -> dict:
+    """``memfit train``'s run of the chosen plan on a fresh model: the median step after the first."""
+    from memfit.training.loop import train
+
     model = _build(config, device)
     with tempfile.TemporaryDirectory() as out:
         result = train(model, FullRows(batch * steps, seq, config.vocab_size), recipe=chosen.recipe, plan=chosen,
@@ -168,11 +182,9 @@ def memfit_run(config, device, cap: int, *, batch: int, seq: int, steps: int, gp
                        gpu=gpu if device != "cpu" else None, tensorboard=False)
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     seconds = statistics.median(line["seconds"] for line in lines[1:])
-    return {"recipe": chosen.recipe.describe(), "predicted_tokens_per_second": chosen.tokens_per_second,
-            "plan_first": plans.best.recipe.describe(), "timed": timing.to_dict(),
-            "predicted_step_seconds": chosen.step_seconds, "measured_step_seconds": seconds,
-            "tokens_per_second": batch * seq / seconds, "peak_bytes": result.peak_bytes, "ooms": len(result.ooms),
-            "alloc_conf": conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "plan_seconds": round(planned, 1), "calibrate_seconds": round(timing.seconds, 1), "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
+    return {"measured_step_seconds": seconds, "tokens_per_second": batch * seq / seconds,
+            "peak_bytes": result.peak_bytes, "ooms": len(result.ooms),
+            "estimate_seconds": round(sum(x["estimate_seconds"] for x in lines), 1)}
 
 
 SETTING = ("micro", "checkpointing", "bf16", "fused")  # what a hand-written loop of the grid chooses
@@ -204,12 +216,13 @@ def loops_on_cuda(run, batch: int, smallest: int = 1) -> list[dict]:
 
 
 def compare(config, device: str, budgets: list[int], *, batch: int, seq: int, steps: int = 3,
-            gpu: str | None = None, log=print, smallest: int = 1, on_row=None) -> list[dict]:
+            gpu: str | None = None, log=print, smallest: int = 1, on_row=None, cache=None) -> list[dict]:
     """memfit against the loops, budget by budget; ``smallest``: the smallest micro-batch of the grid;
-    ``on_row(rows)`` after each budget (a long GPU run keeps what it has)."""
+    ``on_row(rows)`` after each budget (a long GPU run keeps what it has); ``cache``: the planner's
+    ``EngineCache`` (default a new one; ``retime`` plans again with the same)."""
     from memfit.planner.cache import EngineCache
 
-    rows, cache = [], EngineCache()
+    rows, cache = [], EngineCache() if cache is None else cache
     # On the CPU the cap is virtual and its check deterministic (an allocation past it raises; nothing else
     # changes): a loop that ran to the end under the largest budget with a peak of P bytes fits every budget >= P
     # and runs out of memory under a smaller one, as a run under that budget would. So the grid runs once and is
@@ -244,6 +257,43 @@ def compare(config, device: str, budgets: list[int], *, batch: int, seq: int, st
         if on_row is not None:
             on_row(rows)
     return rows
+
+
+def retime(config, device: str, row: dict, *, batch: int, seq: int, steps: int = 3, gpu: str | None = None,
+           cache=None, top: int = 2, log=print) -> dict:
+    """``row`` (one of ``compare``'s) measured again, without the whole grid: memfit plans (``cache``: the
+    ``EngineCache`` ``compare`` used, so no trace is made again), calibrates and trains as ``memfit_run``, the
+    ``top`` fastest loops that fit run again, and memfit's chosen plan trains once more after them, so that the
+    machine's load of the moment falls on both sides. memfit's figure is the faster of its two runs; the bar is
+    the fastest timing of any loop that fit, every earlier timing counted (those not run again keep theirs), so
+    it only rises. The runs must again keep to the budget with no out-of-memory error (``memfit_within_budget``)."""
+    cap = row["budget"]
+    fitting = sorted((x for x in row["loops"] if x["fits"]), key=lambda x: -x["tokens_per_second"])
+    again = [{k: x[k] for k in SETTING} for x in fitting[:top]]
+    loops = [dict(x) for x in row["loops"]]
+    chosen = []
+    first = memfit_run(config, device, cap, batch=batch, seq=seq, steps=steps, gpu=gpu, cache=cache, keep=chosen.append)
+    for setting in again:
+        got = hand_loop(config, device, cap, batch=batch, seq=seq, steps=steps, **setting)
+        x = next(x for x in loops if all(x[k] == setting[k] for k in SETTING))
+        x["fits"] = x["fits"] and got["fits"]
+        if got["fits"]:
+            x["tokens_per_second"] = max(x["tokens_per_second"], got["tokens_per_second"])
+            x["peak_bytes"] = max(x["peak_bytes"], got["peak_bytes"])
+    second = memfit_train(config, device, cap, chosen[0], batch=batch, seq=seq, steps=steps, gpu=gpu)
+    fits = [x for x in loops if x["fits"]]
+    best = max(fits, key=lambda x: x["tokens_per_second"], default=None)
+    fastest = max((first, second), key=lambda x: x["tokens_per_second"])
+    memfit = {**first, "tokens_per_second": fastest["tokens_per_second"],
+              "measured_step_seconds": fastest["measured_step_seconds"],
+              "peak_bytes": max(first["peak_bytes"], second["peak_bytes"]), "ooms": first["ooms"] + second["ooms"]}
+    out = {**row, "memfit": memfit, "earlier": row.get("earlier", []) + [row["memfit"]], "loops": loops,
+           "best_loop": best, "loops_that_fit": len(fits),
+           "ratio": None if best is None else round(memfit["tokens_per_second"] / best["tokens_per_second"], 3),
+           "memfit_within_budget": memfit["peak_bytes"] <= cap and memfit["ooms"] == 0}
+    log(f"{row['budget_text']:>10} again: memfit {round(first['tokens_per_second'])}, "
+        f"{round(second['tokens_per_second'])} tok/s ({memfit['recipe']}), loops {again} -> ratio {out['ratio']}")
+    return out
 
 
 def main() -> None:
