@@ -69,9 +69,13 @@ class OpCounter:
     def record(self, func, args, kwargs, out) -> None:
         if func in _NOT_KERNELS or not _is_kernel(func):
             return
-        # a DTensor's kernel runs on its local shard (tensor parallelism: 1/tp of a sharded matmul's FLOPs)
-        args, kwargs, out = tree_map(lambda v: plain(v)[0] if isinstance(v, torch.Tensor) else v, (args, kwargs, out))
-        flat = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        # a DTensor's kernel runs on its local shard (tensor parallelism: 1/tp of a sharded matmul's FLOPs); the
+        # arguments are rebuilt only when one is such a wrapper (most ops: one flatten, no rebuild)
+        given = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        flat = [plain(t)[0] for t in given]
+        if any(a is not b for a, b in zip(given, flat)):
+            args, kwargs, out = tree_map(lambda v: plain(v)[0] if isinstance(v, torch.Tensor) else v,
+                                         (args, kwargs, out))
         nbytes = sum(t.numel() * t.element_size() for t in flat)
         formula = _formula(func)
         flops = 0
@@ -89,9 +93,19 @@ class OpCounter:
                           scaled_bytes))
 
 
+_KERNELS: dict = {}  # op -> _is_kernel's answer (read off its schema once: every op of a trace asks)
+
+
 def _is_kernel(func) -> bool:
     """A tensor result that is fresh memory or written in place (not a view, not metadata such
     as ``prim.device``); in-place foreach ops return nothing and are kernels."""
+    known = _KERNELS.get(func)
+    if known is None:
+        known = _KERNELS[func] = _kernel_schema(func)
+    return known
+
+
+def _kernel_schema(func) -> bool:
     returns = func._schema.returns
     if not returns:
         return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
