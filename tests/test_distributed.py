@@ -286,8 +286,8 @@ def test_plan_across_gpus_checks_its_choice(configs):
 
 def test_plan_across_gpus_nothing_fits_and_bad_input(configs):
     # 700 MiB: above the 666 MiB a process on the card holds outside the allocator, below a rank's (its NCCL communicator
-    # too). A global batch of 2: one row a rank, so each data-parallel structure is one trace (at 4 rows each was traced
-    # at 2 rows and at 1), and no larger world divides it (no per-rank estimate of 4 ranks after the search)
+    # too): every structure is out of memory before a trace (planner/search.py; tests/test_plan_mesh.py counts them).
+    # A global batch of 2: no larger world divides it (no per-rank estimate of 4 ranks after the search)
     with pytest.raises(memfit.NothingFits, match="nothing fits 2 GPU") as caught:
         memfit.plan(configs["tiny"], gpu="rtx-4090", budget="700MiB", gpus=2, global_batch_size=2, seq_len=32)
     message = str(caught.value)
