@@ -23,6 +23,7 @@ from memfit.estimator.checkpoint import checkpoint_recipe, with_checkpoint
 from memfit.estimator.checks import (MAX_SEQ, MAX_STEPS, budget_bytes, check_args, check_switches, check_workload,
                                      placement_request, recipe_world, resolve_target, step_batch)
 from memfit.estimator.inputs import Data, Hardware, gather
+from memfit.estimator.rebudget import spoil
 from memfit.estimator.shapes import worst_shapes
 from memfit.estimator.sharded import estimate_ranks
 from memfit.estimator.trace import phases
@@ -177,6 +178,7 @@ def _estimate_resolved(source, batch, recipe: Recipe, hardware: Hardware, data: 
                                       dataclasses.replace(data, batch_size=micro * r.grad_accum_steps), step, line)
 
         where = resolve_target(hardware.device, hardware.gpu)
+        spoil("accumulation read off a line")
         return accumulation_line(full, recipe, where, budget_bytes(hardware.budget, where))
     request = None
     gpus, nodes, device = hardware.gpus, hardware.nodes, hardware.device
@@ -196,6 +198,7 @@ def _estimate_resolved(source, batch, recipe: Recipe, hardware: Hardware, data: 
                  batch_size=step_batch(data.batch_size, recipe, ranks), seq_len=data.seq_len, target=where,
                  budget=budget_bytes(hardware.budget, where))
     if world is not None:
+        spoil("a multi-rank estimate")
         return estimate_ranks(source, batch, world, progress=step.progress, moe_routing=step.moe_routing,
                               lengths=data.lengths, packed=data.packed, fast=step.fast, **trace)
     return _on_one_process(source, batch, request, data, step, trace)
@@ -208,6 +211,7 @@ def _on_one_process(source, batch, request, data: Data, step: _Step, trace: dict
     if request is not None:
         from memfit.estimator.placed import placement_of
 
+        spoil("a device_map placement")
         placement = placement_of(source, trace["recipe"], request, trace["target"])
         fast = fast if placement.single else False  # a split step is traced in full
     shapes = [None]

@@ -19,6 +19,7 @@ from memfit.accounting.replay import LedgerView, event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
 from memfit.hardware.cuda import cuda_semantics
+from memfit.estimator.rebudget import offer
 from memfit.estimator.verdict import cuda_fit, outside_fields, process_outside
 from memfit.report.report import Report
 from memfit.techniques.apply import run_steps
@@ -92,6 +93,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     if gpu is not None:
         verdict = cuda_fit(device_side, gpu, budget, outside=found.bytes)
         cuda = dict(verdict.report_fields(), **outside_fields(found), gpu=gpu.name)
+        if device_side is ledger:  # one device's whole step: the planner may replay it under a budget
+            offer(ledger, gpu, found.bytes, verdict)
         result.allocator = verdict.unlimited  # the planner composes unlimited figures
     if keep:
         result.ledger, result.scratch = ledger, scratch

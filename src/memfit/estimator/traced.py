@@ -12,6 +12,7 @@ import dataclasses
 
 from memfit.errors import MemfitError
 from memfit.estimator.fake_trace import fake_trace
+from memfit.estimator.rebudget import spoil
 from memfit.estimator.shapes import shape_note
 from memfit.report.report import Report
 
@@ -38,6 +39,7 @@ def traced(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq_le
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.estimator.depth import estimate_by_depth
 
+        spoil("depth fast path: a shallow trace written out at full depth")
         report = estimate_by_depth(source, recipe=recipe, loss_fn=loss_fn, optimizer=factory, steps=steps,
                                    batch_size=batch_size, seq_len=seq_len, gpu=target, budget=budget, tick=tick,
                                    layout=layout, workload=workload, stage=stage)

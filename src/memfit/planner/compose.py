@@ -24,6 +24,7 @@ and composes every candidate from them:
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -39,6 +40,8 @@ __all__ = ["Engine", "PRIMES", "SHORT_SEQ"]
 SHORT_SEQ = 32  # optimizer traces: sequence length (the optimizer does not see activations)
 
 PRIMES = (1009, 1013, 1019, 1021, 1031)
+
+KEEP_REPLAYS = 4  # unbudgeted full estimates whose events an engine keeps for a replay under a budget
 
 
 class Engine:
@@ -70,7 +73,12 @@ class Engine:
         self.traces = 0
         self._graphs: dict = {}
         self._optims: dict = {}
-        self._verified: dict = {}  # recipe -> full estimate
+        self._verified: dict = {}  # recipe, or (recipe, budget) -> full estimate
+        # recipe -> what replaying its unbudgeted estimate under a budget needs (``estimator/rebudget.py``), for
+        # the last few verified only: ``plan`` asks for a recipe under its budget right after the unbudgeted
+        # estimate (``_checked``), and each holds a whole trace's records and events
+        self._replays: collections.OrderedDict = collections.OrderedDict()
+        self.replays = 0  # budgeted estimates made by a replay instead of a trace
         if batch is None and self.depth and self.depth >= FAST_MIN_DEPTH:
             types = getattr(source.config, "layer_types", None)
             uniform = not isinstance(types, list) or len(set(types)) <= 1
@@ -308,21 +316,39 @@ class Engine:
 
     def verify(self, r: Recipe, budget: int | None = None):
         """The full estimate of ``r`` (depth fast path for deep configs), as ``estimate`` gives it;
-        with ``budget``, the allocator replayed under it (``memfit/estimator/verdict.py``)."""
-        from memfit.estimator.estimate import estimate
+        with ``budget``, the allocator replayed under it (``memfit/estimator/verdict.py``): where the
+        unbudgeted estimate was one plain trace, its events replayed under the budget, without a new trace
+        (``memfit/estimator/rebudget.py``; the same report a budgeted estimate makes, field by field)."""
+        from memfit.estimator.rebudget import rebudgeted
 
         key = r if budget is None else (r, budget)
+        if key not in self._verified and budget is not None and r in self._replays and r in self._verified:
+            self.replays += 1
+            self._verified[key] = rebudgeted(self._verified[r], self._replays[r], budget)
         if key not in self._verified:
-            self.traces += 1
-            batch = self.batch() if callable(self.batch) else self.batch
-            device = "cpu" if self.target is None else "cuda"
-
-            custom = {} if self.factory is None else {"optimizer": self.factory}
-            # k > 5 micro-batches: estimate reads them off the line through 2 and 3 (_accumulation_line)
-            self._verified[key] = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
-                                           device=device, gpu=self.target, budget=budget, **custom)
+            self._verified[key] = self._estimate(r, budget)
         return self._verified[key]
 
+    def _estimate(self, r: Recipe, budget: int | None):
+        """``estimate`` of ``r`` under ``budget``: a trace (two or three reading accumulation off a line);
+        unbudgeted, what a replay under a budget needs is kept if it was one plain trace."""
+        from memfit.estimator.estimate import estimate
+        from memfit.estimator.rebudget import recording, replayable
+
+        self.traces += 1
+        batch = self.batch() if callable(self.batch) else self.batch
+        device = "cpu" if self.target is None else "cuda"
+        custom = {} if self.factory is None else {"optimizer": self.factory}
+        with recording() as found:
+            # k > 5 micro-batches: estimate reads them off the line through 2 and 3 (_accumulation_line)
+            report = estimate(self.source, batch, recipe=r, loss_fn=self.loss_fn, seq_len=self.seq_len,
+                              device=device, gpu=self.target, budget=budget, **custom)
+        replay = replayable(found, report) if budget is None and self.target is not None else None
+        if replay is not None:
+            self._replays[r] = replay
+            while len(self._replays) > KEEP_REPLAYS:
+                self._replays.popitem(last=False)
+        return report
 
 def _trace_fields(kind: str) -> tuple[str, ...]:
     """The Recipe fields whose techniques change the ``kind`` ("graph"/"optimizer") trace."""

@@ -264,7 +264,7 @@ def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | No
             if p.recipe != chosen.recipe and _rank(p) >= first and p.recipe not in passed_over]
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
                 "optimizer": _optimizer_setting(optimizer), "allow": sorted(allowed), "fixed": fixed,
-                "traces": engine.traces,
+                "traces": engine.traces, "replays": engine.replays,
                 "speed": engine.speed.name}
     return Plans([exact] + rest, budget=budget_bytes, device="cpu" if target is None else "cuda",
                  gpu=None if target is None else target.name, candidates=len(predicted),
@@ -311,7 +311,9 @@ def _checked(engine, recipe: Recipe, budget: int | None, refused: list | None = 
 
     The whole-card estimate is traced once per recipe; under a budget the allocator must be replayed
     again only if its unlimited reserved peak does not fit below the budget (if it does, nothing
-    ever reaches the limit and the budgeted run is the same run). With ``refused``, a recipe the
+    ever reaches the limit and the budgeted run is the same run); ``Engine.verify`` then replays the
+    whole-card trace's events under the budget where that estimate was one plain trace, and estimates
+    again under the budget only where it was not (``estimator/rebudget.py``). With ``refused``, a recipe the
     estimate refuses (a technique this model or batch cannot take, which the composed traces did
     not show) is added to it and None returned: the search passes it over instead of ending."""
     try:
