@@ -9,7 +9,8 @@ contiguous ``torch.empty`` of the product's shape on a CPU build (the meta kerne
 ``if torch.version.cuda``), which is what ``CpuKernels`` makes for non-bf16 operands; bf16 goes
 to the meta kernel unchanged. ``tests/test_families.py`` checks Mixtral, Qwen2-MoE and Qwen3-MoE
 steps against the CPU allocator. Nothing is registered with the dispatcher (``torch.library``):
-``CpuKernels`` is a dispatch mode, pushed only while a trace runs, so no kernel outlives it.
+``CpuKernels`` is a dispatch mode, active only while a trace runs (as a fake trace's: run inside
+``estimator/fake.py``'s ``ScalarReads`` through ``handle``, one mode less on every op), so no kernel outlives it.
 
 Routing. Which expert a token goes to is data: a fake tensor has no values, so the router's
 choice is unknown. In this path it does not change what is allocated: every tensor of the experts
