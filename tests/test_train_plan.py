@@ -55,6 +55,28 @@ def test_calibration_leaves_no_timed_model_alive(source):
     assert not alive
 
 
+def test_calibration_times_each_precision_and_checkpointing_pair():
+    """The train_speed case (a 24 MiB budget, 2 CPU cores): the model ranked bf16 and checkpointing ahead, and the
+    fastest real run was fp32 without checkpointing at half the micro-batch. It is reached as a pair: after each
+    value alone (fp32 by the selective plan, blocks, the fused step in backward), fp32 with no checkpointing."""
+    from memfit.techniques.recipe import Recipe
+    from memfit.training.calibrate import candidates
+
+    def r(**fields):
+        return _plan(Recipe(optimizer_impl="fused", **fields))
+
+    plans = [r(precision="bf16-mixed", micro_batch_size=8), r(precision="bf16-mixed", micro_batch_size=4),
+             r(precision="bf16-mixed", optimizer_in_backward=True, micro_batch_size=8),
+             r(checkpointing="selective", micro_batch_size=8), r(checkpointing="blocks", micro_batch_size=8),
+             r(precision="bf16-mixed", checkpointing="blocks", micro_batch_size=8),
+             r(precision="bf16-mixed", checkpointing="blocks", optimizer_in_backward=True, micro_batch_size=8),
+             r(micro_batch_size=4, grad_accum_steps=2), r(precision="bf16-mixed", checkpointing="selective")]
+    timed = [p.recipe.describe() for p in candidates(plans)]
+    # the fastest-predicted rest (6: a pair already timed) comes after every pair
+    assert timed == [plans[i].recipe.describe() for i in (0, 2, 3, 4, 5, 7)]
+    assert [p.recipe.describe() for p in candidates(plans, most=4)] == timed[:4]  # the pairs come after every value
+
+
 def test_rows_of_one_length_follow_the_plan_without_estimating(source, tmp_path):
     from memfit.training.predict import ShapeBudget, meta_copy
 
