@@ -2,6 +2,8 @@
 ``Trainer.get_optimizer_cls_and_kwargs``, not by memfit's table), the names are accepted wherever a
 recipe takes an optimizer, and a name memfit cannot model is one line."""
 
+import importlib.util
+
 import pytest
 import torch
 import transformers as tf
@@ -10,8 +12,10 @@ from memfit import MemfitError, Recipe
 from memfit.cli import main
 from memfit.techniques.optimizer import HF_OPTIM, hf_optim, make_optimizer
 
-pytest.importorskip("bitsandbytes")
-pytest.importorskip("torchao")
+# skipped without them, found without importing them: each pytest worker collects every module, and importing
+# bitsandbytes and torchao costs a worker that runs none of these tests ~5 s
+pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("bitsandbytes", "torchao")),
+                                reason="needs bitsandbytes and torchao: pip install -e '.[dev]'")
 
 
 def _trainer_optimizer(name, params):

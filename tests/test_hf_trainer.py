@@ -7,7 +7,14 @@ import torch
 import transformers as tf
 
 from memfit import MemfitError, Recipe, estimate
-from memfit.training.hf import MemfitCallback, trainer_fields, training_arguments
+
+
+def hf():
+    """memfit.training.hf, imported where a test uses it: its TrainerCallback base imports transformers' Trainer
+    stack (peft, torchao, bitsandbytes: ~4 s), which each pytest worker would pay when it collects this module."""
+    from memfit.training import hf
+
+    return hf
 
 
 def _config():
@@ -30,6 +37,7 @@ class _Data(torch.utils.data.Dataset):
 
 
 def test_fields_carry_the_recipe_and_refuse_what_the_trainer_cannot_do():
+    trainer_fields, training_arguments = hf().trainer_fields, hf().training_arguments
     fields = trainer_fields(Recipe(precision="bf16-mixed", checkpointing="blocks", micro_batch_size=4,
                                    grad_accum_steps=8, optimizer="adamw", optimizer_impl="fused"))
     assert fields == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8, "bf16": True,
@@ -47,6 +55,7 @@ def test_fields_carry_the_recipe_and_refuse_what_the_trainer_cannot_do():
 
 
 def test_trainer_peak_is_the_estimate(tmp_path):
+    MemfitCallback, training_arguments = hf().MemfitCallback, hf().training_arguments
     recipe = Recipe(micro_batch_size=4, checkpointing="blocks", optimizer="adamw")
     args = training_arguments(recipe, output_dir=str(tmp_path), use_cpu=True, max_steps=3, report_to=[],
                               logging_steps=1, save_strategy="no", learning_rate=1e-3, dataloader_num_workers=0,

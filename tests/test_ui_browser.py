@@ -7,6 +7,7 @@ Skipped where Chromium, its driver, selenium or Gradio is missing (as tests/test
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,8 +17,11 @@ import memfit
 from memfit.report.pictures import COLOURS
 from memfit.report.report import target_line
 
-pytest.importorskip("gradio", reason="no Gradio: pip install 'memfit[ui]'")
-pytest.importorskip("plotly", reason="no plotly: pip install 'memfit[ui]'")
+# found without importing them (Gradio costs ~4 s, and each pytest worker collects every module): memfit.ui.app
+# is imported where the page starts
+for _name in ("gradio", "plotly"):
+    if importlib.util.find_spec(_name) is None:
+        pytest.skip(f"no {_name}: pip install 'memfit[ui]'", allow_module_level=True)
 
 from _browser import chromium  # skips without selenium or a headless Chromium  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -25,7 +29,6 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from memfit.ui.answers import Answers  # noqa: E402
-from memfit.ui.app import DEFAULTS, launch  # noqa: E402
 from test_ui import _free_port  # noqa: E402
 
 SHOT = Path(__file__).resolve().parent.parent / "docs" / "ui.png"
@@ -33,6 +36,8 @@ SHOT = Path(__file__).resolve().parent.parent / "docs" / "ui.png"
 
 @pytest.fixture(scope="module")
 def page():
+    from memfit.ui.app import launch
+
     answers, port = Answers(), _free_port()
     demo = launch("127.0.0.1", port, block=False, answers=answers)
     try:
@@ -52,6 +57,8 @@ def _text(driver, css: str) -> str:
 
 
 def test_the_page_answers_in_chromium(browser, page, tmp_path):
+    from memfit.ui.app import DEFAULTS
+
     url, answers = page
     with answers.lock:  # not beside the page's own traces (its warm-up): one trace at a time in a process
         # the defaults of the form: Llama-3.1-8B, batch 8 of 2048 tokens, a plain fp32 step on an RTX 4090
