@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+import _truths
 import memfit
 from memfit.cli import main
-from memfit.distributed.truth import launch
 from memfit.techniques.recipe import Recipe
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -26,10 +26,15 @@ def _estimate(path, recipe, gpus, batch=2, seq=32, **kwargs):
                            **kwargs)
 
 
-def test_context_parallel_matches_torchrun_on_every_rank(llama):
-    # (cp_rotate=alltoall, cp=4, HSDP, accumulation: bench/distributed/distributed.py, to keep the suite's time)
-    recipe = {"parallel": "fsdp", "cp": 2}
-    truths = launch({"model": llama, "recipe": recipe, "batch_size": 2, "seq_len": 32, "steps": 2}, 2)
+# (cp_rotate=alltoall, cp=4, HSDP, accumulation: bench/distributed/distributed.py, to keep the suite's time); run on
+# 2 ranks with the other modules' truths in one torchrun (tests/_truths.py)
+CP2 = {"parallel": "fsdp", "cp": 2}
+_truths.register("context_parallel", [(LLAMA, {"recipe": CP2, "batch_size": 2, "seq_len": 32, "steps": 2})])
+
+
+def test_context_parallel_matches_torchrun_on_every_rank(llama, tmp_path_factory):
+    recipe = CP2
+    truths, = _truths.results(tmp_path_factory, "context_parallel")
     report = _estimate(llama, recipe, 2, steps=2)
     # the two ranks differ (the ring's causal chunks: rank 0 runs half its queries, rank 1 half the keys); both traced
     estimated = {r["rank"]: r for r in report.ranks}

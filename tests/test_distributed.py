@@ -15,9 +15,10 @@ import sys
 import pytest
 import torch
 
+import _truths
 import memfit
 from memfit.categories import Category
-from memfit.distributed.truth import launch, launch_many, main_thread
+from memfit.distributed.truth import launch, main_thread
 from memfit.hardware.cluster import World, fake_world, placement, world_of
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
@@ -27,11 +28,14 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
 
 
+CONFIGS = {"tiny": TINY, "uneven": dict(TINY, vocab_size=301, tie_word_embeddings=False)}
+
+
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("configs")
     paths = {}
-    for name, config in (("tiny", TINY), ("uneven", dict(TINY, vocab_size=301, tie_word_embeddings=False))):
+    for name, config in CONFIGS.items():
         (folder / name).mkdir()
         (folder / name / "config.json").write_text(json.dumps(config))
         paths[name] = str(folder / name / "config.json")
@@ -50,7 +54,7 @@ def _estimated(path, recipe, gpus, batch, kwargs):
                            **dict(kwargs))
 
 
-TRUTHS = [  # (config, recipe): every case a 2-rank truth, all run in one torchrun (``launch_many``)
+TRUTHS = [  # (config, recipe): every case a 2-rank truth, run in the session's one torchrun (tests/_truths.py)
     ("tiny", {"parallel": "fsdp"}),
     ("tiny", {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}),
     ("uneven", {"parallel": "fsdp", "reshard_after_forward": "false"}),
@@ -58,11 +62,15 @@ TRUTHS = [  # (config, recipe): every case a 2-rank truth, all run in one torchr
 ]
 
 
+_truths.register("distributed", [(CONFIGS[name], {"recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2})
+                                 for name, recipe in TRUTHS])
+
+
 @pytest.fixture(scope="module")
-def truths(configs):
-    """Every case of ``TRUTHS`` run for real in one 2-rank torchrun: per case, each rank's result."""
-    return launch_many([{"model": configs[name], "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}
-                        for name, recipe in TRUTHS], 2)
+def truths(tmp_path_factory):
+    """Every case of ``TRUTHS`` run for real on 2 ranks (with the other modules' in one torchrun): per case, each
+    rank's result."""
+    return _truths.results(tmp_path_factory, "distributed")
 
 
 @pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["fsdp", "ddp-accumulation", "uneven-zero2", "offload"])

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
+import _truths
 import memfit
 from memfit.cli import main
-from memfit.distributed.truth import launch_many
 from memfit.errors import MemfitError
 from memfit.techniques.expert_parallel import routed_sizes
 from memfit.techniques.recipe import Recipe
@@ -44,12 +44,15 @@ def _ep2(path, routing):
 ROUTINGS = ("balanced", "worst")
 
 
+_truths.register("expert_parallel", [(MOE, {"recipe": {"parallel": "fsdp", "ep": 2}, "batch_size": 2, "seq_len": 32,
+                                            "steps": 2, "moe_routing": routing}) for routing in ROUTINGS])
+
+
 @pytest.fixture(scope="module")
-def truths(moe):
-    """ep=2 run for real under each routing, both in one 2-rank torchrun: per routing, each rank's result."""
-    cases = [{"model": moe, "recipe": {"parallel": "fsdp", "ep": 2}, "batch_size": 2, "seq_len": 32, "steps": 2,
-              "moe_routing": routing} for routing in ROUTINGS]
-    return dict(zip(ROUTINGS, launch_many(cases, 2)))
+def truths(tmp_path_factory):
+    """ep=2 run for real on 2 ranks under each routing (with the other modules' in one torchrun): per routing, each
+    rank's result."""
+    return dict(zip(ROUTINGS, _truths.results(tmp_path_factory, "expert_parallel")))
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+import _truths
 import memfit
-from memfit.distributed.truth import launch_many
 from memfit.errors import MemfitError
 from memfit.techniques.pipeline_parallel import cut
 from memfit.techniques.recipe import Recipe
@@ -40,7 +40,7 @@ def _estimate(path, recipe, gpus, batch=4):
     return memfit.estimate(path, batch_size=batch, seq_len=32, recipe=Recipe(**recipe), device="cpu", **world)
 
 
-TRUTHS = [  # every case a 2-rank truth, all run in one torchrun (``launch_many``)
+TRUTHS = [  # every case a 2-rank truth, run in the session's one torchrun (tests/_truths.py)
     # GPipe: every micro-batch's activations live at the turn; with autocast and checkpointed blocks
     {"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 1, "grad_accum_steps": 4, "precision": "bf16-mixed",
      "checkpointing": "blocks"},
@@ -53,11 +53,15 @@ TRUTHS = [  # every case a 2-rank truth, all run in one torchrun (``launch_many`
 ]
 
 
+_truths.register("pipeline_parallel", [(TINY, {"recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2})
+                                       for recipe in TRUTHS])
+
+
 @pytest.fixture(scope="module")
-def truths(tiny):
-    """Every case of ``TRUTHS`` run for real in one 2-rank torchrun (4 rows a step): per case, each rank's result."""
-    return launch_many([{"model": tiny, "recipe": recipe, "batch_size": 4, "seq_len": 32, "steps": 2}
-                        for recipe in TRUTHS], 2)
+def truths(tmp_path_factory):
+    """Every case of ``TRUTHS`` run for real on 2 ranks (4 rows a step; with the other modules' in one torchrun): per
+    case, each rank's result."""
+    return _truths.results(tmp_path_factory, "pipeline_parallel")
 
 
 @pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["gpipe", "fsdp", "interleaved"])

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+import _truths
 import memfit
-from memfit.distributed.truth import launch_many
 from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
 
@@ -38,7 +38,7 @@ def _estimated(path, recipe, gpus, batch):
                            device="cpu")
 
 
-TRUTHS = [  # (recipe, gpus, batch): every case a 2-rank truth, all run in one torchrun (``launch_many``)
+TRUTHS = [  # (recipe, gpus, batch): every case a 2-rank truth, run in the session's one torchrun (tests/_truths.py)
     ({"tp": 2}, 2, 2),
     # bf16 autocast: its matmuls' oneDNN scratch is probed on the local shards (the whole weight's shape: +3.4 %)
     ({"tp": 2, "precision": "bf16-mixed"}, 2, 2),
@@ -50,11 +50,15 @@ TRUTHS = [  # (recipe, gpus, batch): every case a 2-rank truth, all run in one t
 ]
 
 
+_truths.register("tensor_parallel", [(TINY, {"recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2})
+                                     for recipe, _, batch in TRUTHS])
+
+
 @pytest.fixture(scope="module")
-def truths(tiny):
-    """Every case of ``TRUTHS`` run for real in one 2-rank torchrun: per case, each rank's result."""
-    return launch_many([{"model": tiny, "recipe": recipe, "batch_size": batch, "seq_len": 32, "steps": 2}
-                        for recipe, _, batch in TRUTHS], 2)
+def truths(tmp_path_factory):
+    """Every case of ``TRUTHS`` run for real on 2 ranks (with the other modules' in one torchrun): per case, each
+    rank's result."""
+    return _truths.results(tmp_path_factory, "tensor_parallel")
 
 
 @pytest.mark.parametrize("case", range(len(TRUTHS)))
