@@ -38,7 +38,10 @@ train-demo-2: setup
 
 # one pytest worker per core (pytest-xdist): most tests are single-threaded Python tracing; a module's
 # tests stay on one worker (loadscope), so its module fixtures (shared traces, sweeps) are made once
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) every process the suite starts
+# (torchrun ranks, CLI runs) would compile memfit's sources again (~0.4 s CPU each); bytecode written once is read
 test: setup
+	$(BIN)/python -m compileall -q src bench > /dev/null
 	$(BIN)/python -m pytest tests -n auto --dist loadscope --durations=10
 
 # the manual as a site (mkdocs, material theme) in site/; strict: a warning, a broken link or anchor fails it
