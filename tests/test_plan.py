@@ -15,10 +15,10 @@ from memfit.planner.compose import Engine as _Engine
 from memfit.planner.space import search_space as _space
 
 GPU = "rtx-4090"
-CACHE = EngineCache()  # the plans of this file share their traces: one config under many budgets
+# the plans of this file share their traces: one config under many budgets, and (on a GPU, one engine for every
+# global batch size) the global batch of 2 of the nothing-fits answer and the CLI's
+CACHE = EngineCache()
 # the plain graph alone: a search over the other axes (optimizer, step, micro-batch), a handful of traces
-# a global batch of 2 (the nothing-fits answer and the CLI's): its own engine, one for both tests
-SMALL = EngineCache()
 NARROW = {"precision": "bf16-mixed", "checkpointing": "off", "offload_activations": False, "chunked_loss": 0}
 
 
@@ -37,9 +37,11 @@ def _plan(budget_mib, global_batch_size=8, cache=CACHE, **kw):
 @pytest.fixture(scope="module")
 def sweep():
     out = {}
-    # 40: accumulation + offload; 64: bf16-mixed micro-batch 8; 160: fp32 micro-batch 8 (no traces: its
-    # recipe was verified at 40). Three different choices (48 chose what 40 does: dropped)
-    for mib in (40, 64, 160):
+    # 50: accumulation (micro-batch 4 x 2) + offload + chunked loss; 64: bf16-mixed micro-batch 8; 160: fp32
+    # micro-batch 8. Three different choices. (40 and 48 chose micro-batch 1 x 8: every check of it, the plan's
+    # and test_chosen_plan's under the budget, reads 2 + 3 micro-batches or traces all 8, 60 % of this file's
+    # time; a long accumulation's full estimate is test_long_accumulation's. 51 chose what 52 does.)
+    for mib in (50, 64, 160):
         try:
             out[mib] = _plan(mib)
         except NothingFits as err:
@@ -84,9 +86,10 @@ def test_exact_by_default_and_allow_by_name(sweep):
 def test_nothing_fits_names_the_smallest_and_it_is_the_smallest():
     # a global batch of 2: the smallest candidates are micro-batches of 1 either way, and each full
     # check traces 2 micro-batches, not the 2 + 3 that a long accumulation is read from (under a budget
-    # it runs out of, all 8: 25 s a check). Its own cache, SMALL, shared with the CLI's plan
+    # it runs out of, all 8: 25 s a check). CACHE: the sweep's engine (its traces do not depend on the
+    # global batch), shared with the CLI's plan
     with pytest.raises(NothingFits) as caught:
-        _plan(4, global_batch_size=2, cache=SMALL)
+        _plan(4, global_batch_size=2)
     err = caught.value
     assert "nothing fits" in str(err) and "needs" in str(err) and "\n" not in str(err)
     smallest = err.smallest
@@ -143,10 +146,10 @@ def test_cli_plan_json_out_and_exit_codes(tmp_path, capsys, monkeypatch):
     _config().to_json_file(path)
     out = tmp_path / "recipe.yaml"
     # a global batch of 2: the CLI's output and exit codes, not the search, are what is checked here;
-    # the CLI's plan() gets SMALL (test_nothing_fits' config and batch, read from the file: the same
-    # key), whose traces it reuses
+    # the CLI's plan() gets CACHE (this file's config, read from the file: the same key), whose traces
+    # it reuses
     real = planner.plan
-    monkeypatch.setattr(planner, "plan", lambda *a, **k: real(*a, cache=SMALL, **k))
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: real(*a, cache=CACHE, **k))
     assert main(["plan", str(path), "--gpu", GPU, "--global-batch-size", "2", "--seq-len", "128",
                  "--json", "--out", str(out)]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -214,7 +217,9 @@ def test_unknown_optimizer_is_one_line():
 def test_traces_are_kept_only_by_a_cache_the_caller_passes(sweep):
     """No hidden state: a plan without ``cache=`` traces afresh; the sweep's plans shared CACHE's."""
     shared = sweep[160]
-    assert len(CACHE) == 1 and shared.settings["traces"] < 10  # the earlier budgets' traces, reused
+    # the earlier budgets' traces, reused; one engine (after test_nothing_fits and the CLI's plan: for global
+    # batches of 8 and 2 alike)
+    assert len(CACHE) == 1 and shared.settings["traces"] < 10
     # the same question without cache= (over the plain graph: a handful of traces, all made afresh)
     shared = _plan(160, fixed=NARROW)
     fresh = plan(_config(), gpu=GPU, budget=shared.budget, global_batch_size=8, seq_len=128, fixed=NARROW)

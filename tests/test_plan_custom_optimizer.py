@@ -50,6 +50,26 @@ def _plan_wide(budget, optimizer=_adamw, **kw):
     return memfit.plan(Wide, WIDE_BATCH, loss_fn=classify, optimizer=optimizer, device="cpu", budget=budget, **kw)
 
 
+def _sweep_cache():
+    """One engine for a budget sweep of ``_plan``: the same model factory, batch and optimizer under each budget, so
+    its traces and full estimates are made once, as a config model's ``EngineCache`` keeps them (that cache keeps no
+    module model: a module or a batch could change between calls; in this sweep neither does)."""
+    from memfit.planner.cache import EngineCache
+    from memfit.planner.compose import Engine
+
+    class Sweep(EngineCache):
+        def engine(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
+            key = (id(batch), target, seq_len, loss_fn, optimizer, global_batch_size)
+            if key not in self._engines:
+                self._engines[key] = Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size,
+                                            progress)
+            engine = self._engines[key]
+            engine.progress, engine.notes, engine.traces = progress, [], 0
+            return engine
+
+    return Sweep()
+
+
 @pytest.fixture(scope="module")
 def plain_peak():
     """The plain step's peak at the whole batch, by a full estimate: the budgets are fractions of it."""
@@ -59,7 +79,9 @@ def plain_peak():
 
 def test_custom_optimizer_plans_fit_by_the_allocator_and_are_monotone(plain_peak):
     budgets = [int(plain_peak * f) for f in (0.6, 0.75, 1.1)]
-    sweep = [_plan(b) for b in budgets]
+    cache = _sweep_cache()
+    sweep = [_plan(b, cache=cache) for b in budgets]
+    assert len(cache) == 1
     for budget, plans in zip(budgets, sweep):
         for p in plans[:3]:  # the choice and the next two offered
             r = p.recipe

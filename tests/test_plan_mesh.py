@@ -164,9 +164,10 @@ def _count_traces(monkeypatch) -> list:
 
 def test_a_pipeline_is_searched_over_nodes(write_config, monkeypatch):
     """Over two nodes FSDP2 x PP (1F1B) is a candidate: its per-rank memory is the full estimate of every stage at
-    pp micro-batches (here all of them), its step time has the bubble in it. 6 blocks: past the 4 the depth path
-    traces (as the TP/CP/EP tests' 6), 3 a stage at pp=2; 8 traced every candidate deeper for nothing more."""
-    path = write_config(dict(TINY, num_hidden_layers=6))
+    pp micro-batches (here all of them), its step time has the bubble in it. 4 blocks: the fewest pp=2 takes (two a
+    stage, ``pp_degrees``); 6 traced each of the 12 structures and the stages deeper for nothing more (a third of
+    this file's time)."""
+    path = write_config(dict(TINY, num_hidden_layers=4))
     runs = _count_traces(monkeypatch)
     plans = memfit.plan(path, gpu="h100-sxm", gpus=1, nodes=2, global_batch_size=2, seq_len=32)
     assert plans.settings["pp_degrees"] == [2]

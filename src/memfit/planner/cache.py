@@ -17,7 +17,11 @@ class EngineCache:
     """The engines of recent calls (at most ``size``, oldest dropped first), by model, batch and step.
 
     Only config models are kept (their key is the config's text): a module or a batch could change
-    between calls without a visible difference."""
+    between calls without a visible difference. On a GPU target one engine serves every global batch
+    size: its traces run a batch of a prime number of rows (``Engine.prime``) and its full estimates
+    are of recipes (micro-batch and accumulation), so none depends on the global batch; the engine
+    takes each call's, as it takes its progress. On the CPU (two batch sizes traced, the larger the
+    global batch) the global batch size is part of the key."""
 
     def __init__(self, size: int = 4):
         self.size = size
@@ -35,7 +39,7 @@ class EngineCache:
         key = None
         if source.config is not None and batch is None and source.module is None:
             key = (source.config.to_json_string(), source.task, None if target is None else target.name, seq_len,
-                   loss_fn, optimizer, global_batch_size)
+                   loss_fn, optimizer, global_batch_size if target is None else None)
         engine = self._engines.get(key) if key is not None else None
         if engine is None:
             engine = Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
@@ -44,4 +48,5 @@ class EngineCache:
                     self._engines.pop(next(iter(self._engines)))
                 self._engines[key] = engine
         engine.progress, engine.notes, engine.traces = progress, [], 0
+        engine.global_batch_size = global_batch_size
         return engine
