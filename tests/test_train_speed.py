@@ -68,7 +68,8 @@ def test_memfit_comes_close_to_the_fastest_loop_that_fits(rows):
         bound = 0.6 if _same_setting(row["memfit"]["recipe"], row["best_loop"]) else 0.8
         # a noisy timing on shared cores is not a wrong choice: measure that budget again (retime: memfit plans,
         # calibrates and trains again, its plan trains once more after the two fastest loops that fit run again;
-        # every loop's earlier timing still counts, so the bar only rises; the grid's fits are the allocator's)
+        # every loop's earlier timing still counts, so the bar only rises, and memfit's of the same recipe counts
+        # too: best of all runs on both sides; the grid's fits are the allocator's)
         for _ in range(2):
             if row["ratio"] >= bound:
                 break
@@ -119,6 +120,13 @@ def test_retime_keeps_every_earlier_loop_timing_and_checks_the_budget_again(monk
     assert out["memfit"]["tokens_per_second"] == 95.0 and out["best_loop"]["micro"] == 4
     assert out["ratio"] == round(95 / 120, 3) and out["memfit_within_budget"] and out["loops_that_fit"] == 3
     assert [x["tokens_per_second"] for x in out["loops"][:3]] == [100.0, 120.0, 80.0]
+    # memfit's earlier timing of the same recipe counts as the loops' earlier ones do; of another recipe, not
+    faster = {**row, "memfit": {**row["memfit"], "tokens_per_second": 130.0}}
+    memfit = iter([70.0, 95.0])
+    assert train_speed.retime(None, "cpu", faster, batch=8, seq=4, log=lambda line: None)["ratio"] == round(130 / 120, 3)
+    other = {**row, "memfit": {**row["memfit"], "recipe": "another", "tokens_per_second": 130.0}}
+    memfit = iter([70.0, 95.0])
+    assert train_speed.retime(None, "cpu", other, batch=8, seq=4, log=lambda line: None)["ratio"] == round(95 / 120, 3)
     memfit = iter([70.0, 95.0])
     monkeypatch.setattr(train_speed, "memfit_train", lambda *a, **k: {
         "tokens_per_second": next(memfit), "measured_step_seconds": 1.0, "peak_bytes": 11, "ooms": 0})
