@@ -68,8 +68,8 @@ def test_memfit_comes_close_to_the_fastest_loop_that_fits(rows):
         bound = 0.6 if _same_setting(row["memfit"]["recipe"], row["best_loop"]) else 0.8
         # a noisy timing on shared cores is not a wrong choice: measure that budget again (retime: memfit plans,
         # calibrates and trains again, its plan trains once more after the two fastest loops that fit run again;
-        # every loop's earlier timing still counts, so the bar only rises, and memfit's of the same recipe counts
-        # too: best of all runs on both sides; the grid's fits are the allocator's)
+        # both sides judged on those new runs alone, minutes apart from the grid's on a VM whose speed drifts;
+        # the grid's fits are the allocator's)
         for _ in range(2):
             if row["ratio"] >= bound:
                 break
@@ -94,10 +94,10 @@ def test_the_gpu_grid_stops_one_below_the_first_micro_batch_that_fits():
     assert all(x["bf16"] and x["fused"] for x in loops)
 
 
-def test_retime_keeps_every_earlier_loop_timing_and_checks_the_budget_again(monkeypatch):
+def test_retime_judges_both_sides_on_the_new_runs_and_checks_the_budget_again(monkeypatch):
     """The retry's arithmetic (no training): memfit's figure is the faster of its two new runs, the bar the fastest
-    timing of any fitting loop so far (a loop not run again keeps its first timing, one run again its faster), and
-    a run past the budget or with an OOM makes the row fail its budget check."""
+    new run of the loops run again (the record keeps each loop's fastest of all its runs), and a run past the budget
+    or with an OOM makes the row fail its budget check."""
     loops = [dict(micro=8, checkpointing=False, bf16=False, fused=True, fits=True, tokens_per_second=100.0, peak_bytes=5),
              dict(micro=4, checkpointing=False, bf16=False, fused=True, fits=True, tokens_per_second=90.0, peak_bytes=4),
              dict(micro=2, checkpointing=False, bf16=False, fused=True, fits=True, tokens_per_second=80.0, peak_bytes=3),
@@ -111,7 +111,7 @@ def test_retime_keeps_every_earlier_loop_timing_and_checks_the_budget_again(monk
     monkeypatch.setattr(train_speed, "memfit_train", lambda c, d, cap, chosen, **k: {
         "tokens_per_second": next(memfit), "measured_step_seconds": 1.0, "peak_bytes": 7 if chosen is plan else 99,
         "ooms": 0})
-    again = {8: 60.0, 4: 120.0}  # the first loop slower now (its 100 stands), the second faster
+    again = {8: 60.0, 4: 120.0}  # the first loop slower now (its 100 stands in the record), the second faster
     ran = []
     monkeypatch.setattr(train_speed, "hand_loop", lambda *a, micro, **k: (ran.append(micro), {
         "fits": True, "tokens_per_second": again[micro], "peak_bytes": 4})[1])
@@ -120,13 +120,12 @@ def test_retime_keeps_every_earlier_loop_timing_and_checks_the_budget_again(monk
     assert out["memfit"]["tokens_per_second"] == 95.0 and out["best_loop"]["micro"] == 4
     assert out["ratio"] == round(95 / 120, 3) and out["memfit_within_budget"] and out["loops_that_fit"] == 3
     assert [x["tokens_per_second"] for x in out["loops"][:3]] == [100.0, 120.0, 80.0]
-    # memfit's earlier timing of the same recipe counts as the loops' earlier ones do; of another recipe, not
-    faster = {**row, "memfit": {**row["memfit"], "tokens_per_second": 130.0}}
-    memfit = iter([70.0, 95.0])
-    assert train_speed.retime(None, "cpu", faster, batch=8, seq=4, log=lambda line: None)["ratio"] == round(130 / 120, 3)
-    other = {**row, "memfit": {**row["memfit"], "recipe": "another", "tokens_per_second": 130.0}}
-    memfit = iter([70.0, 95.0])
-    assert train_speed.retime(None, "cpu", other, batch=8, seq=4, log=lambda line: None)["ratio"] == round(95 / 120, 3)
+    # a loop's faster earlier timing is kept for the record, not as the bar: both slower now, the bar is now's 80
+    again.update({8: 60.0, 4: 80.0})
+    memfit = iter([70.0, 75.0])
+    out = train_speed.retime(None, "cpu", row, batch=8, seq=4, log=lambda line: None)
+    assert out["best_loop"]["micro"] == 4 and out["ratio"] == round(75 / 80, 3)
+    assert [x["tokens_per_second"] for x in out["loops"][:3]] == [100.0, 90.0, 80.0]
     memfit = iter([70.0, 95.0])
     monkeypatch.setattr(train_speed, "memfit_train", lambda *a, **k: {
         "tokens_per_second": next(memfit), "measured_step_seconds": 1.0, "peak_bytes": 11, "ooms": 0})
