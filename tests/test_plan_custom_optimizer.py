@@ -55,17 +55,10 @@ def _sweep_cache():
     its traces and full estimates are made once, as a config model's ``EngineCache`` keeps them (that cache keeps no
     module model: a module or a batch could change between calls; in this sweep neither does)."""
     from memfit.planner.cache import EngineCache
-    from memfit.planner.compose import Engine
 
     class Sweep(EngineCache):
-        def engine(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress):
-            key = (id(batch), target, seq_len, loss_fn, optimizer, global_batch_size)
-            if key not in self._engines:
-                self._engines[key] = Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size,
-                                            progress)
-            engine = self._engines[key]
-            engine.progress, engine.notes, engine.traces = progress, [], 0
-            return engine
+        def key(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size):
+            return id(batch), target, seq_len, loss_fn, optimizer, global_batch_size
 
     return Sweep()
 

@@ -33,13 +33,17 @@ class EngineCache:
     def clear(self) -> None:
         self._engines.clear()
 
+    def key(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size):
+        """What makes two calls' engines the same (None: not kept): a config model's text and the step's settings."""
+        if source.config is None or batch is not None or source.module is not None:
+            return None
+        return (source.config.to_json_string(), source.task, None if target is None else target.name, seq_len,
+                loss_fn, optimizer, global_batch_size if target is None else None)
+
     def engine(self, source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress) -> Engine:
         """An engine with the traces already made for the same model, batch and step, if any; its
         progress callable, notes and trace count are this call's."""
-        key = None
-        if source.config is not None and batch is None and source.module is None:
-            key = (source.config.to_json_string(), source.task, None if target is None else target.name, seq_len,
-                   loss_fn, optimizer, global_batch_size if target is None else None)
+        key = self.key(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size)
         engine = self._engines.get(key) if key is not None else None
         if engine is None:
             engine = Engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
