@@ -110,11 +110,125 @@ def test_the_check_fails_on_a_stale_block_and_the_rewrite_fixes_it(tmp_path):
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
 
 
+def _regenerate():
+    spec = importlib.util.spec_from_file_location("regenerate", REGENERATE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["regenerate"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_fast_command_outputs_match_a_fresh_run():
-    """Every fast block of README.md and docs/ against a fresh run (about 30 s on 2 cores). When it fails, a
-    default or a number changed: `make docs-regenerate` (or `python docs/regenerate.py`) rewrites the blocks."""
-    done = _run(str(REGENERATE), "--check", "--fast-only", timeout=600)
+    """Every fast block of README.md and docs/ against a fresh run (about 20 CPU s on 2 cores). When it fails, a
+    default or a number changed: `make docs-regenerate` (or `python docs/regenerate.py`) rewrites the blocks.
+
+    docs/regenerate.py's own ``--check --fast-only``, in regenerate's environment, with one change (this file run
+    as a script, ``_check_in_forks``): each ``memfit ...`` command runs in a child forked from one process that
+    has imported torch, transformers and memfit's verb modules, not in a process that imports them again (each
+    fresh ``memfit`` paid ~3-4 CPU s of imports and ~2 s more loading its verb: 44 CPU s for 6 commands, now 19).
+    Each child is still a fresh run: no command's state reaches another (each child starts from the parent's
+    state, and the parent runs no command), the child runs ``memfit.cli:main`` (the ``memfit`` script's entry
+    point) with its argv, writes to fds 1 and 2 (one file, as regenerate's one pipe) and exits as Python would
+    (uncaught error printed, atexit handlers run). What the shared imports could hide, a line a library prints
+    when imported, fails the check instead: the imports run under memfit's own noise filter and must print
+    nothing. A command with shell syntax (a pipe) runs through regenerate's own ``bash -c``. regenerate's
+    subprocess path itself is tested above (test_the_check_fails_on_a_stale_block_and_the_rewrite_fixes_it)."""
+    done = subprocess.run([sys.executable, __file__, "--check", "--fast-only"], cwd=ROOT, env=_regenerate().environment(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+# What every fast command imports, imported once before the forks (any module missing here is imported by the
+# child that needs it, as a fresh run would: slower, never different)
+_PRELOADED = ("torch", "transformers", "accelerate", "peft", "torchao", "sympy", "rich.console", "rich.table",
+              "torch._dynamo", "torch._inductor", "transformers.models.llama.modeling_llama", "memfit.report",
+              "memfit.estimator.estimate", "memfit.cli.estimate", "memfit.cli.estimate_script", "memfit.cli.doctor",
+              "memfit.cli.catalog")
+
+
+def _written(work) -> str:
+    """What ``work()`` (and any child it forks) writes to fds 1 and 2, read together as regenerate's pipe holds them."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as sink:
+        sys.stdout.flush(), sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
+        try:
+            work()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+        sink.seek(0)
+        return sink.read().decode()
+
+
+def _memfit_in_child(words: list[str]) -> None:
+    """In the forked child: ``memfit WORDS`` as the console script runs it, then exit as Python would."""
+    import atexit
+    import os
+    import traceback
+
+    code = 1
+    try:
+        from memfit.cli import main
+
+        sys.argv = ["memfit", *words]
+        code = main()
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 0)
+
+
+def _check_in_forks(argv: list[str]) -> int:
+    """``docs/regenerate.py ARGV`` with each plain ``memfit ...`` command run in a forked child (see the test)."""
+    import importlib
+    import os
+    import shlex
+
+    regenerate = _regenerate()
+    through_bash = regenerate.run
+
+    def run(command: str) -> str:
+        words = shlex.split(command)
+        if words[:1] != ["memfit"] or any(c in command for c in "|&;<>$`()*?~"):
+            return through_bash(command)
+
+        def fork():
+            pid = os.fork()
+            if pid == 0:
+                _memfit_in_child(words[1:])
+            os.waitpid(pid, 0)
+
+        output = _written(fork)
+        if "Traceback (most recent call last)" in output:
+            raise SystemExit(f"`{command}` raised:\n{output[-3000:]}")
+        return output
+
+    def preload():
+        from memfit.cli import _noise
+
+        with _noise.quiet():  # as a fresh `memfit` imports them: inside its noise filter
+            for name in _PRELOADED:
+                importlib.import_module(name)
+
+    printed = _written(preload)
+    if printed:
+        raise SystemExit(f"importing {_PRELOADED} printed (a fresh run would show it in its block):\n{printed}")
+    regenerate.run = run
+    return regenerate.main(argv)
 
 
 def _docs_tools() -> str | None:
@@ -137,3 +251,7 @@ def test_the_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "api" / "index.html").exists()
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "Estimate the memory of" in api  # the docstrings made it into the reference
+
+
+if __name__ == "__main__":  # test_fast_command_outputs_match_a_fresh_run's process
+    sys.exit(_check_in_forks(sys.argv[1:]))
