@@ -363,7 +363,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
             # (the arguments are rebuilt with their shards only for a site: most ops are not probed)
-            tensors = [_local(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            tensors = [_local(t) for t in _flat_tensors(args, kwargs)]
             if tensors and (probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
                 args, kwargs = tree_map(_local, (args, kwargs))
                 self._add_site(func, args, kwargs, out_records, out_metas)
@@ -389,7 +389,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         to its first tensor argument that has one (``zeros_like(param)``, ``grad + grad``)."""
         lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a
                  and all(isinstance(t, torch.Tensor) for t in a)]
-        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = _flat_tensors(args, kwargs)
         fallback = next((p for p in map(self._path, flat) if p is not None), None)
         for position, index in made:
             owner = None
@@ -424,6 +424,24 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         record = self.records[index]
         fresh = record.phase == "backward" and record.step == self.step and not record.donated
         return index if fresh and record.category is Category.TEMPORARIES else None
+
+
+def _flat_tensors(args, kwargs) -> list:
+    """The tensors among an op's arguments: ``tree_flatten``'s, without its cost on every op of a trace (~4 % of
+    one): aten's arguments are tensors, scalars and flat lists of them; anything nested goes through pytree."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    out.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:
