@@ -366,7 +366,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             self.records[donor].donated = True
         if self.cublas_workspace is not None:
             self._conv_workspaces(func, args, out)
-        if self.device.type == "cpu" and self.cublas_workspace is None:
+        if self.device.type == "cpu" and self.cublas_workspace is None and not _is_view(func):
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
             # (the arguments are rebuilt with their shards only for a site: most ops are not probed)
@@ -431,6 +431,25 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         record = self.records[index]
         fresh = record.phase == "backward" and record.step == self.step and not record.donated
         return index if fresh and record.category is Category.TEMPORARIES else None
+
+
+_VIEWS: dict = {}
+
+
+def _is_view(func) -> bool:
+    """An aten op whose every result is a view that writes nothing (``view``, ``t``, ``slice``...: ~30 % of a
+    trace's ops): no kernel runs, so no kernel scratch to probe (``probe_worthy`` answers no for each)."""
+    known = _VIEWS.get(func)
+    if known is None:
+        schema = func._schema
+        # one tensor argument, and not an op that decomposes (``reshape``, ``contiguous``, ``pin_memory`` may copy:
+        # composite, they reach this mode as the ops they decompose into, but a mode seeing one is told so here)
+        known = _VIEWS[func] = (
+            func.namespace == "aten" and func not in _BORN and bool(schema.returns)
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and sum("Tensor" in str(a.type) for a in schema.arguments) == 1
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+    return known
 
 
 def _flat_tensors(args, kwargs) -> list:
