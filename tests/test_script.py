@@ -93,14 +93,22 @@ def test_the_scripts_own_counters_print_the_estimate(here, capsys):
 
 def test_torch_compile_in_a_script_is_inductors_plan(here):
     """The script's torch.compile(model), planned by Inductor on fake tensors (the truth, a real compile on this CPU,
-    is bench/accuracy/scripts.py's: 14,093,952 B both, against 15,108,728 B eager)."""
-    args = ["--dtype=float32", "--grad_accum=1", "--eval_interval=100"]
+    is bench/accuracy/scripts.py's, of the script's default 2 layers: 14,093,952 B both, against 15,108,728 B eager).
+
+    One layer here (``--n_layer=1``: Inductor lowers half the graph, 35 -> 24 CPU s for this test warm, more with
+    its cache cold as on CI): what is checked does not depend on the depth (the script's torch.compile found and
+    planned, fewer bytes than eager under CPU semantics), and the card's compiled answer is now also held below the
+    card's eager one (before: only "fits")."""
+    args = ["--dtype=float32", "--grad_accum=1", "--eval_interval=100", "--n_layer=1"]
     eager = memfit.estimate_script(SCRIPTS / "gpt_train.py", args, steps=2, device="cpu")
     compiled = memfit.estimate_script(SCRIPTS / "gpt_train.py", ["--compile=True", *args], steps=2, device="cpu")
     assert compiled.settings["script"]["compiled"] == 1
     assert compiled.peak_bytes < eager.peak_bytes  # Inductor's fusion: fewer intermediates saved
     card = memfit.estimate_script(SCRIPTS / "gpt_train.py", ["--compile=True", *args], steps=2, gpu="rtx-4090")
     assert card.verdict == "fits" and card.by_category["activations"] > 0
+    assert card.settings["script"]["compiled"] == 1
+    card_eager = memfit.estimate_script(SCRIPTS / "gpt_train.py", args, steps=2, gpu="rtx-4090")
+    assert card.peak_bytes < card_eager.peak_bytes, (card.peak_bytes, card_eager.peak_bytes)
 
 
 def test_data_dependent_sizes_at_their_upper_bound(here):
