@@ -153,10 +153,22 @@ def test_cli_compile_layers(capsys):
     assert '"compile": "layers"' in capsys.readouterr().out
 
 
+def mlp_batch():
+    """The zoo's MLP batch for ``memfit estimate --batch test_compile:mlp_batch`` (test_cli_compile_flag)."""
+    return _mlp()[1]
+
+
 def test_cli_compile_flag(capsys):
-    code = cli_main(["estimate", "memfit.models.zoo:GPT", "--batch", "memfit.models.zoo:gpt_batch",
-                     "--loss", "memfit.models.zoo:lm_loss", "--compile", "--activation-memory-budget", "0.5",
+    """The flags reach the recipe. On the zoo's MLP (was its GPT: Inductor planned a whole GPT, ~13 s, for a check of
+    two flags), and the CLI's answer is now also held to the API's for the same recipe (before: the JSON's recipe only)."""
+    import json
+
+    code = cli_main(["estimate", "memfit.models.zoo:MLP", "--batch", f"{__name__}:mlp_batch",
+                     "--loss", "memfit.models.zoo:classify", "--compile", "--activation-memory-budget", "0.5",
                      "--json"])
     assert code in (0, None)
     out = capsys.readouterr().out
     assert '"compile": true' in out and '"activation_memory_budget": 0.5' in out
+    factory, batch, loss_fn = _mlp()
+    api = memfit.estimate(factory, batch, loss_fn=loss_fn, recipe=Recipe(compile=True, activation_memory_budget=0.5))
+    assert json.loads(out)["peak_bytes"] == api.peak_bytes
