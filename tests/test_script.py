@@ -95,7 +95,7 @@ def test_torch_compile_in_a_script_is_inductors_plan(here):
     """The script's torch.compile(model), planned by Inductor on fake tensors (the truth, a real compile on this CPU,
     is bench/accuracy/scripts.py's, of the script's default 2 layers: 14,093,952 B both, against 15,108,728 B eager).
 
-    One layer here (``--n_layer=1``: Inductor lowers half the graph, 35 -> 24 CPU s for this test warm, more with
+    One layer here (``--n_layer=1``: Inductor lowers half the graph, ~8 -> ~4.5 CPU s for each compiled run, more with
     its cache cold as on CI): what is checked does not depend on the depth (the script's torch.compile found and
     planned, fewer bytes than eager under CPU semantics), and the card's compiled answer is now also held below the
     card's eager one (before: only "fits")."""
