@@ -30,7 +30,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -94,6 +94,10 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         self._modules = ModuleStack(model)
         self._open = True
         self._handlers = 0  # DTensor handlers running under this mode (``_handled``)
+        # The mode directly below while this one is pushed, if it offers ``dispatch_inline(func, args, kwargs)``
+        # (the estimator's ``ScalarReads``): taken off the stack and run inside this mode's dispatch, each op
+        # passes one Python mode fewer (~7 % of a fake trace); put back on exit
+        self._inline = None
         self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
         self.offloaded_bytes = 0  # saved activations moved off the device (activation offload)
         self.offloaded_scaled = 0  # with ``prime``: the part of it that scales with the batch
@@ -235,9 +239,17 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
                     return rng_state() if ledger is None else ledger._tracked_rng_state()
 
                 scope.enter_context(patched(torch, "get_rng_state", tracked_rng_state))
+            below = _get_current_dispatch_mode()
+            if callable(getattr(below, "dispatch_inline", None)):
+                self._inline = _pop_mode()
+                scope.callback(self._restore_inline)
             out = super().__enter__()
             self._scope = scope.pop_all()
         return out
+
+    def _restore_inline(self) -> None:
+        inline, self._inline = self._inline, None
+        _push_mode(inline)
 
     def __exit__(self, *exc):
         try:
@@ -331,7 +343,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             self._workspace(func, args, kwargs)
         handler = dtensor_handler(func, args, kwargs) or wrapper_handler(types)
         if handler is None:
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if self._inline is None else self._inline.dispatch_inline(func, args, kwargs)
         else:  # its own ops seen here, as the allocator sees theirs (loss_parallel's cross-entropy)
             out = self._handled(handler, func, args, kwargs)
         if self.counter is not None:
