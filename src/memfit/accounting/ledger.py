@@ -30,7 +30,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -49,7 +49,6 @@ __all__ = ["Ledger", "Record", "Site", "plain", "ALLOC", "FREE", "SPIKE", "MARK"
 
 _BORN = {torch.ops.aten.lift_fresh.default}
 _DEVICE = torch.ops.prim.device.default
-_DETACH = torch.ops.aten.detach.default
 # (backward node, op) -> the in-place op a plain run uses there. Autograd formulas take an
 # out-of-place path when any input is "subclass-like", which a fake tensor, or any tensor under a
 # Python dispatch mode, is (``areAnyTensorSubclassLike`` in FunctionsManual.cpp); a plain run
@@ -94,10 +93,6 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         self._modules = ModuleStack(model)
         self._open = True
         self._handlers = 0  # DTensor handlers running under this mode (``_handled``)
-        # The mode directly below while this one is pushed, if it offers ``dispatch_inline(func, args, kwargs)``
-        # (the estimator's ``ScalarReads``): taken off the stack and run inside this mode's dispatch, each op
-        # passes one Python mode fewer (~7 % of a fake trace); put back on exit
-        self._inline = None
         self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
         self.offloaded_bytes = 0  # saved activations moved off the device (activation offload)
         self.offloaded_scaled = 0  # with ``prime``: the part of it that scales with the batch
@@ -239,17 +234,9 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
                     return rng_state() if ledger is None else ledger._tracked_rng_state()
 
                 scope.enter_context(patched(torch, "get_rng_state", tracked_rng_state))
-            below = _get_current_dispatch_mode()
-            if callable(getattr(below, "dispatch_inline", None)):
-                self._inline = _pop_mode()
-                scope.callback(self._restore_inline)
             out = super().__enter__()
             self._scope = scope.pop_all()
         return out
-
-    def _restore_inline(self) -> None:
-        inline, self._inline = self._inline, None
-        _push_mode(inline)
 
     def __exit__(self, *exc):
         try:
@@ -329,12 +316,6 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             if type(tensor) is FakeTensor:  # FakeTensor's own answer, without passing every mode below (~10 % of a trace)
                 return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
             return func(*args, **(kwargs or {}))
-        if func is _DETACH and len(args) == 1 and type(args[0]) is FakeTensor and not kwargs:
-            # autograd detaches each tensor it saves for backward (a Python subclass's detach is dispatched): ~19 %
-            # of a trace's ops; a view of a plain fake tensor, no kernel: nothing to record but the module's tag
-            out = func(*args)
-            self._modules.tag(out)
-            return out
         kwargs = kwargs or {}
         if func in _IN_PLACE_OPS:
             node = torch._C._current_autograd_node()
@@ -343,7 +324,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             self._workspace(func, args, kwargs)
         handler = dtensor_handler(func, args, kwargs) or wrapper_handler(types)
         if handler is None:
-            out = func(*args, **kwargs) if self._inline is None else self._inline.dispatch_inline(func, args, kwargs)
+            out = func(*args, **kwargs)
         else:  # its own ops seen here, as the allocator sees theirs (loss_parallel's cross-entropy)
             out = self._handled(handler, func, args, kwargs)
         if self.counter is not None:
@@ -378,11 +359,11 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             self.records[donor].donated = True
         if self.cublas_workspace is not None:
             self._conv_workspaces(func, args, out)
-        if self.device.type == "cpu" and self.cublas_workspace is None and not _is_view(func):
+        if self.device.type == "cpu" and self.cublas_workspace is None:
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
             # (the arguments are rebuilt with their shards only for a site: most ops are not probed)
-            tensors = [_local(t) for t in _flat_tensors(args, kwargs)]
+            tensors = [_local(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if tensors and (probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
                 args, kwargs = tree_map(_local, (args, kwargs))
                 self._add_site(func, args, kwargs, out_records, out_metas)
@@ -408,7 +389,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         to its first tensor argument that has one (``zeros_like(param)``, ``grad + grad``)."""
         lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a
                  and all(isinstance(t, torch.Tensor) for t in a)]
-        flat = _flat_tensors(args, kwargs)
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         fallback = next((p for p in map(self._path, flat) if p is not None), None)
         for position, index in made:
             owner = None
@@ -443,43 +424,6 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         record = self.records[index]
         fresh = record.phase == "backward" and record.step == self.step and not record.donated
         return index if fresh and record.category is Category.TEMPORARIES else None
-
-
-_VIEWS: dict = {}
-
-
-def _is_view(func) -> bool:
-    """An aten op whose every result is a view that writes nothing (``view``, ``t``, ``slice``...: ~30 % of a
-    trace's ops): no kernel runs, so no kernel scratch to probe (``probe_worthy`` answers no for each)."""
-    known = _VIEWS.get(func)
-    if known is None:
-        schema = func._schema
-        # one tensor argument, and not an op that decomposes (``reshape``, ``contiguous``, ``pin_memory`` may copy:
-        # composite, they reach this mode as the ops they decompose into, but a mode seeing one is told so here)
-        known = _VIEWS[func] = (
-            func.namespace == "aten" and func not in _BORN and bool(schema.returns)
-            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-            and sum("Tensor" in str(a.type) for a in schema.arguments) == 1
-            and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
-    return known
-
-
-def _flat_tensors(args, kwargs) -> list:
-    """The tensors among an op's arguments: ``tree_flatten``'s, without its cost on every op of a trace (~4 % of
-    one): aten's arguments are tensors, scalars and flat lists of them; anything nested goes through pytree."""
-    out = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    out.append(item)
-                elif isinstance(item, (list, tuple, dict)):
-                    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        elif isinstance(value, dict):
-            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return out
 
 
 def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:

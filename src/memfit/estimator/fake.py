@@ -155,11 +155,6 @@ class ScalarReads(TorchDispatchMode):
         return True  # a compiled step runs under it; compiling is not part of the step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.dispatch_inline(func, args, kwargs)
-
-    def dispatch_inline(self, func, args=(), kwargs=None):
-        """This mode's answer to ``func``, also called by a ``Ledger`` pushed directly above it, which takes this
-        mode off the stack while it is pushed and runs it inside its own dispatch (one Python mode less per op)."""
         if func is _WAIT and args:
             return args[0]
         if func is torch.ops.aten._local_scalar_dense.default:
