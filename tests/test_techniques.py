@@ -210,3 +210,24 @@ def test_eight_bit_adamw_tracks_adamw_and_its_estimate_is_exact(plain):
     est = _estimate(recipe)
     assert abs(est.peak_bytes - true_peak(_llama, batch, recipe=recipe)) / est.peak_bytes < TOLERANCE
     assert not recipe.is_exact
+
+
+def test_a_model_checkpointed_in_place_copies_to_its_own_blocks():
+    """memfit.apply checkpoints a script's model in place; the estimator's fake copy of it (memfit doctor on that
+    script) must run the copy's blocks: a closure as the wrapper was copied as itself and ran the original's real
+    weights (FakeTensor's "convert all Tensors to FakeTensors" assertion)."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.estimator.fake import fake_copy
+    from _loops import _llama
+
+    model, _, _ = memfit.apply(_llama(), Recipe(checkpointing="blocks"))
+    assert copy.deepcopy(model).model.layers[0].forward.checkpointed.__self__ is not model.model.layers[0]
+    mode = FakeTensorMode()
+    fake = fake_copy(model, mode)
+    with mode:
+        ids = torch.randint(0, 100, (2, 16))
+        fake(input_ids=ids, labels=ids).loss.backward()
+    assert all(isinstance(p.grad, torch.Tensor) for p in fake.parameters() if p.requires_grad)

@@ -63,22 +63,28 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _wrap(module: torch.nn.Module, selective: bool) -> None:
-    inner = module.forward
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _policy) if selective else None
+class _Checkpointed:
+    """A block's forward run under ``torch.utils.checkpoint``. An object rather than a closure: a deep copy of the
+    model (the estimator's ``fake_copy`` of a model a script checkpointed in place with ``memfit.apply``) gets its
+    own, bound to the copy's block; a closure is copied as itself and ran the original's real weights."""
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        run = forward.checkpointed
+    def __init__(self, inner, selective: bool):
+        functools.update_wrapper(self, inner)
+        # what runs inside the checkpoint: compile="layers" puts the compiled block here, inside the
+        # checkpoint, as torchtune's checkpoint wrapper around a compiled layer runs it
+        self.checkpointed = inner
+        self.context_fn = functools.partial(create_selective_checkpoint_contexts, _policy) if selective else None
+
+    def __call__(self, *args, **kwargs):
+        run = self.checkpointed
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        extra = {"context_fn": context_fn} if context_fn else {}
+        extra = {"context_fn": self.context_fn} if self.context_fn else {}
         return checkpoint(run, *args, use_reentrant=False, **extra, **kwargs)
 
-    # what runs inside the checkpoint: compile="layers" puts the compiled block here, inside the
-    # checkpoint, as torchtune's checkpoint wrapper around a compiled layer runs it
-    forward.checkpointed = inner
-    module.forward = forward
+
+def _wrap(module: torch.nn.Module, selective: bool) -> None:
+    module.forward = _Checkpointed(module.forward, selective)
 
 
 def apply_checkpointing(model: torch.nn.Module, *, mode: str, every: object = 1) -> list[str]:
