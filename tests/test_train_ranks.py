@@ -2,8 +2,7 @@
 one-process run of the same global batches; out-of-memory errors injected on either rank, in
 forward, backward and the optimizer step, are redone by both ranks and change nothing; a 2-rank
 checkpoint resumes on 1 and on 4 ranks with the same losses; a rank killed with SIGKILL is restarted
-by torchrun and resumes (in the same launch as the other 2-rank runs). That ``memfit train --nproc-per-node 2``
-launches torchrun and rank 0 reports is checked on tests/test_expert_parallel.py's launch of it.
+by torchrun and resumes; ``memfit train --nproc-per-node 2`` launches torchrun and rank 0 reports.
 The many-run versions (100 faults, 30 kills) are ``bench/faults/train_ranks.py``."""
 
 import glob
@@ -61,9 +60,7 @@ def _close(a, b, tol=1e-5):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=tol)
 
 
-# runs the tests only read: one 2-rank torchrun for all (``_ranks_worker.run_many``), each in its own folder; the
-# first case is the killed-rank test's, a rank killed during it and the launch restarted by torchrun (before, that test
-# had a launch of its own: one start-up of the launcher and 2 ranks, ~15 CPU s, saved)
+# runs the tests only read: one 2-rank torchrun for all (``_ranks_worker.run_many``), each in its own folder
 PLAIN = ("fsdp", "ddp")
 INJECT = {
     "fsdp": {"1": [[0, 0, "forward", 7], [2, 1, "backward", 3]], "0": [[1, 1, "forward", 2], [3, 0, "optimizer", 2]]},
@@ -74,15 +71,8 @@ INJECT = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``{(parallel, kind): (out_dir, each rank's result)}``: 4 steps of 8 examples on 2 ranks, FSDP2 and DDP, plain
-    (kind None) and with out-of-memory errors injected (``INJECT``); FSDP2's 2 constant steps (its checkpoint); and
-    ``("fsdp", "killed")``: FSDP2's 4 steps, checkpointed every 2, a rank SIGKILLed after the first checkpoint.
-
-    The killed case runs first, so the kill lands before any other case has started: torchrun (``--max-restarts
-    2``) restarts both ranks, which resume the killed case from its checkpoint and then run every other case afresh
-    in the new attempt (its own rendezvous keys: ``/worker/attempt_<n>``). Its ``slow_checkpoint`` (each fsync 0.3 s
-    later, the kill's window) stays set in those processes for the later cases: sleep, no CPU, and no figure the
-    tests read depends on it."""
-    keys = [("fsdp", "killed")] + [(p, None) for p in PLAIN] + [(p, "oom") for p in INJECT] + [("fsdp", "constant")]
+    (kind None) and with out-of-memory errors injected (``INJECT``); and FSDP2's 2 constant steps (its checkpoint)."""
+    keys = [(p, None) for p in PLAIN] + [(p, "oom") for p in INJECT] + [("fsdp", "constant")]
     cases = []
     for parallel, kind in keys:
         case = {"out_dir": str(tmp_path_factory.mktemp(f"{parallel}-{kind}")), "steps": 4,
@@ -91,25 +81,10 @@ def runs(tmp_path_factory):
             case["inject"] = INJECT[parallel]
         if kind == "constant":  # the checkpoint the resume test copies: 2 steps, a constant schedule
             case.update(steps=2, schedule="constant")
-        if kind == "killed":
-            case.update(checkpoint_every=2, slow_checkpoint=0.3)
         cases.append(case)
-    killed = Path(cases[0]["out_dir"])
-    process = _torchrun(2, cases, restarts=2, popen=True)
-    began = time.monotonic()
-    while not (killed / "step-000000002").exists() and time.monotonic() - began < 120:
-        time.sleep(0.02)
-    time.sleep(0.1)  # inside the last checkpoint's write (0.3 s before each fsync)
-    pids = subprocess.run(["pgrep", "-f", "_ranks_worker.py"], capture_output=True, text=True).stdout.split()
-    victims = [int(p) for p in pids if int(p) != process.pid and str(killed) in _cmdline(int(p))]
-    if victims:
-        os.kill(victims[-1], signal.SIGKILL)
-    _, err = process.communicate(timeout=600)
-    assert process.returncode == 0, err[-3000:]
-    found = {key: (Path(case["out_dir"]), [json.loads(Path(case["out_dir"], f"result-{r}.json").read_text())
-                                           for r in range(2)]) for key, case in zip(keys, cases)}
-    found["fsdp", "killed"] += (victims,)
-    return found
+    _torchrun(2, cases)
+    return {key: (Path(case["out_dir"]), [json.loads(Path(case["out_dir"], f"result-{r}.json").read_text())
+                                          for r in range(2)]) for key, case in zip(keys, cases)}
 
 
 @pytest.fixture(scope="module")
@@ -179,14 +154,24 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_four(tmp_path, runs):
     np.testing.assert_allclose(four[0]["losses"], straight["losses"][2:], rtol=1e-6)
 
 
-def test_a_killed_rank_is_restarted_and_resumes(runs, reference):
-    """The rank is killed in ``runs``' launch (its first case): the same checks as when it had a launch of its own."""
-    killed, results, victims = runs["fsdp", "killed"]
+def test_a_killed_rank_is_restarted_and_resumes(tmp_path, reference):
+    case = {"out_dir": str(tmp_path / "killed"), "steps": 4, "checkpoint_every": 2, "slow_checkpoint": 0.3,
+            "recipe": dict(RECIPE, parallel="fsdp")}
+    process = _torchrun(2, case, restarts=2, popen=True)
+    began = time.monotonic()
+    while not (tmp_path / "killed" / "step-000000002").exists() and time.monotonic() - began < 120:
+        time.sleep(0.02)
+    time.sleep(0.1)  # inside the last checkpoint's write (0.3 s before each fsync)
+    pids = subprocess.run(["pgrep", "-f", "_ranks_worker.py"], capture_output=True, text=True).stdout.split()
+    victims = [int(p) for p in pids if int(p) != process.pid and str(tmp_path) in _cmdline(int(p))]
     assert victims, "no training process found to kill"
-    result = results[0]
+    os.kill(victims[-1], signal.SIGKILL)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err[-3000:]
+    result = json.loads((tmp_path / "killed" / "result-0.json").read_text())
     assert result["resumed_from"] == 2 and result["steps"] == 4
-    assert _examples(killed) == reference["examples"]
-    _close(_weights(killed), reference["weights"])
+    assert _examples(tmp_path / "killed") == reference["examples"]
+    _close(_weights(tmp_path / "killed"), reference["weights"])
 
 
 def _cmdline(pid):
@@ -196,11 +181,20 @@ def _cmdline(pid):
         return ""
 
 
-# ``memfit train --nproc-per-node 2`` launches torchrun and rank 0 alone reports (was
-# ``test_cli_launches_torchrun_and_rank_zero_reports`` here, a launch of its own): checked on the launch that
-# tests/test_expert_parallel.py::test_memfit_train_with_expert_parallel_equals_one_process makes anyway, with the
-# same assertions (the whole stdout is rank 0's one JSON summary, processes and steps, each metrics line from both
-# ranks, the last checkpoint's model.safetensors).
+def test_cli_launches_torchrun_and_rank_zero_reports(tmp_path, train_in_process):
+    """``memfit train --nproc-per-node 2`` in this process (``train_in_process``, tests/conftest.py): only the ranks
+    start Python; what they print is this process's stdout, which is rank 0's summary
+    alone. (``python -m memfit.cli``'s exit status is main's: tests/test_cli.py runs it.)"""
+    out = tmp_path / "run"
+    code, printed = train_in_process([ROOT / "examples" / "tiny-llama" / "config.json", "--seq-len", "64",
+                                      "--global-batch-size", "4", "--steps", "3", "--out-dir", out,
+                                      "--nproc-per-node", "2", "--parallel", "fsdp", "--json"])
+    assert code == 0, printed.err[-3000:]
+    summary = json.loads(printed.out)  # rank 0 alone prints
+    assert summary["processes"] == 2 and summary["steps"] == 3
+    lines = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [x["step"] for x in lines] == [1, 2, 3] and all(len(x["ranks"]) == 2 for x in lines)
+    assert (out / "step-000000003" / "model.safetensors").is_file()
 
 
 def test_cli_launch_errors_are_one_line(tmp_path, monkeypatch, capfd):
