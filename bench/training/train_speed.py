@@ -267,8 +267,9 @@ def retime(config, device: str, row: dict, *, batch: int, seq: int, steps: int =
     machine's load of the moment falls on both sides. Both sides are judged on these runs alone: memfit's figure is
     the faster of its two runs, the bar the fastest of the loops run again (on a shared VM the cores' speed drifts
     over minutes: here the same loop ran at half its earlier tokens/s an hour later, and a bar kept from the grid's
-    minutes judged memfit's runs by the speed of other minutes). ``loops`` keeps each loop's fastest timing of all its runs, for the record. The runs must
-    again keep to the budget with no out-of-memory error (``memfit_within_budget``)."""
+    minutes judged memfit's runs by the speed of other minutes). ``loops`` keeps each loop's fastest timing of all
+    its runs, for the record. The runs must again keep to the budget with no out-of-memory error
+    (``memfit_within_budget``)."""
     cap = row["budget"]
     fitting = sorted((x for x in row["loops"] if x["fits"]), key=lambda x: -x["tokens_per_second"])
     again = [{k: x[k] for k in SETTING} for x in fitting[:top]]
