@@ -130,8 +130,8 @@ def test_memfit_train_with_expert_parallel_equals_one_process(moe, tmp_path, tra
     process (in this process, no launch): the math itself rather than a second distributed run of it. The schedule is
     constant, so the run of 2 steps and its resumed steps 3-4 are the uninterrupted 4 steps (before: a 3-step EP run
     was compared and its resume only checked ``resumed_from``; now every resumed loss is compared). The EP run's
-    first launch is also ``memfit train --nproc-per-node 2``'s launch check, moved here from
-    tests/test_train_ranks.py (``test_cli_launches_torchrun_and_rank_zero_reports``, a launch of its own): rank 0
+    first launch also makes ``memfit train --nproc-per-node 2``'s launch checks of
+    tests/test_train_ranks.py (``test_cli_launches_torchrun_and_rank_zero_reports``, on its own launch there): rank 0
     alone prints, the summary's ``processes`` and ``steps``, every metrics line with both ranks, the final
     checkpoint's ``model.safetensors``."""
     def train(out, *extra):
