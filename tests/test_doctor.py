@@ -4,6 +4,7 @@ virtual budget, CUDA messages from memfit's own estimate, hand-made profiles, a 
 profiler — and the first fix, applied for real under the same budget, fits. The CLI's JSON and exit codes."""
 
 import contextlib
+import gc
 import io
 import json
 
@@ -305,6 +306,10 @@ def test_a_scripts_own_model_gets_recipe_fixes_and_the_first_one_fits(tmp_path, 
     code, out = _cli("--budget", "9MiB", "--no-plan", "--json", "--", "python", str(plain))
     data = json.loads(out)
     assert (code, data["cause"]) == (0, "activations")
+    # the run's profile (and through it the script's model) is freed by its return, not left to the collector:
+    # else the next run's profile counts the first script's tensors as resident
+    from memfit.profiling.watch import Watch
+    assert not [o for o in gc.get_objects() if isinstance(o, Watch)]
     first = data["fixes"][0]
     assert first["fits"] and first["saves_bytes"] > 0 and "memfit.apply(model, memfit.Recipe(" in first["command"]
     changed = {k: v for k, v in first["recipe"].items() if v != memfit.Recipe().to_dict()[k]}

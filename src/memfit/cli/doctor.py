@@ -183,11 +183,13 @@ def _profiled(command: list[str], args) -> tuple[dict, str | None]:
         except Enough:  # pragma: no cover (the block swallows it)
             pass
         except Exception as err:  # noqa: BLE001 — the script's own error: the profile up to it is what is read
-            failed = err
+            # its text only: the exception kept would hold its traceback, whose frames (the script's, the
+            # profile's dispatch) hold the script's model and tensors in a cycle that only the collector frees,
+            # and a later profile in this process would count them as resident (a leak between two doctor runs)
+            failed = f"{type(err).__name__}: {err}".splitlines()[0]
     data = prof.to_dict()
     if failed is not None and prof.oom is None:
-        print(f"memfit: the script failed, not out of memory: {type(failed).__name__}: {failed}".splitlines()[0],
-              file=sys.stderr)
+        print(f"memfit: the script failed, not out of memory: {failed}", file=sys.stderr)
     return data, None if prof.oom is None else prof.oom.get("message"), prof.watch.model
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import weakref
 
 import torch
 from torch.utils._traceback import CapturedTraceback
@@ -41,7 +42,9 @@ class Watch(Ledger):
     def __init__(self, *, device: torch.device, owner):
         super().__init__(device=device, model=None)
         self._kinds = (device.type, "meta") if owner.fake else (device.type,)
-        self.owner = owner
+        # weakly: a profile holds its watch, and a cycle between the two (and the model, tensors and frames they
+        # hold) would outlive the run until a full collection, where the next profile would count it as resident
+        self.owner = weakref.proxy(owner)
         self.captured: list = []  # per record: torch's CapturedTraceback of its allocation (None: before the profile)
         self._frames: dict[int, tuple] = {}
         self._own = os.path.dirname(os.path.dirname(__file__)) + os.sep  # memfit's frames are left out
