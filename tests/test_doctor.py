@@ -309,7 +309,7 @@ def test_a_scripts_own_model_gets_recipe_fixes_and_the_first_one_fits(tmp_path, 
     # the run's profile (and through it the script's model) is freed by its return, not left to the collector:
     # else the next run's profile counts the first script's tensors as resident
     from memfit.profiling.watch import Watch
-    assert not [o for o in gc.get_objects() if isinstance(o, Watch)]
+    assert not [o for o in gc.get_objects() if type(o) is Watch]
     first = data["fixes"][0]
     assert first["fits"] and first["saves_bytes"] > 0 and "memfit.apply(model, memfit.Recipe(" in first["command"]
     changed = {k: v for k, v in first["recipe"].items() if v != memfit.Recipe().to_dict()[k]}

@@ -200,7 +200,7 @@ def test_scaled_bytes_of_a_view_laid_out_again():
     """A slice of a batch-major buffer: its storage span is affine in the batch dimension."""
     import torch
 
-    from memfit.accounting.ledger import _scaled_bytes
+    from memfit.accounting.events import scaled_bytes as _scaled_bytes
 
     prime = 1009
     view = torch.empty(prime, 10, 4)[:, :9]  # strides (40, 4, 1): span 1 + 1008*40 + 8*4 + 3 elements

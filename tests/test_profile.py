@@ -190,3 +190,21 @@ def test_cuda_snapshot_series():
     assert allocated_peak(snapshot) == 16 * mib
     series = reserved_series(snapshot)
     assert series["bytes"] == [20 * mib, 22 * mib, 2 * mib] and series["event"] == [0, 5, 7]
+
+
+def test_a_dead_weak_proxy_anywhere_in_the_process_does_not_stop_a_profile():
+    """A profile scans every live object for the tensors that exist before it; ``isinstance`` on a weak proxy whose
+    object is gone raises ReferenceError: such a proxy (any library's) is skipped, not read."""
+    import weakref
+
+    class Gone:
+        pass
+
+    thing = Gone()
+    proxy = weakref.proxy(thing)
+    del thing
+    model = torch.nn.Linear(4, 4)
+    with profile(device="cpu", model=model) as prof:
+        model(torch.randn(2, 4)).sum().backward()
+    assert prof.report is not None and prof.report.peak_bytes > 0
+    assert proxy is not None  # kept alive through the profile

@@ -14,8 +14,8 @@ import torch
 
 from memfit.categories import Category
 
-__all__ = ["Record", "Site", "plain", "float8_tensor_type", "storage_events", "managed_peak", "ALLOC", "FREE", "SPIKE",
-           "MARK", "RENAME", "KEPT", "MANAGED"]
+__all__ = ["Record", "Site", "plain", "scaled_bytes", "float8_tensor_type", "storage_events", "managed_peak", "ALLOC",
+           "FREE", "SPIKE", "MARK", "RENAME", "KEPT", "MANAGED"]
 
 ALLOC, FREE, SPIKE, MARK = 0, 1, 2, 3
 # What ``storage_events`` makes of an ALLOC and a FREE under the donated-gradient rule, and of one
@@ -130,3 +130,16 @@ def managed_peak(ledger) -> tuple[int, int]:
             live += records[index].nbytes if kind == ALLOC else -records[index].nbytes
             peak = max(peak, live)
     return peak, max((getattr(r, "managed", 0) for r in records), default=0)
+
+
+def scaled_bytes(tensor: torch.Tensor, prime: int) -> int:
+    """The bytes of ``tensor``'s storage that scale with the batch when the batch has ``prime`` rows.
+
+    A dimension that is a multiple of the prime is a batch dimension; the storage spans
+    ``1 + sum((size - 1) * stride)`` elements, which is affine in the batch, so a view's storage
+    (a slice of a bigger buffer, laid out again) splits exactly into a scaled and a fixed part.
+    """
+    if not tensor.numel():
+        return 0
+    slope = sum((size // prime) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size % prime == 0)
+    return slope * prime * tensor.element_size()

@@ -30,14 +30,15 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.accounting._modules import OUTSIDE, ModuleStack, tensors as _tensors
 from memfit.accounting.cuda_semantics import CudaSemantics
 from memfit.accounting.events import (ALLOC, FREE, KEPT, MANAGED, MARK, RENAME, SPIKE, Record, Site, managed_peak,
-                                      plain, storage_events)
+                                      plain, scaled_bytes, storage_events)
+from memfit.accounting.ops import is_view, op_tensors
 from memfit.accounting.probes import ProbeSites, probe_worthy
 from memfit.accounting.subclasses import SubclassDispatch, dtensor_handler, local as _local, wrapper_handler
 from memfit.categories import PRIORITY, Category
@@ -49,6 +50,7 @@ __all__ = ["Ledger", "Record", "Site", "plain", "ALLOC", "FREE", "SPIKE", "MARK"
 
 _BORN = {torch.ops.aten.lift_fresh.default}
 _DEVICE = torch.ops.prim.device.default
+_DETACH = torch.ops.aten.detach.default
 # (backward node, op) -> the in-place op a plain run uses there. Autograd formulas take an
 # out-of-place path when any input is "subclass-like", which a fake tensor, or any tensor under a
 # Python dispatch mode, is (``areAnyTensorSubclassLike`` in FunctionsManual.cpp); a plain run
@@ -93,6 +95,10 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         self._modules = ModuleStack(model)
         self._open = True
         self._handlers = 0  # DTensor handlers running under this mode (``_handled``)
+        # The mode directly below while this one is pushed, if it says ``inline_under_ledger`` (the estimator's
+        # ``ScalarReads``): taken off the stack, its ``__torch_dispatch__`` called inside this mode's, each op passes
+        # one Python mode fewer (~7 % of a fake trace); put back on exit
+        self._inline = None
         self.attention_matrices: dict[str, int] = {}  # module -> bytes of its largest S x S softmax
         self.offloaded_bytes = 0  # saved activations moved off the device (activation offload)
         self.offloaded_scaled = 0  # with ``prime``: the part of it that scales with the batch
@@ -131,7 +137,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             if index is not None:
                 self.records[index].owner = owner
                 if self.prime:
-                    self.records[index].scaled = _scaled_bytes(local, self.prime)
+                    self.records[index].scaled = scaled_bytes(local, self.prime)
                 self.mark(local, category)
 
     def settle(self) -> None:
@@ -170,7 +176,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         """A saved tensor left the device (activation offload): bytes over the host link."""
         self.offloaded_bytes += tensor.untyped_storage().nbytes()
         if self.prime:
-            self.offloaded_scaled += _scaled_bytes(tensor, self.prime)
+            self.offloaded_scaled += scaled_bytes(tensor, self.prime)
 
     def mark(self, tensor: torch.Tensor, category: Category) -> None:
         """Give ``tensor``'s storage a stronger role, if it is tracked."""
@@ -234,9 +240,17 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
                     return rng_state() if ledger is None else ledger._tracked_rng_state()
 
                 scope.enter_context(patched(torch, "get_rng_state", tracked_rng_state))
+            below = _get_current_dispatch_mode()
+            if getattr(below, "inline_under_ledger", False):
+                self._inline = _pop_mode()
+                scope.callback(self._restore_inline)
             out = super().__enter__()
             self._scope = scope.pop_all()
         return out
+
+    def _restore_inline(self) -> None:
+        inline, self._inline = self._inline, None
+        _push_mode(inline)
 
     def __exit__(self, *exc):
         try:
@@ -316,6 +330,12 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             if type(tensor) is FakeTensor:  # FakeTensor's own answer, without passing every mode below (~10 % of a trace)
                 return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
             return func(*args, **(kwargs or {}))
+        if func is _DETACH and len(args) == 1 and type(args[0]) is FakeTensor and not kwargs:
+            # autograd detaches each tensor it saves for backward (a Python subclass's detach is dispatched): ~19 %
+            # of a trace's ops; a view of a plain fake tensor, no kernel: nothing to record but the module's tag
+            out = func(*args)
+            self._modules.tag(out)
+            return out
         kwargs = kwargs or {}
         if func in _IN_PLACE_OPS:
             node = torch._C._current_autograd_node()
@@ -324,7 +344,8 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             self._workspace(func, args, kwargs)
         handler = dtensor_handler(func, args, kwargs) or wrapper_handler(types)
         if handler is None:
-            out = func(*args, **kwargs)
+            out = (func(*args, **kwargs) if self._inline is None
+                   else self._inline.__torch_dispatch__(func, types, args, kwargs))
         else:  # its own ops seen here, as the allocator sees theirs (loss_parallel's cross-entropy)
             out = self._handled(handler, func, args, kwargs)
         if self.counter is not None:
@@ -344,7 +365,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
                     if index is not None:
                         made.append((position, index))
                     if index is not None and self.prime:
-                        self.records[index].scaled = _scaled_bytes(tensor, self.prime)
+                        self.records[index].scaled = scaled_bytes(tensor, self.prime)
                 out_records.append(self._ids.get(storage) if fresh else None)
                 out_metas.append((tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype))
         if made and self.records[made[0][1]].module == OUTSIDE:
@@ -359,11 +380,11 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
             self.records[donor].donated = True
         if self.cublas_workspace is not None:
             self._conv_workspaces(func, args, out)
-        if self.device.type == "cpu" and self.cublas_workspace is None:
+        if self.device.type == "cpu" and self.cublas_workspace is None and not is_view(func):
             # a DTensor's op runs its kernel on the local shards below this mode: the scratch is theirs
             # (tensor parallelism: a bf16 matmul probed at the whole weight's shape was 2x too much scratch)
             # (the arguments are rebuilt with their shards only for a site: most ops are not probed)
-            tensors = [_local(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            tensors = [_local(t) for t in op_tensors(args, kwargs)]
             if tensors and (probe_worthy(func, tensors) or func.__name__.split(".")[0] in self.probe_ops):
                 args, kwargs = tree_map(_local, (args, kwargs))
                 self._add_site(func, args, kwargs, out_records, out_metas)
@@ -389,7 +410,7 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         to its first tensor argument that has one (``zeros_like(param)``, ``grad + grad``)."""
         lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) and a
                  and all(isinstance(t, torch.Tensor) for t in a)]
-        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = op_tensors(args, kwargs)
         fallback = next((p for p in map(self._path, flat) if p is not None), None)
         for position, index in made:
             owner = None
@@ -424,19 +445,6 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
         record = self.records[index]
         fresh = record.phase == "backward" and record.step == self.step and not record.donated
         return index if fresh and record.category is Category.TEMPORARIES else None
-
-
-def _scaled_bytes(tensor: torch.Tensor, prime: int) -> int:
-    """The bytes of ``tensor``'s storage that scale with the batch when the batch has ``prime`` rows.
-
-    A dimension that is a multiple of the prime is a batch dimension; the storage spans
-    ``1 + sum((size - 1) * stride)`` elements, which is affine in the batch, so a view's storage
-    (a slice of a bigger buffer, laid out again) splits exactly into a scaled and a fixed part.
-    """
-    if not tensor.numel():
-        return 0
-    slope = sum((size // prime) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size % prime == 0)
-    return slope * prime * tensor.element_size()
 
 
 rng_hop_rules(Ledger)  # a compiled step's RNG operators run under it (``memfit.scoped``)

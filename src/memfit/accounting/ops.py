@@ -21,11 +21,12 @@ from torch.utils.flop_counter import flop_registry
 
 from memfit.accounting.events import plain
 
-__all__ = ["OpCounter", "DTYPE_CODES"]
+__all__ = ["OpCounter", "DTYPE_CODES", "is_view", "op_tensors"]
 
 #: math dtype of a kernel, as a small int for numpy
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _aten = torch.ops.aten
+_LIFT_FRESH = _aten.lift_fresh.default  # a fresh tensor's birth, aliasing by its schema
 # allocation without a kernel, and views whose schema does not say so
 _NOT_KERNELS = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                 _aten.lift_fresh.default, _aten._unsafe_view.default, _aten._reshape_alias.default}
@@ -110,3 +111,40 @@ def _kernel_schema(func) -> bool:
     if not returns:
         return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
     return any(str(r.type) in _TENSOR_TYPES and (r.alias_info is None or r.alias_info.is_write) for r in returns)
+
+
+_VIEWS: dict = {}
+
+
+def is_view(func) -> bool:
+    """An aten op whose every result is a view that writes nothing (``view``, ``t``, ``slice``...: ~30 % of a
+    trace's ops): no kernel runs, so no kernel scratch to probe (``probe_worthy`` answers no for each)."""
+    known = _VIEWS.get(func)
+    if known is None:
+        schema = func._schema
+        # one tensor argument, and not an op that decomposes (``reshape``, ``contiguous``, ``pin_memory`` may copy:
+        # composite, they reach this mode as the ops they decompose into, but a mode seeing one is told so here)
+        known = _VIEWS[func] = (
+            func.namespace == "aten" and func is not _LIFT_FRESH and bool(schema.returns)
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and sum("Tensor" in str(a.type) for a in schema.arguments) == 1
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+    return known
+
+
+def op_tensors(args, kwargs) -> list:
+    """The tensors among an op's arguments: ``tree_flatten``'s, without its cost on every op of a trace (~4 % of
+    one): aten's arguments are tensors, scalars and flat lists of them; anything nested goes through pytree."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    out.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return out

@@ -154,6 +154,10 @@ class ScalarReads(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # a compiled step runs under it; compiling is not part of the step
 
+    # A ``Ledger`` pushed directly above takes this mode off the stack while it is pushed and calls its
+    # ``__torch_dispatch__`` inside its own (one Python mode less per op); a subclass's override is called the same way
+    inline_under_ledger = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _WAIT and args:
             return args[0]

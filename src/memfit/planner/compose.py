@@ -6,7 +6,7 @@ and composes every candidate from them:
 * **Graph traces**, one per (precision, LoRA, checkpointing kind, offload, chunked loss), one step
   each at two depths. With CUDA semantics the batch has a prime number of rows: a dimension that is
   a multiple of the prime is a batch dimension, and a storage's span is affine in it
-  (``ledger._scaled_bytes``), so the live bytes after *every event* and each kernel's FLOPs and
+  (``events.scaled_bytes``), so the live bytes after *every event* and each kernel's FLOPs and
   bytes are exact at any micro-batch size from that one trace (a batch of one skips a few
   contiguity copies: an upper bound there). With CPU semantics
   (kernel scratch is replayed with real tensors) or a user's batch, two batch sizes are traced and

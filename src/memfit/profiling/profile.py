@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from collections import Counter
 
 import torch
@@ -59,6 +60,8 @@ from memfit.profiling.watch import Watch
 from memfit.report.report import Report
 from memfit.units import format_size
 from memfit.units import parse_size
+
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 __all__ = ["profile", "Profile", "Enough"]
 
@@ -168,7 +171,9 @@ class Profile:
         with warnings.catch_warnings():  # isinstance on lazy module attributes (torch.distributed.reduce_op) warns
             warnings.simplefilter("ignore")
             objects = gc.get_objects()
-            found = [obj for obj in objects if isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))]
+            # a weak proxy (anyone's) is skipped unread: ``isinstance`` on one whose object is gone raises
+            found = [obj for obj in objects if type(obj) not in _PROXIES
+                     and isinstance(obj, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))]
         del objects
         for obj in found:
             if isinstance(obj, torch.Tensor) and not isinstance(obj, torch._subclasses.FakeTensor):

@@ -44,7 +44,8 @@ class Watch(Ledger):
         self._kinds = (device.type, "meta") if owner.fake else (device.type,)
         # weakly: a profile holds its watch, and a cycle between the two (and the model, tensors and frames they
         # hold) would outlive the run until a full collection, where the next profile would count it as resident
-        self.owner = weakref.proxy(owner)
+        # (a reference, not a proxy: ``isinstance`` on a dead proxy raises, and profiles scan every live object)
+        self._owner = weakref.ref(owner)
         self.captured: list = []  # per record: torch's CapturedTraceback of its allocation (None: before the profile)
         self._frames: dict[int, tuple] = {}
         self._own = os.path.dirname(os.path.dirname(__file__)) + os.sep  # memfit's frames are left out
@@ -52,6 +53,11 @@ class Watch(Ledger):
         self.begin("forward", 0)
         self._library = library_roots()
         self._user_cache: dict[str, bool] = {}
+
+    @property
+    def owner(self):
+        """The ``Profile`` this watch serves (None once it is gone)."""
+        return self._owner()
 
     # -- where an allocation comes from ------------------------------------------------------
     def _is_user(self, filename: str) -> bool:
@@ -97,6 +103,7 @@ class Watch(Ledger):
 
     # -- which phase the loop is in -----------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.phase != "backward" and self.owner._in_step == 0 and torch._C._current_autograd_node() is not None:
-            self.owner._backward_began()
+        owner = self._owner()
+        if self.phase != "backward" and owner._in_step == 0 and torch._C._current_autograd_node() is not None:
+            owner._backward_began()
         return super().__torch_dispatch__(func, types, args, kwargs)
