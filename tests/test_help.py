@@ -136,7 +136,7 @@ def test_lora_16_is_a_rank():
     (["estimate", "gpt2", "--lora", "0"], "a rank from 1"),
     (["estimate", "gpt2", "--seq-len", "2k"], "write the number, e.g. 2048"),
     (["estimate", "gpt2", "--compile", "maybe"], "is not one of true, false, layers"),
-    (["estimate", "gpt2", "--parallel", "zero3"], "invalid choice"),
+    (["estimate", "gpt2", "--parallel", "zero4"], "invalid choice"),
     (["estimate", "gpt2", "--offload-activations", "true"], "--no-flag for false"),
     (["serve-plan", "gpt2", "--context", "8k"], "write the number, e.g. 8192"),
 ])

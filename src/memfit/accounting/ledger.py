@@ -51,6 +51,7 @@ __all__ = ["Ledger", "Record", "Site", "plain", "ALLOC", "FREE", "SPIKE", "MARK"
 _BORN = {torch.ops.aten.lift_fresh.default}
 _DEVICE = torch.ops.prim.device.default
 _DETACH = torch.ops.aten.detach.default
+_META = ("meta", torch.device("meta"))
 # (backward node, op) -> the in-place op a plain run uses there. Autograd formulas take an
 # out-of-place path when any input is "subclass-like", which a fake tensor, or any tensor under a
 # Python dispatch mode, is (``areAnyTensorSubclassLike`` in FunctionsManual.cpp); a plain run
@@ -242,15 +243,12 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
                 scope.enter_context(patched(torch, "get_rng_state", tracked_rng_state))
             below = _get_current_dispatch_mode()
             if getattr(below, "inline_under_ledger", False):
-                self._inline = _pop_mode()
-                scope.callback(self._restore_inline)
+                self._inline = inline = _pop_mode()
+                scope.callback(_push_mode, inline)  # on exit (last first): forgotten, then back on the stack
+                scope.callback(setattr, self, "_inline", None)
             out = super().__enter__()
             self._scope = scope.pop_all()
         return out
-
-    def _restore_inline(self) -> None:
-        inline, self._inline = self._inline, None
-        _push_mode(inline)
 
     def __exit__(self, *exc):
         try:
@@ -331,12 +329,13 @@ class Ledger(CudaSemantics, ProbeSites, SubclassDispatch, TorchDispatchMode):
                 return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
             return func(*args, **(kwargs or {}))
         if func is _DETACH and len(args) == 1 and type(args[0]) is FakeTensor and not kwargs:
-            # autograd detaches each tensor it saves for backward (a Python subclass's detach is dispatched): ~19 %
-            # of a trace's ops; a view of a plain fake tensor, no kernel: nothing to record but the module's tag
+            # autograd detaches each tensor it saves for backward (~19 % of a trace's ops): a view, only tagged
             out = func(*args)
             self._modules.tag(out)
             return out
         kwargs = kwargs or {}
+        if kwargs.get("device") in _META:  # made on the meta device: no memory (DeepSpeed's shape records)
+            return func(*args, **kwargs)
         if func in _IN_PLACE_OPS:
             node = torch._C._current_autograd_node()
             func = _IN_PLACE_IN_BACKWARD.get((node.name() if node is not None else "", func), func)

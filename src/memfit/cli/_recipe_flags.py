@@ -54,8 +54,8 @@ FLAGS = (
      "layers QLoRA makes 4-bit: all-linear (all but the heads), adapted (only LoRA's layers, as torchtune) or name suffixes"),
     ('lora_dtype', 'str', ('fp32', 'bf16'),
      "adapter weights' dtype: fp32 (peft's default) or bf16 (torchtune's; with precision=bf16): halves the adapters, their gradients and optimizer state"),
-    ('parallel', 'str', ('none', 'ddp', 'fsdp'),
-     'none | ddp | fsdp: data parallelism over --gpus (FSDP2 shards parameters, gradients and optimizer state 1/N per rank)'),
+    ('parallel', 'str', ('none', 'ddp', 'fsdp', 'zero1', 'zero2', 'zero3'),
+     "none | ddp | fsdp | zero1-3: data parallelism over --gpus (FSDP2 shards parameters, gradients and optimizer state 1/N per rank; zeroN: DeepSpeed's ZeRO stage N)"),
     ('reshard_after_forward', 'str', (),
      'fsdp: true frees gathered parameters after forward (ZeRO-3), false keeps them to backward (ZeRO-2: more memory, one all-gather less), N: regather in groups of N'),
     ('mixed_precision', 'str', (),
@@ -84,6 +84,8 @@ FLAGS = (
      "context parallel degree: each row's sequence split over N ranks of an FSDP2 group (torch's context_parallel, load-balanced), attention run as a ring over them; they read the same rows (parallel=fsdp, attention=sdpa)"),
     ('cp_rotate', 'str', ('allgather', 'alltoall'),
      "with cp: how each layer's keys and values reach the other ranks: allgather (once, whole: torchtitan's default) or alltoall (passed round the ring, one chunk at a time)"),
+    ('zero', 'str', (),
+     "parallel=zero1-3: DeepSpeed's zero_optimization keys, key=value,... as its ds_config names them (reduce_bucket_size=5e7, overlap_comm=true, offload_optimizer=cpu, stage3_prefetch_bucket_size=...); empty: DeepSpeed's defaults (a 5e8-element gradient bucket)"),
     ('float8', 'str', ('off', 'tensorwise', 'rowwise'),
      'torchao float8 training: every linear but the head multiplies float8 copies of its operands (tensorwise or rowwise scales); changes the math: allowed by name'),
 )
@@ -136,8 +138,8 @@ CLI = {
     "lora_dtype": ("lora", "adapter weights: fp32 (default, peft's) | bf16 (torchtune's; with --precision bf16): "
                            "half"),
     # many GPUs and meshes
-    "parallel": ("parallel", "none (default) | ddp | fsdp over --gpus: fsdp shards weights, grads, optimizer "
-                             "state 1/N"),
+    "parallel": ("parallel", "none (default) | ddp | fsdp | zero1-3 (DeepSpeed) over --gpus: fsdp shards "
+                             "all 1/N"),
     "reshard_after_forward": ("parallel", "fsdp: true (default, ZeRO-3) | false (ZeRO-2: more memory, one "
                                           "all-gather less) | N"),
     "mixed_precision": ("parallel", "fsdp: none (default) | bf16[:fp32]: gathered weights and grads in it, "
@@ -163,6 +165,8 @@ CLI = {
                        "(default 1)"),
     "cp_rotate": ("parallel", "with --cp: allgather (default: keys and values once, whole) | alltoall "
                               "(a chunk at a time)"),
+    "zero": ("parallel", "with zero1-3: DeepSpeed zero_optimization keys k=v,... (default: its own; bucket "
+                         "5e8 elements)"),
 }
 
 # what `memfit plan --allow` takes

@@ -92,14 +92,38 @@ def _settled(collective):
 
     def call(*args, **kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        tensors += [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for t in a
+                    if isinstance(t, torch.Tensor)]
         before = [count(t) for t in tensors]
+        # gloo's worker also holds the op's at::Tensors themselves (no new storage reference, so the storage counts
+        # cannot see them) until just after it marks the work done: a temporary the caller reduced and dropped at once
+        # (DeepSpeed's flattened buckets) was freed on the worker's thread, late (a rank 68 KB high in one run of
+        # several under load). Where the case asks (DeepSpeed's), the tensors' own use counts settle too.
+        held = [t._use_count() for t in tensors] if _TENSOR_COUNTS[0] else []
+        # an asynchronous call (DeepSpeed's stage-3 gathers) runs to its end here: its handle holds the tensors, so
+        # their counts could not settle while the caller keeps it (an estimate's collectives complete at once too)
+        asynchronous = kwargs.pop("async_op", False)
         out = collective(*args, **kwargs)
         deadline = time.monotonic() + 5
-        while any(count(t) > b for t, b in zip(tensors, before)) and time.monotonic() < deadline:
+        while (any(count(t) > b for t, b in zip(tensors, before))
+               or any(t._use_count() > h for t, h in zip(tensors, held))) and time.monotonic() < deadline:
             time.sleep(0)
-        return out
+        return _Done() if asynchronous else out
 
     return call
+
+
+class _Done:
+    """The handle of a collective that has completed."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_TENSOR_COUNTS = [False]  # settle on the tensors' own use counts too (``_settled``): the case's (DeepSpeed's)
 
 
 def _settled_wait(wait):
@@ -227,7 +251,7 @@ def settle_collectives() -> None:
     _SETTLED.append(True)
 
     for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
-                 "all_reduce"):
+                 "all_reduce", "broadcast", "reduce", "all_gather"):
         setattr(dist, name, _settled(getattr(dist, name)))
     import torch.distributed._functional_collectives as funcol
 
@@ -262,6 +286,9 @@ def _run(case: dict, store=None) -> dict:
                                 world_size=int(os.environ["WORLD_SIZE"]))
     rank, size = dist.get_rank(), dist.get_world_size()
     recipe = Recipe.from_dict(case.get("recipe", {}))
+    from memfit.techniques.zero_config import STAGES
+
+    _TENSOR_COUNTS[0] = recipe.parallel in STAGES
     source = resolve(case["model"])
     # tensor- and context-parallel peers and pipeline stages read the same rows; the data-parallel ranks split them
     from memfit.hardware.cluster import Layout, World

@@ -216,9 +216,12 @@ def phases(recipe, steps: int, workload: str = "train") -> int:
 
 
 def numel(param) -> int:
-    """Logical weights of a parameter: a 4-bit one stores two per byte (``quant_state.shape``)."""
+    """Logical weights of a parameter: a 4-bit one stores two per byte (``quant_state.shape``); one DeepSpeed's
+    ZeRO-3 partitioned is empty between its gathers (``ds_numel``: its whole size)."""
     state = getattr(param, "quant_state", None)
-    return param.numel() if state is None else int(torch.Size(state.shape).numel())
+    if state is not None:
+        return int(torch.Size(state.shape).numel())
+    return getattr(param, "ds_numel", None) or param.numel()
 
 
 def _notes(unprobed: int, attention: dict[str, int], cuda: bool = False) -> list[str]:

@@ -131,6 +131,7 @@ class _Step:
         self.batch_contexts = list(build.batch_contexts)
         self.pipeline = build.pipeline
         self.stepper = build.wrap_step(opt) if build.wrap_step is not None else None  # safe_step's SafeStep
+        self.engine = build.engine  # DeepSpeed's (deepspeed.py): the forward goes through it, and the backward
         self.count = 0
         self.skipped = 0  # fp16-mixed steps the GradScaler skipped (inf/nan gradients)
 
@@ -163,7 +164,7 @@ class _Step:
         with hooks, contextlib.ExitStack() as stack:
             for context in self.contexts:
                 stack.enter_context(context())
-            return self.loss_fn(self.model, part)
+            return self.loss_fn(self.model if self.engine is None else self.engine, part)
 
     def __call__(self, batch):
         """One optimizer step over ``batch``, split as the recipe says."""
@@ -230,7 +231,10 @@ class _Step:
                 if weight is not None:
                     loss = loss * weight
                 self.watch.begin("backward", index)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                if self.engine is not None:
+                    self.engine.backward(loss)
+                else:
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 del loss
         self._mark_gradients()

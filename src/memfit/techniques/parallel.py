@@ -55,6 +55,7 @@ from __future__ import annotations
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.context_parallel import ROTATE, check_cp, context_parallel, cp_conflict
 from memfit.techniques.ddp import replicate
+from memfit.techniques.zero_config import STAGES
 from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel
 from memfit.techniques.fsdp import mixed_dtypes, reshard_value, shard
 from memfit.techniques.fsdp_step import fsdp_roles, host_records
@@ -63,7 +64,7 @@ from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, p
 
 __all__ = ["TECHNIQUE", "reshard_value", "mixed_dtypes", "PARALLEL", "OFFLOAD", "CONSTRUCTION", "host_records"]
 
-PARALLEL = ("none", "ddp", "fsdp")
+PARALLEL = ("none", "ddp", "fsdp", "zero1", "zero2", "zero3")  # zero*: DeepSpeed ZeRO (deepspeed.py)
 OFFLOAD = ("none", "cpu", "cpu-unpinned")
 CONSTRUCTION = ("meta", "host", "device")
 #: optimizers whose step runs only on a GPU (bitsandbytes, torchao kernels): not on an offloaded host
@@ -87,6 +88,8 @@ _INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
 
 
 def _conflicts(recipe):
+    if recipe.parallel in STAGES:  # DeepSpeed's: deepspeed.py says what it cannot have
+        return
     clash = pipeline_conflict(recipe)
     if clash:
         yield clash
@@ -152,8 +155,8 @@ def _conflicts(recipe):
 
 def _apply(build) -> None:
     recipe = build.recipe
-    if recipe.parallel == "none" and recipe.tp == 1 and recipe.pp == 1:
-        return
+    if (recipe.parallel == "none" and recipe.tp == 1 and recipe.pp == 1) or recipe.parallel in STAGES:
+        return  # DeepSpeed's engine is made with the optimizer (deepspeed.py)
     from memfit.hardware.cluster import placement
 
     place = placement()
@@ -207,8 +210,9 @@ def _ddp_sync_last(model, last: bool) -> None:
 
 TECHNIQUE = Technique(
     name="parallel",
-    fields=(Field("parallel", "none", "none | ddp | fsdp: data parallelism over --gpus (FSDP2 shards parameters, "
-                  "gradients and optimizer state 1/N per rank)", slot=120, choices=PARALLEL),
+    fields=(Field("parallel", "none", "none | ddp | fsdp | zero1-3: data parallelism over --gpus (FSDP2 shards "
+                  "parameters, gradients and optimizer state 1/N per rank; zeroN: DeepSpeed's ZeRO stage N)", slot=120,
+                  choices=PARALLEL),
             Field("reshard_after_forward", "true", "fsdp: true frees gathered parameters after forward (ZeRO-3), "
                   "false keeps them to backward (ZeRO-2: more memory, one all-gather less), N: regather in "
                   "groups of N", slot=121, check=_check_reshard),

@@ -105,6 +105,8 @@ class Build:
     #                                                     forward and backward (loss parallel)
     batch_contexts: list = field(default_factory=list)  # (micro-batch) -> context manager, around its forward and
     #                                                     backward (context parallel shards its sequence)
+    engine: object = None  # an engine that owns forward, backward and the step (DeepSpeed's, set when the optimizer
+    #                        is made): the step calls it as the model and ``engine.backward(loss)``
 
 
 @dataclass(frozen=True)

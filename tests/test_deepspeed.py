@@ -1,0 +1,102 @@
+"""DeepSpeed ZeRO (issue 51): its settings by DeepSpeed's own names, what it cannot be combined with, the config it is
+given (validated by DeepSpeed's own config class), and each rank's estimate against a real 2-rank DeepSpeed run on
+gloo, graded by the CPU allocator's own events (``memfit.distributed.truth``)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="pip install 'memfit[deepspeed]'")
+
+from memfit import Recipe  # noqa: E402
+from memfit.cli import main  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.techniques.deepspeed import zero_conflict  # noqa: E402
+from memfit.techniques.zero_config import ZeroConfig, ds_config  # noqa: E402
+
+# a tiny Llama whose sizes do not divide by 2 (DeepSpeed pads its partitions)
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 509, "hidden_size": 96,
+          "intermediate_size": 257, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 64}
+
+
+def test_zero_settings_read_by_deepspeeds_names_keep_only_what_differs():
+    zero = ZeroConfig.parse("reduce_bucket_size=5e7, overlap_comm=true, contiguous_gradients=true, offload_optimizer=cpu")
+    assert zero.text == "offload_optimizer=cpu,overlap_comm=true,reduce_bucket_size=50000000"  # the default dropped
+    assert ZeroConfig.parse(zero.text) == zero and zero.get("sub_group_size") == 1_000_000_000
+    section = {"stage": 3, "reduce_bucket_size": 50000000, "overlap_comm": True,
+               "offload_optimizer": {"device": "cpu", "pin_memory": True}, "stage3_prefetch_bucket_size": 1000}
+    read = ZeroConfig.from_ds(section, {"grad_accum_dtype": "fp32"})
+    assert read.get("stage3_prefetch_bucket_size") == 1000 and read.get("grad_accum_dtype") == "fp32"
+    assert read.zero_optimization(3)["offload_optimizer"] == {"device": "cpu"}
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("reduce_bucket=5e7", "did you mean reduce_bucket_size"),
+    ("zero_quantized_weights=true", "does not model this DeepSpeed setting yet"),
+    ("offload_optimizer=nvme", "NVMe offload is not modelled yet"),
+    ("reduce_bucket_size=lots", "not a whole number"),
+    ("overlap_comm", "write key=value"),
+])
+def test_a_setting_memfit_does_not_model_is_refused_naming_it(text, fix):
+    with pytest.raises(MemfitError, match=fix):
+        ZeroConfig.parse(text)
+
+
+def test_the_cli_refuses_a_bad_zero_setting_in_one_line(capsys):
+    assert main(["estimate", "gpt2", "--parallel", "zero2", "--zero", "reduce_bucket=5e7"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean reduce_bucket_size" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("recipe, fix", [
+    (dict(parallel="zero2", precision="bf16-mixed"), "DeepSpeed casts the model itself"),
+    (dict(parallel="zero2", zero="offload_param=cpu"), "offload_param=cpu needs parallel=zero3"),
+    (dict(parallel="zero3", offload="cpu"), "DeepSpeed's own: zero offload_optimizer=cpu"),
+    (dict(parallel="fsdp", zero="overlap_comm=true"), "needs parallel=zero1, zero2 or zero3"),
+])
+def test_what_zero_cannot_be_combined_with_is_one_line(recipe, fix):
+    assert fix in zero_conflict(_unchecked(recipe))
+
+
+def _unchecked(values):
+    """A Recipe's values without its own checks (they would raise the same conflict first)."""
+    base = Recipe().to_dict()
+    return type("R", (), {**base, **values})()
+
+
+def test_the_config_it_writes_is_deepspeeds_own_valid_config():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    recipe = Recipe(parallel="zero3", precision="bf16", grad_accum_steps=2,
+                    zero="offload_optimizer=cpu,stage3_prefetch_bucket_size=1e6,grad_accum_dtype=fp32")
+    config = ds_config(recipe, world_size=1, micro_batch_size=4)
+    checked = DeepSpeedConfig(json.loads(json.dumps(config)))
+    assert checked.zero_optimization_stage == 3 and checked.bfloat16_config.enabled and checked.grad_accum_dtype == "fp32"
+    assert checked.zero_config.offload_optimizer.device == "cpu"
+    assert checked.zero_config.prefetch_bucket_size == 1_000_000
+    assert checked.gradient_accumulation_steps == 2 and checked.train_batch_size == 8
+
+
+def test_each_rank_is_a_real_deepspeed_runs_peak(tmp_path):
+    """Stage 2 with accumulation and overlapped buckets, stage 3 with small prefetch and persistence: DeepSpeed 0.19.8's
+    engine on gloo, 2 ranks, 4 steps (stage 3 reaches its steady trace from step 3), each rank's peak from its own
+    allocator events, against memfit's estimate of that rank (DeepSpeed's engine on fake tensors)."""
+    import memfit
+    from memfit.distributed.truth import launch_many
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    recipes = [dict(parallel="zero2", precision="bf16", attention="eager", grad_accum_steps=2,
+                    zero="reduce_bucket_size=50000,overlap_comm=true"),
+               dict(parallel="zero3", precision="bf16", attention="eager",
+                    zero="reduce_bucket_size=50000,stage3_prefetch_bucket_size=50000,"
+                         "stage3_param_persistence_threshold=1000")]
+    shape = dict(batch_size=16, seq_len=32, steps=4)
+    truths = launch_many([{"model": str(path), "recipe": r, **shape} for r in recipes], 2)
+    for recipe, ranks in zip(recipes, truths):
+        estimate = memfit.estimate(str(path), recipe=Recipe(**recipe), gpus=2, device="cpu", **shape)
+        estimated = {r["rank"]: r["peak_bytes"] for r in estimate.ranks}
+        for rank in ranks:  # rank 0, and the last of stage 2 (its partition holds the padding)
+            mine = estimated.get(rank["rank"], estimated[0])
+            assert abs(mine - rank["peak_bytes"]) <= 0.001 * rank["peak_bytes"], (recipe, rank, estimated)
