@@ -21,7 +21,8 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_s
 
 
 def test_zero_settings_read_by_deepspeeds_names_keep_only_what_differs():
-    zero = ZeroConfig.parse("reduce_bucket_size=5e7, overlap_comm=true, contiguous_gradients=true, offload_optimizer=cpu")
+    zero = ZeroConfig.parse("reduce_bucket_size=5e7, overlap_comm=true, contiguous_gradients=true, "
+                            "offload_optimizer=cpu")
     assert zero.text == "offload_optimizer=cpu,overlap_comm=true,reduce_bucket_size=50000000"  # the default dropped
     assert ZeroConfig.parse(zero.text) == zero and zero.get("sub_group_size") == 1_000_000_000
     section = {"stage": 3, "reduce_bucket_size": 50000000, "overlap_comm": True,
@@ -72,7 +73,8 @@ def test_the_config_it_writes_is_deepspeeds_own_valid_config():
                     zero="offload_optimizer=cpu,stage3_prefetch_bucket_size=1e6,grad_accum_dtype=fp32")
     config = ds_config(recipe, world_size=1, micro_batch_size=4)
     checked = DeepSpeedConfig(json.loads(json.dumps(config)))
-    assert checked.zero_optimization_stage == 3 and checked.bfloat16_config.enabled and checked.grad_accum_dtype == "fp32"
+    assert checked.zero_optimization_stage == 3 and checked.bfloat16_config.enabled
+    assert checked.grad_accum_dtype == "fp32"
     assert checked.zero_config.offload_optimizer.device == "cpu"
     assert checked.zero_config.prefetch_bucket_size == 1_000_000
     assert checked.gradient_accumulation_steps == 2 and checked.train_batch_size == 8
@@ -100,3 +102,63 @@ def test_each_rank_is_a_real_deepspeed_runs_peak(tmp_path):
         for rank in ranks:  # rank 0, and the last of stage 2 (its partition holds the padding)
             mine = estimated.get(rank["rank"], estimated[0])
             assert abs(mine - rank["peak_bytes"]) <= 0.001 * rank["peak_bytes"], (recipe, rank, estimated)
+
+
+DS_CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "bf16": {"enabled": "auto"},
+             "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
+                                   "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                                   "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+             "gradient_clipping": "auto", "steps_per_print": 100}
+
+
+def test_a_ds_config_with_the_trainers_auto_values_reads_as_zero(tmp_path, capsys):
+    """A ds_config.json on its own, the Trainer's ``deepspeed`` key naming it, and accelerate's DeepSpeed plugin; the
+    ``auto`` buckets resolved as the Trainer resolves them (hidden², 0.9 hidden², 10 hidden) when the engine is made:
+    the estimate from the file is the estimate from the flags with those numbers."""
+    from memfit.trainers.read import read_trainer_config
+
+    (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
+    alone = read_trainer_config(tmp_path / "ds.json")
+    assert alone.kind == "deepspeed" and alone.recipe.parallel == "zero3"
+    assert ZeroConfig.parse(alone.recipe.zero).get("reduce_bucket_size") == "auto"
+    (tmp_path / "args.json").write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                                                    "bf16": True, "deepspeed": "ds.json"}))
+    trainer = read_trainer_config(tmp_path / "args.json").recipe
+    assert (trainer.parallel, trainer.precision, trainer.micro_batch_size, trainer.grad_accum_steps) == \
+        ("zero3", "bf16", 4, 2)  # the Trainer's bf16 is DeepSpeed's bf16 section: the engine casts the model
+    (tmp_path / "accelerate.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: bf16\n"
+                                              "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n")
+    plugin = read_trainer_config(tmp_path / "accelerate.yaml")
+    assert (plugin.recipe.parallel, plugin.recipe.zero, plugin.gpus) == ("zero2", "offload_optimizer=cpu", 2)
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    shape = ["--batch-size", "16", "--seq-len", "32", "--gpus", "2", "--device", "cpu", "--attention", "eager",
+             "--json"]
+    assert main(["estimate", str(config), "--from", str(tmp_path / "args.json"), *shape]) == 0
+    read = json.loads(capsys.readouterr().out)
+    hidden = CONFIG["hidden_size"]
+    zero = (f"overlap_comm=true,offload_optimizer=cpu,reduce_bucket_size={hidden ** 2},"
+            f"stage3_prefetch_bucket_size={int(0.9 * hidden ** 2)},stage3_param_persistence_threshold={10 * hidden}")
+    # the Trainer's default optim is adamw_torch_fused
+    assert main(["estimate", str(config), "--parallel", "zero3", "--precision", "bf16", "--micro-batch-size", "4",
+                 "--grad-accum-steps", "2", "--optimizer-impl", "fused", "--zero", zero, *shape]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert read["peak_bytes"] == said["peak_bytes"] and read["phase_peaks"] == said["phase_peaks"]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"zero_optimization": {"stage": 0}}, "memfit models ZeRO stages 1, 2 and 3"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing is not modelled"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, "does not model this DeepSpeed setting"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer type 'lamb' is not modelled"),
+    ({"zero_optimisation": {"stage": 2}}, "'zero_optimisation' is not a DeepSpeed setting memfit knows"),
+])
+def test_a_ds_config_memfit_cannot_model_is_one_line(tmp_path, change, words):
+    from memfit.trainers.read import read_trainer_config
+
+    (tmp_path / "ds.json").write_text(json.dumps({**DS_CONFIG, **change}))
+    with pytest.raises(MemfitError) as err:
+        read_trainer_config(tmp_path / "ds.json")
+    assert words in str(err.value) and "\n" not in str(err.value)

@@ -98,7 +98,7 @@ def test_estimate_from_a_config_equals_the_same_flags(llama, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, words", [
-    ({"deepspeed": "ds_config.json"}, "deepspeed='ds_config.json' is not modelled"),
+    ({"deepspeed": "ds_config.json"}, "deepspeed='ds_config.json': no such file here or beside args.json"),
     ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, "reentrant"),
     ({"per_device_train_batchsize": 4}, "'per_device_train_batchsize' is not a TrainingArguments"),
     ({"per_device_train_batch_size": 0}, "positive whole number"),
@@ -175,7 +175,7 @@ def test_accelerate_fsdp2_config(llama, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, words", [
-    (("distributed_type: FSDP", "distributed_type: DEEPSPEED"), "distributed_type='DEEPSPEED' is not modelled"),
+    (("distributed_type: FSDP", "distributed_type: MEGATRON_LM"), "distributed_type='MEGATRON_LM' is not modelled"),
     (("fsdp_version: 2", "fsdp_version: 1"), "set fsdp_version: 2"),
     (("mixed_precision: bf16", "mixed_precision: fp8"), "mixed_precision='fp8' is not modelled"),
     (("num_processes: 2", "num_processes: 3\nnum_machines: 2"), "does not split over num_machines"),

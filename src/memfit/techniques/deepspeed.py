@@ -63,7 +63,8 @@ def zero_conflict(recipe) -> str | None:
     for name, default in (("reshard_after_forward", "true"), ("mixed_precision", "none"), ("construction", "meta"),
                           ("shard_over", "node")):
         if str(getattr(recipe, name)) != default:
-            return f"{name}={getattr(recipe, name)} is FSDP2's; with parallel={recipe.parallel} drop it (zero= holds DeepSpeed's settings)"
+            return (f"{name}={getattr(recipe, name)} is FSDP2's; with parallel={recipe.parallel} drop it (zero= holds "
+                    "DeepSpeed's settings)")
     return None
 
 
@@ -190,7 +191,7 @@ def zero_engine(build, place) -> None:
 
     deepspeed = _deepspeed()
     recipe = build.recipe
-    config = ds_config(recipe, place.world.size, recipe.micro_batch_size or 1)
+    config = ds_config(recipe, place.world.size, recipe.micro_batch_size or 1, hidden=_hidden(build.model))
     make_base = build.make_optimizer or (lambda params: make_optimizer(build.optimizer_spec, params))
     model = build.model
 
@@ -229,6 +230,18 @@ def zero_engine(build, place) -> None:
         return _EngineOptimizer(engine, base, scope)
 
     build.make_optimizer = make
+
+
+def _hidden(model) -> int | None:
+    """The hidden size the Trainer reads for ``auto`` buckets: ``hidden_size``, else the largest of ``hidden_sizes``,
+    else the text model's."""
+    config = getattr(model, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        if getattr(source, "hidden_size", None):
+            return source.hidden_size
+        if getattr(source, "hidden_sizes", None):
+            return max(source.hidden_sizes)
+    return None
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import dataclasses
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["ZeroConfig", "STAGES", "VERSION", "zero_stage", "ds_config", "check_zero"]
+__all__ = ["ZeroConfig", "STAGES", "VERSION", "zero_stage", "ds_config", "check_zero", "resolve_auto"]
 
 #: parallel values that are DeepSpeed ZeRO stages
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -43,6 +43,9 @@ _UNMODELLED = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quant
                "ignore_unused_parameters", "legacy_stage1", "elastic_checkpoint", "load_from_fp32_weights",
                "stage3_use_all_reduce_for_fetch_params", "parameter_alignment", "log_trace_cache_warnings")
 _OFFLOAD = ("none", "cpu")
+# the Hugging Face Trainer's "auto" values, from the model's hidden size h (transformers' integrations/deepspeed.py)
+_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+         "stage3_param_persistence_threshold": lambda h: 10 * h}
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 
 
@@ -102,7 +105,9 @@ class ZeroConfig:
                                   + f"; it knows {', '.join(_KEYS)}")
             kind, default = _KEYS[key]
             text = str(raw).strip()
-            if kind == "int":
+            if text == "auto" and key in _AUTO:
+                value = "auto"  # the Trainer's: from the model's hidden size when the engine is made (resolve_auto)
+            elif kind == "int":
                 value = _number(key, text)
             elif kind == "bool":
                 value = raw if isinstance(raw, bool) else _flag(key, text)
@@ -157,6 +162,17 @@ class ZeroConfig:
         return section
 
 
+def resolve_auto(zero: ZeroConfig, hidden: int | None) -> ZeroConfig:
+    """``zero`` with its ``auto`` values as the Trainer resolves them from the model's hidden size."""
+    auto = [key for key, value in zero.settings if value == "auto"]
+    if not auto:
+        return zero
+    if not hidden:
+        raise MemfitError(f"zero {auto[0]}=auto is the Hugging Face Trainer's hidden-size rule, and this model has no "
+                          "hidden_size: give a number")
+    return ZeroConfig.from_values({**dict(zero.settings), **{key: _AUTO[key](hidden) for key in auto}})
+
+
 def zero_stage(recipe) -> int:
     """The ZeRO stage of ``recipe.parallel`` (0: not DeepSpeed)."""
     return STAGES.get(str(recipe.parallel), 0)
@@ -166,12 +182,13 @@ def check_zero(value) -> None:
     ZeroConfig.parse(value)
 
 
-def ds_config(recipe, world_size: int, micro_batch_size: int = 1) -> dict:
-    """The DeepSpeed config that runs ``recipe`` over ``world_size`` ranks (what ``--emit deepspeed`` writes)."""
+def ds_config(recipe, world_size: int, micro_batch_size: int = 1, hidden: int | None = None) -> dict:
+    """The DeepSpeed config that runs ``recipe`` over ``world_size`` ranks; ``hidden``: the model's hidden size, for
+    ``auto`` settings."""
     stage = zero_stage(recipe)
     if not stage:
         raise MemfitError(f"parallel={recipe.parallel} is not a DeepSpeed ZeRO stage: use zero1, zero2 or zero3")
-    zero = ZeroConfig.parse(recipe.zero)
+    zero = resolve_auto(ZeroConfig.parse(recipe.zero), hidden)
     config = {"train_micro_batch_size_per_gpu": micro_batch_size,
               "gradient_accumulation_steps": recipe.grad_accum_steps,
               "train_batch_size": micro_batch_size * recipe.grad_accum_steps * world_size,

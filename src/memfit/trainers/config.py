@@ -19,7 +19,8 @@ class TrainerConfig:
     included), the sequence length and the model where it names them, and how each setting was read."""
 
     path: str
-    kind: str  # "hf-trainer" (TrainingArguments, TRL's SFTConfig / ModelConfig), "accelerate" or "lightning"
+    kind: str  # "hf-trainer" (TrainingArguments, TRL's SFTConfig / ModelConfig), "accelerate", "lightning" or
+    #            "deepspeed" (a ds_config.json)
     recipe: Recipe
     seq_len: int | None = None
     model: str | None = None

@@ -12,7 +12,8 @@ names them. Every setting is one of three kinds:
   FSDP2's MixedPrecisionPolicy as well as autocast), TRL's ``max_length``, ``activation_offloading`` and its
   LoRA / QLoRA fields;
 - not modelled yet, refused in one line naming the setting and the fix when set away from its default
-  (``_REFUSED``: DeepSpeed, reentrant checkpointing, Liger kernels, packing...);
+  (``_REFUSED``: reentrant checkpointing, Liger kernels, packing...); ``deepspeed`` (a ds_config path or mapping)
+  is read by ``deepspeed_config.py`` and merged (DeepSpeed's bf16 / fp16 in place of autocast);
 - without effect on a training step's device memory (logging, saving, evaluation, the schedule, the data loader's
   workers): every other field transformers' ``TrainingArguments`` (or TRL's known fields) has.
 A key none of these know is refused too (a typo, or another trainer's file): nothing is dropped silently.
@@ -21,8 +22,9 @@ An accelerate config YAML (``accelerate config`` writes it; ``distributed_type``
 (``num_processes`` over ``num_machines``), the autocast dtype (``mixed_precision``: accelerate wraps the model's
 forward in autocast and, with FSDP2, sets the same dtype as FSDP2's MixedPrecisionPolicy) and FSDP2's settings
 (``fsdp_version: 2``, ``fsdp_reshard_after_forward``, ``fsdp_offload_params``, ``fsdp_activation_checkpointing``);
-the batch is the training script's, given with memfit's flags. DeepSpeed, FSDP1, fp8 and the other plugins are
-refused in one line.
+the batch is the training script's, given with memfit's flags. DeepSpeed (``distributed_type: DEEPSPEED``: its
+plugin's stage and offloads, or the ds_config it names) is read by ``deepspeed_config.py``; FSDP1, fp8 and the other
+plugins are refused in one line. A ds_config.json on its own is read too (``kind`` "deepspeed").
 
 Why by hand: transformers parses these files into ``TrainingArguments``, but building one checks the machine it runs
 on (bf16 on a CPU is refused) and says nothing about memory; the mapping to memfit's fields is memfit's vocabulary
@@ -37,13 +39,13 @@ import os
 from memfit.errors import MemfitError, shown
 from memfit.techniques.recipe import Recipe
 from memfit.trainers.config import _NEUTRAL_NOTE, MAX_FILE_BYTES, TrainerConfig, _count
+from memfit.trainers.deepspeed_config import (from_accelerate, load_ds_config, looks_like_ds_config, merged,
+                                              read_ds_config)
 
 __all__ = ["TrainerConfig", "read_trainer_config"]
 
 # settings that change a step's memory and are not modelled from this file yet: (default, the fix)
 _REFUSED = {
-    "deepspeed": (None, "memfit models FSDP2 and DDP, not DeepSpeed: estimate with --parallel fsdp (ZeRO-3-like) or "
-                        "--parallel fsdp --reshard-after-forward false (ZeRO-2-like)"),
     "parallelism_config": (None, "transformers' parallelism_config (TP / CP in the Trainer) is not read yet: pass "
                                  "--tp / --cp to memfit"),
     "use_liger_kernel": (False, "Liger's fused kernels are not modelled: memfit traces transformers' own layers "
@@ -130,6 +132,12 @@ def read_trainer_config(path) -> TrainerConfig:
     name = os.path.basename(os.fspath(path))
     if "distributed_type" in data or "compute_environment" in data:
         return _accelerate(path, name, data)
+    if looks_like_ds_config(data):  # a ds_config.json: zero_optimization, train_micro_batch_size_per_gpu...
+        fields, read = read_ds_config(name, data)
+        try:
+            return TrainerConfig(os.fspath(path), "deepspeed", Recipe(**fields), read=tuple(read))
+        except MemfitError as err:
+            raise MemfitError(f"{name}: {err}") from None
     if isinstance(data.get("trainer"), dict):  # a LightningCLI config: trainer:, model:, data:, optimizer:
         from memfit.trainers.lightning import read_lightning
 
@@ -143,7 +151,7 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
     known = _training_argument_fields()
     fields: dict = {}
     read: list = []
-    seq_len = model = fsdp_config = None
+    seq_len = model = fsdp_config = deepspeed = None
     lora = {}
 
     def refuse(key, why):
@@ -202,6 +210,10 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
         elif key == "fsdp_config":  # read with fsdp, after the loop
             fsdp_config = value
             continue
+        elif key == "deepspeed":  # a ds_config path or mapping: merged after the loop
+            if value is not None:
+                deepspeed = read_ds_config(name, load_ds_config(name, value, os.path.dirname(os.fspath(path))))
+            continue
         elif key in ("max_length", "max_seq_length"):  # TRL's SFTConfig (max_seq_length: TRL before 0.20)
             if value is not None:
                 seq_len = _count(name, key, value)
@@ -221,6 +233,11 @@ def _training_arguments(path, name: str, data: dict) -> TrainerConfig:
             continue
         read.append((key, value, "read"))
     fields.update(_lora(name, lora))
+    if deepspeed is not None:
+        if fields.get("parallel") == "fsdp":
+            raise MemfitError(f"{name}: fsdp and deepspeed are both set: the Trainer runs one engine; keep one")
+        fields = merged(fields, deepspeed[0])
+        read.extend(deepspeed[1])
     if fields.get("parallel") == "fsdp":
         fsdp_fields = _fsdp(name, fsdp_config or {}, read, prefix="", default_version=2)
         if fields.get("offload") == "cpu":  # fsdp's legacy "offload" option: one offload, said either way
@@ -262,6 +279,7 @@ def _accelerate(path, name: str, data: dict) -> TrainerConfig:
     FSDP2's settings. The batch is the script's, not the file's: memfit's flags give it."""
     fields: dict = {}
     read: list = []
+    deepspeed = None
 
     def refuse(key, value, why):
         raise MemfitError(f"{name}: {key}={shown(value, 40)} is not modelled: {why}")
@@ -271,8 +289,11 @@ def _accelerate(path, name: str, data: dict) -> TrainerConfig:
         fields["parallel"] = "ddp"
     elif kind == "FSDP":
         fields["parallel"] = "fsdp"
+    elif kind == "DEEPSPEED":
+        fields["parallel"] = "zero2"  # accelerate's default stage, unless its deepspeed_config says
     elif kind not in ("NO", None):
-        refuse("distributed_type", kind, "memfit models one GPU (NO), DDP (MULTI_GPU) and FSDP2 (FSDP)")
+        refuse("distributed_type", kind, "memfit models one GPU (NO), DDP (MULTI_GPU), FSDP2 (FSDP) and DeepSpeed "
+                                         "ZeRO (DEEPSPEED)")
     processes = _count(name, "num_processes", data.get("num_processes", 1))
     machines = _count(name, "num_machines", data.get("num_machines", 1))
     if processes % machines:
@@ -295,6 +316,9 @@ def _accelerate(path, name: str, data: dict) -> TrainerConfig:
                 read.append((key, value, "unused: distributed_type is not FSDP"))
                 continue
             fields.update(_fsdp(name, value or {}, read))
+        elif key == "deepspeed_config" and kind == "DEEPSPEED":
+            deepspeed = from_accelerate(name, value or {}, os.path.dirname(os.fspath(path)))
+            continue
         elif key in ("deepspeed_config", "megatron_lm_config", "fp8_config", "parallelism_config", "dynamo_config",
                      "ipex_config", "mpirun_config"):
             if value:
@@ -305,6 +329,10 @@ def _accelerate(path, name: str, data: dict) -> TrainerConfig:
         else:
             raise MemfitError(f"{name}: {shown(key, 40)} is not an accelerate config setting memfit knows: a typo, or "
                               "another tool's file; remove it or fix its name")
+    if kind == "DEEPSPEED":
+        ds_fields, ds_read = deepspeed or from_accelerate(name, {}, os.path.dirname(os.fspath(path)))
+        fields = merged(fields, ds_fields)
+        read.extend(ds_read)
     if fields.get("parallel") == "fsdp" and fields.get("precision") in ("bf16-mixed", "fp16-mixed"):
         # accelerate sets FSDP2's MixedPrecisionPolicy from mixed_precision (AcceleratorState) and wraps the forward
         # in autocast as well
