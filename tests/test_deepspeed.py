@@ -162,3 +162,24 @@ def test_a_ds_config_memfit_cannot_model_is_one_line(tmp_path, change, words):
     with pytest.raises(MemfitError) as err:
         read_trainer_config(tmp_path / "ds.json")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_emit_deepspeed_writes_a_config_deepspeed_accepts_and_memfit_reads_back(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from memfit.trainers.emit import emit
+    from memfit.trainers.read import read_trainer_config
+
+    recipe = Recipe(parallel="zero3", precision="bf16", micro_batch_size=4, grad_accum_steps=2, checkpointing="blocks",
+                    zero="overlap_comm=true,offload_optimizer=cpu,stage3_max_live_parameters=1e8")
+    emitted = emit(recipe, "deepspeed", gpus=8)
+    assert emitted.filename == "ds_config.json" and json.loads(emitted.text)["train_batch_size"] == 4 * 2 * 8
+    # DeepSpeed's own validation (it raises on a bad config), at the world size of this process (no process group: 1)
+    DeepSpeedConfig(json.loads(emit(recipe, "deepspeed", gpus=1).text))
+    assert any(n.startswith("checkpointing=blocks: deepspeed has no setting") for n in emitted.notes)
+    (tmp_path / "ds_config.json").write_text(emitted.text)
+    back = read_trainer_config(tmp_path / "ds_config.json").recipe
+    assert (back.parallel, back.zero, back.precision, back.micro_batch_size, back.grad_accum_steps) == \
+        (recipe.parallel, recipe.zero, recipe.precision, recipe.micro_batch_size, recipe.grad_accum_steps)
+    with pytest.raises(MemfitError, match="plan with --parallel zero1, zero2 or zero3"):
+        emit(Recipe(parallel="fsdp"), "deepspeed", gpus=8)

@@ -172,6 +172,10 @@ def _estimates(tmp_path):
     mamba = _config(tmp_path, "mamba", model_type="mamba", architectures=["MambaForCausalLM"], hidden_size=64,
                     num_hidden_layers=2, vocab_size=256, state_size=8)
     memfit.estimate(mamba.build, mamba.make_batch(2, 16))
+    # DeepSpeed's engine (stage 3 puts its own torch.nn.functional.linear in place for the rest of a real run)
+    pytest.importorskip("deepspeed")
+    memfit.estimate(_llama, _tokens(), recipe=memfit.Recipe(parallel="zero3", precision="bf16"), gpus=2,
+                    device="cpu")
 
 
 def _failing_estimate():
@@ -187,7 +191,7 @@ def _failing_estimate():
 def test_an_estimate_leaves_torch_as_it_found_it(tmp_path, monkeypatch):
     monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)  # conftest sets it; memfit sets it only while probing
     # third-party imports register their own ops, warnings filters and loggers on first use: not memfit's
-    for name in ("bitsandbytes", "peft", "transformers.models.mamba.modeling_mamba",
+    for name in ("bitsandbytes", "peft", "deepspeed", "transformers.models.mamba.modeling_mamba",
                  "transformers.models.mixtral.modeling_mixtral"):
         try:
             __import__(name)

@@ -33,7 +33,8 @@ def build(pl) -> None:
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
     output = _args.section(pl, "output")
     output.add_argument("--emit", default=None, metavar="TOOL[,TOOL]",
-                        help="also the recipe in your trainer's terms: hf-trainer, accelerate, lightning, pytorch or all")
+                        help="also the recipe in your trainer's terms: hf-trainer, accelerate, lightning, pytorch, "
+                             "deepspeed or all")
     output.add_argument("--emit-dir", default=None, metavar="DIR",
                         help="write the --emit files into DIR (default: print them)")
     _args.add_json(pl, help="print the plans as JSON")
@@ -99,7 +100,9 @@ def _tools(value) -> list:
         return []
     from memfit.trainers.emit import TOOLS
 
-    tools = list(TOOLS) if value.strip() == "all" else [t.strip() for t in value.split(",") if t.strip()]
+    # all: every trainer's file; a ds_config.json is asked for by name (it is a ZeRO recipe's: --parallel zero1-3)
+    tools = ([t for t in TOOLS if t != "deepspeed"] if value.strip() == "all"
+             else [t.strip() for t in value.split(",") if t.strip()])
     bad = [t for t in tools if t not in TOOLS]
     if bad or not tools:
         raise MemfitError(f"--emit {bad[0] if bad else value!r} is not a tool memfit writes: use "

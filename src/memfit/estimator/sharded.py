@@ -58,8 +58,12 @@ def estimate_ranks(model, batch, world, *, recipe, progress, moe_routing, length
 
 def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Report:
     """``estimate_ranks``' traces, one fake world a rank, and the report of the worst."""
+    from contextlib import nullcontext
+
     from memfit.hardware.cluster import Layout, fake_world
+    from memfit.techniques.deepspeed import torch_as_found
     from memfit.techniques.pipeline_parallel import cut
+    from memfit.techniques.zero_config import STAGES
 
     layout = Layout.of_recipe(world, recipe)
     reports = []
@@ -72,7 +76,7 @@ def _each_rank(source, batch, world, *, recipe, progress, fast, **kwargs) -> Rep
         queue = [layout.rank(shard=0), layout.rank(shard=recipe.cp - 1)]
     parts = cut(source.depth, recipe.pp) if recipe.pp > 1 and source.depth else None
     for rank in queue:  # grows while it is read: the last rank of a stage whose parameters split unevenly
-        with fake_world(world, rank) as place:
+        with fake_world(world, rank) as place, torch_as_found() if recipe.parallel in STAGES else nullcontext():
             tick = ticker(progress, phases(recipe, kwargs["steps"]))
             stage = layout.coords(rank)["pp"]
             report = traced(source, batch, recipe=recipe, fast=fast, tick=tick, layout=None,

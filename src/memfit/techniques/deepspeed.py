@@ -33,7 +33,7 @@ from memfit.errors import MemfitError
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.zero_config import VERSION, ZeroConfig, check_zero, ds_config, zero_stage
 
-__all__ = ["TECHNIQUE", "zero_conflict"]
+__all__ = ["TECHNIQUE", "zero_conflict", "torch_as_found"]
 
 def zero_conflict(recipe) -> str | None:
     """One line naming what a ZeRO recipe cannot have (None: nothing)."""
@@ -245,6 +245,29 @@ def _hidden(model) -> int | None:
 
 
 @contextlib.contextmanager
+def torch_as_found():
+    """torch's namespaces as they were before the block, whatever DeepSpeed's engine changed in them for the rest of
+    its process (stage 3 puts its memory-efficient ``torch.nn.functional.linear`` in place and wraps
+    ``torch.manual_seed``): a real run keeps them, and so does the estimate's step; the estimate's caller gets its
+    torch back (``estimator/sharded.py`` around each rank's trace)."""
+    import torch
+
+    owners = (torch, torch.nn.functional, torch.Tensor, torch.nn.Module, torch.autograd.Function)
+    saved = [(owner, dict(vars(owner))) for owner in owners]
+    try:
+        yield
+    finally:
+        for owner, before in saved:  # (names new since are left: torch binds submodules as they are imported)
+            now = vars(owner)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
 def _on_cpu():
     """A real run on the CPU (the truth, ``distributed/truth.py``): DeepSpeed's CPU accelerator, and no JIT-built
     shared-memory op (inference's all-reduce; g++ and minutes at start-up)."""
@@ -296,6 +319,15 @@ def _conflicts(recipe):
         yield clash
 
 
+def _normalize(values: dict) -> dict:
+    """``zero`` in one spelling (DeepSpeed's defaults dropped, keys sorted, numbers whole): recipes that run the same
+    engine are equal, and a file read back is the recipe written."""
+    text = values.get("zero")
+    if not isinstance(text, str) or not text:
+        return values
+    return {**values, "zero": ZeroConfig.parse(text).text}
+
+
 def _apply(build) -> None:
     if not zero_stage(build.recipe):
         return
@@ -311,4 +343,4 @@ TECHNIQUE = Technique(
                   "stage3_prefetch_bucket_size=...); empty: DeepSpeed's defaults (a 5e8-element gradient bucket)",
                   slot=135, check=check_zero),),
     # after the optimizer (60) and accumulation (63): the engine takes the recipe's optimizer and micro-batches
-    order=65, apply=_apply, conflicts=_conflicts, trace="none")
+    order=65, apply=_apply, conflicts=_conflicts, trace="none", normalize=_normalize)

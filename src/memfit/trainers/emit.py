@@ -8,7 +8,9 @@ The tools and what each file is:
   FSDP2's settings; the batch and the optimizer stay in the user's script and are said in the notes;
 - ``lightning``: a LightningCLI config's ``trainer:`` section (``precision``, ``accumulate_grad_batches``,
   ``devices``, ``num_nodes``, ``strategy``); FSDP2 is Lightning's ``ModelParallelStrategy``;
-- ``pytorch``: the lines that run the recipe in a plain loop with ``memfit.apply``.
+- ``pytorch``: the lines that run the recipe in a plain loop with ``memfit.apply``;
+- ``deepspeed``: a ``ds_config.json`` for a ZeRO recipe (``parallel=zero1|zero2|zero3``: ``zero_config.ds_config``,
+  which DeepSpeed's own ``DeepSpeedConfig`` accepts in the tests); the optimizer is the script's (a client optimizer).
 
 Each file is what ``read_trainer_config`` reads back to the same recipe where the tool can say all of it (the tests
 check both that and the tool's own parser). A recipe field the tool has no setting for is never dropped: it is one of
@@ -31,13 +33,13 @@ from memfit.techniques.recipe import Recipe
 
 __all__ = ["TOOLS", "Emitted", "emit", "within"]
 
-TOOLS = ("hf-trainer", "accelerate", "lightning", "pytorch")
+TOOLS = ("hf-trainer", "accelerate", "lightning", "pytorch", "deepspeed")
 
 # searched Recipe fields a tool's config has no setting for, at the value that leaves them out
 _UNSAID = {"chunked_loss": 0, "optimizer_in_backward": False, "offload_optimizer": False,
            "activation_memory_budget": 1.0}
 _UNSAID_BY = {"hf-trainer": _UNSAID, "accelerate": _UNSAID | {"offload_activations": False},
-              "lightning": _UNSAID | {"offload_activations": False}, "pytorch": {}}
+              "lightning": _UNSAID | {"offload_activations": False}, "pytorch": {}, "deepspeed": _UNSAID}
 
 
 def within(tools) -> dict:
@@ -316,4 +318,23 @@ def _pytorch(recipe: Recipe, gpus: int, nodes: int, seq_len, model) -> Emitted:
     return Emitted("pytorch", "train_memfit.py", text, tuple(notes))
 
 
-_WRITERS = {"hf-trainer": _hf_trainer, "accelerate": _accelerate, "lightning": _lightning, "pytorch": _pytorch}
+def _deepspeed(recipe: Recipe, gpus: int, nodes: int, seq_len, model) -> Emitted:
+    import json
+
+    from memfit.techniques.zero_config import ds_config, zero_stage
+
+    if not zero_stage(recipe):
+        raise MemfitError(f"--emit deepspeed writes a ZeRO recipe's ds_config.json, and this one is parallel="
+                          f"{recipe.parallel}: plan with --parallel zero1, zero2 or zero3")
+    config = ds_config(recipe, gpus * nodes, recipe.micro_batch_size or 1)
+    said = {"parallel", "zero", "precision", "micro_batch_size", "grad_accum_steps"}
+    said |= {"optimizer", "optimizer_impl"}
+    notes = _by_hand({k: v for k, v in _changed(recipe).items() if k not in said}, "deepspeed")
+    notes.append(f"optimizer={recipe.optimizer}: the script's own, passed to deepspeed.initialize(optimizer=...) (the "
+                 "Hugging Face Trainer passes its own when the config has no optimizer section)")
+    notes += _launch(gpus, nodes, "deepspeed --num_gpus {gpus}{nnodes} train.py --deepspeed ds_config.json")
+    return Emitted("deepspeed", "ds_config.json", json.dumps(config, indent=2) + "\n", tuple(notes))
+
+
+_WRITERS = {"hf-trainer": _hf_trainer, "accelerate": _accelerate, "lightning": _lightning, "pytorch": _pytorch,
+            "deepspeed": _deepspeed}

@@ -101,7 +101,8 @@ def configs_text(plans, model: str | None, seq_len: int | None) -> str:
         return error_line(MemfitError("this memfit has no config writer (memfit.trainers.emit): the configs "
                                       "come with a later version; the plan's recipe is on the plan tab"))
     recipe, parts = plans.best.recipe, []
-    for tool in TOOLS:
+    # a ds_config.json is a ZeRO recipe's (parallel=zero1-3); the other tools write any recipe
+    for tool in (t for t in TOOLS if t != "deepspeed" or str(recipe.parallel).startswith("zero")):
         try:
             out = emit(recipe, tool, gpus=1, nodes=1, seq_len=seq_len or plans.best.seq_len, model=model)
         except MemfitError as err:
