@@ -33,7 +33,7 @@ def build(pl) -> None:
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
     output = _args.section(pl, "output")
     output.add_argument("--emit", default=None, metavar="TOOL[,TOOL]",
-                        help="also the recipe in your trainer's terms: hf-trainer, accelerate, lightning, pytorch, "
+                        help="the recipe in your trainer's terms: hf-trainer, accelerate, lightning, pytorch, "
                              "deepspeed or all")
     output.add_argument("--emit-dir", default=None, metavar="DIR",
                         help="write the --emit files into DIR (default: print them)")
