@@ -187,3 +187,16 @@ def test_emit_deepspeed_writes_a_config_deepspeed_accepts_and_memfit_reads_back(
         (recipe.parallel, recipe.zero, recipe.precision, recipe.micro_batch_size, recipe.grad_accum_steps)
     with pytest.raises(MemfitError, match="plan with --parallel zero1, zero2 or zero3"):
         emit(Recipe(parallel="fsdp"), "deepspeed", gpus=8)
+
+
+def test_memfit_train_refuses_a_zero_recipe_in_one_line(capsys):
+    """memfit's trainer runs FSDP2 and DDP; a ZeRO recipe is estimated, not trained by it: one line, the way out named."""
+    import torch
+
+    from memfit.training.loop import train
+
+    with pytest.raises(MemfitError, match="does not run parallel=zero2.*--emit deepspeed"):
+        train(torch.nn.Linear(4, 4), [torch.zeros(4)], recipe=Recipe(parallel="zero2"))
+    assert main(["train", "gpt2", "--parallel", "zero3", "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "does not run parallel=zero3" in err and len(err.strip().splitlines()) == 1, err

@@ -115,6 +115,9 @@ def _launch(args) -> int:
         raise MemfitError("--recipe auto plans for one process: plan with `memfit plan --gpus N`, then pass the "
                           "recipe file with --nproc-per-node N")
     parallel = args.parallel or (Recipe.load(given) if given else Recipe()).parallel
+    if str(parallel).startswith("zero"):
+        raise MemfitError(f"memfit train does not run parallel={parallel} yet (memfit estimate answers for it): train "
+                          "with --parallel fsdp or ddp, or run DeepSpeed itself (memfit plan --emit deepspeed)")
     if parallel == "none":
         raise MemfitError(f"--nproc-per-node {args.nproc_per_node} trains one model on several processes: pass "
                           "--parallel fsdp (shards it) or --parallel ddp (replicates it)")

@@ -177,6 +177,8 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         raise MemfitError(f"plan must be a memfit Plan (memfit.plan(...)[0]), got {type(plan).__name__}")
     recipe = recipe or (plan.recipe if plan is not None else Recipe())
     meshed = [f"{name}={getattr(recipe, name)}" for name in ("tp", "pp", "cp") if getattr(recipe, name) > 1]
+    if str(getattr(recipe, "parallel", "")).startswith("zero"):  # DeepSpeed's engine: run it with DeepSpeed itself
+        meshed.append(f"parallel={recipe.parallel} (memfit plan --emit deepspeed writes its ds_config.json)")
     # estimated per rank (memfit estimate --gpus N), not yet trained: TP and CP peers and stages read the same rows
     if meshed:
         raise MemfitError(f"memfit train does not run {' and '.join(meshed)} yet (memfit estimate answers for it): "
