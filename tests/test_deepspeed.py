@@ -200,3 +200,30 @@ def test_memfit_train_refuses_a_zero_recipe_in_one_line(capsys):
     assert main(["train", "gpt2", "--parallel", "zero3", "--nproc-per-node", "2"]) == 2
     err = capsys.readouterr().err
     assert "does not run parallel=zero3" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_buckets_gradient_partitions_and_gathers_have_their_roles(tmp_path):
+    """DeepSpeed's buffers by role, not as temporaries: stage 2's reduction buckets (two with overlap_comm, made at
+    each backward) are communication of reduce_bucket_size 16-bit elements each, its gradient partition gradients;
+    stage 3's gathered parameters unsharded parameters. The roles move bytes between categories, never the peak."""
+    from memfit.categories import Category
+    from memfit.estimator.fake_trace import fake_trace
+    from memfit.hardware.cluster import World, fake_world
+    from memfit.models.source import resolve
+    from memfit.techniques.deepspeed import torch_as_found
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    recipes = {"zero2": Recipe(parallel="zero2", precision="bf16", attention="eager",
+                               zero="reduce_bucket_size=50000,overlap_comm=true"),
+               "zero3": Recipe(parallel="zero3", precision="bf16", attention="eager", zero="reduce_bucket_size=50000")}
+    found = {}
+    for name, recipe in recipes.items():
+        with fake_world(World(2), 0), torch_as_found():
+            report, result = fake_trace(resolve(str(path)), None, recipe=recipe, loss_fn=None, optimizer=None, steps=2,
+                                        batch_size=2, seq_len=32, keep=True)
+        found[name] = {c: [r.nbytes for r in result.ledger.records if r.category is c] for c in Category}
+        assert sum(report.by_category.values()) == report.peak_bytes
+    assert found["zero2"][Category.COMMUNICATION] == [50_000 * 2] * 4  # two buckets, each step's backward
+    assert found["zero2"][Category.GRADIENTS] and not found["zero2"][Category.UNSHARDED_PARAMETERS]
+    assert found["zero3"][Category.UNSHARDED_PARAMETERS] and found["zero3"][Category.GRADIENTS]

@@ -239,12 +239,15 @@ def test_world_input():
         world_of(0, 1)
     with pytest.raises(MemfitError, match="needs a process group"):
         placement()
+    hook = sys.excepthook
     with fake_world(World(2), 1) as place:
         assert (place.rank, place.world.size, place.fake) == (1, 2, True)
         with pytest.raises(MemfitError, match="initialised already"):
             with fake_world(World(2)):
                 pass
     assert not torch.distributed.is_initialized()
+    # init_process_group wraps sys.excepthook to prefix "[rank1]: ": a plan's dozens of fake worlds stacked the prefix
+    assert sys.excepthook is hook
 
 
 def test_backend_threads_left_out():

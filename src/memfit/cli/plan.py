@@ -30,6 +30,9 @@ def build(pl) -> None:
     _args.section(pl, "optimizer").add_argument("--optimizer", default="adamw", metavar="NAME",
                                                 help="the optimizer training uses (default adamw)")
     _args.add_world(pl, help="GPUs per node (default 1): plan searches data parallel and FSDP2 x TP over them")
+    _args.section(pl, "parallel").add_argument(
+        "--engine", default=None, metavar="NAME[,NAME]",
+        help="across GPUs: torch (DDP, FSDP2; default), deepspeed (ZeRO 1-3; --emit deepspeed's default), both")
     _args.add_out(pl, help="write the chosen recipe to this .yaml/.json file")
     output = _args.section(pl, "output")
     output.add_argument("--emit", default=None, metavar="TOOL[,TOOL]",
@@ -65,7 +68,7 @@ def run(args) -> int:
                                     nodes=args.nodes)
             plans = plan(_args.model_of(args), batch, hardware=hardware, data=data,
                          allow=args.allow, optimizer=args.optimizer, loss_fn=_args.import_spec(args.loss),
-                         progress=update, fixed=_within(tools, args))
+                         progress=update, fixed=_within(tools, args), engines=_engines(args.engine, tools))
         except NothingFits as err:
             if args.json:
                 smallest = err.smallest.to_dict() if err.smallest is not None else None
@@ -110,10 +113,24 @@ def _tools(value) -> list:
     return tools
 
 
+def _engines(value, tools: list) -> tuple:
+    """--engine's names; without it, DeepSpeed's ZeRO alone where --emit asks for a ds_config.json (it runs only a
+    ZeRO recipe), PyTorch's engines otherwise."""
+    from memfit.planner.plan import check_engines
+
+    if value is None:
+        return ("deepspeed",) if "deepspeed" in tools else ("torch",)
+    try:
+        return check_engines(value)
+    except MemfitError:
+        raise MemfitError(f"--engine {value!r} is not a data-parallel engine: use torch, deepspeed or "
+                          "torch,deepspeed") from None
+
+
 def _within(tools: list, args):
     """With --emit, a one-GPU plan searches only what the named trainers can say. The multi-GPU search takes no
     fixed fields: what its recipe holds that a trainer cannot say (TP, PP, CP, EP) is one of the file's notes."""
-    if not tools or (args.gpus or 1) * (args.nodes or 1) > 1:
+    if not tools or args.gpus is not None or args.nodes is not None:  # --gpus 1 too: the search across GPUs
         return None
     from memfit.trainers.emit import within
 

@@ -269,12 +269,14 @@ def process_outside(gpu, ledger, recipe, workload: str = "train"):
 def run_outside(gpu, recipe, world_size: int = 1, workload: str = "train", matmul: bool = True):
     """What one process of a run of ``recipe`` over ``world_size`` ranks holds outside torch's allocator on
     ``gpu``: ``hardware/outside.py`` with one NCCL communicator per process group with peers (tp, pp, cp, ep
-    above 1) and one for FSDP2 or DDP (even at world size 1)."""
+    above 1) and one for FSDP2, DDP or DeepSpeed's ZeRO (even at world size 1)."""
     from memfit.hardware.outside import Workload, outside
 
     parallel = getattr(recipe, "parallel", "none")
     degrees = [getattr(recipe, name, 1) for name in ("tp", "pp", "cp", "ep")]
-    communicators = sum(1 for d in degrees if d > 1) + (1 if parallel in ("fsdp", "ddp") else 0)
+    # DeepSpeed's engine makes its process group's communicator too, even alone (its broadcasts and reductions)
+    communicators = sum(1 for d in degrees if d > 1) + (1 if parallel in ("fsdp", "ddp", "zero1", "zero2", "zero3")
+                                                        else 0)
     work = Workload(kind="train" if workload == "train" else "generate", matmul=matmul,
                     communicators=communicators, world_size=world_size,
                     offload=parallel == "fsdp" and getattr(recipe, "offload", "none") != "none")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -282,6 +283,7 @@ def fake_world(world: World, rank: int = 0):
     if dist.is_initialized():
         raise MemfitError("a process group is initialised already: estimate a world size before "
                           "init_process_group, or in a process of its own (not under torchrun)")
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]: " (again for each fake world)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world.size)
     token = None
     try:
@@ -291,6 +293,7 @@ def fake_world(world: World, rank: int = 0):
         if token is not None:
             _CURRENT.reset(token)
         dist.destroy_process_group()
+        sys.excepthook = hook
         forget_meshes()
 
 

@@ -6,7 +6,10 @@ The structures: DDP; FSDP2 resharding after forward, ZeRO-3-like; FSDP2 keeping 
 ZeRO-2-like; FSDP2 with ``CPUOffloadPolicy``, at any GPU count, one included; over several nodes HSDP and FSDP2
 over every rank; each with activation checkpointing off and, for a model of blocks, every block. Mixed precision is
 bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce, fp32 shards, as torchtitan
-trains), autocast for DDP.
+trains), autocast for DDP. Where the user allows DeepSpeed (``engines``), its ZeRO stages beside them
+(``zero_structures``): stage 1; stage 2 with ``overlap_comm`` off and on (the second bucket buys the reductions'
+overlap with backward); stage 3 (its offloads not yet: ``zero_structures``); DeepSpeed's own bf16 (fp16 on a card without bf16), the buckets at the Hugging Face Trainer's ``auto`` sizes
+(``reduce_bucket_size`` = hidden², prefetch 0.9 hidden², persistence 10 hidden: what most ZeRO fine-tunes run).
 
 The collectives are rings: an all-gather or reduce-scatter of B bytes moves B x (n-1)/n per rank, an all-reduce
 twice that, at the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between nodes
@@ -14,8 +17,12 @@ twice that, at the card's NVLink (or PCIe) rate within a node and ``NETWORK_BAND
 backward when it reshards, for every micro-batch; it reduce-scatters once per step (sync on the last micro-batch)
 or once per micro-batch; HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the gradients once
 per step. Offload adds, unhidden, each gathered shard over the host link (fp32, per gather), the sharded gradients
-back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``. Left out: how the step overlaps these with
-its kernels (``search.py``).
+back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``. ZeRO, in the model's 16-bit dtype: stage 1
+reduces the gradients once a step (at the last micro-batch) and stage 2 every micro-batch, each then all-gathers the
+updated partitions (``allgather_bucket_size`` buckets, after the step: unhidden); their reductions are hidden behind
+backward only with ``overlap_comm``; stage 3 gathers every block in forward and backward (prefetched: hidden) and
+reduce-scatters every micro-batch. Left out: how the step
+overlaps these with its kernels (``search.py``), the latency of many small buckets.
 """
 
 from __future__ import annotations
@@ -26,12 +33,53 @@ from memfit.planner.cost import EFFICIENCY
 from memfit.planner.mesh import MAX_SHARD
 from memfit.techniques.parallel import mixed_dtypes
 from memfit.techniques.recipe import Recipe
+from memfit.techniques.zero_config import STAGES, ZeroConfig, resolve_auto
 
-__all__ = ["structures", "comm_seconds", "offload_seconds", "HOST_STEP_BANDWIDTH", "ADAMW_BYTES"]
+__all__ = ["structures", "zero_structures", "comm_seconds", "offload_seconds", "HOST_STEP_BANDWIDTH", "ADAMW_BYTES",
+           "ENGINES", "ZERO_BUCKETS"]
+
+#: the data-parallel engines a plan may search: PyTorch's own (DDP, FSDP2) and DeepSpeed's ZeRO
+ENGINES = ("torch", "deepspeed")
+#: the buckets a planned ZeRO stage is given: the Hugging Face Trainer's ``auto``, resolved from the hidden size (the
+#: numbers written out, so the recipe and its ds_config.json say what was estimated)
+ZERO_BUCKETS = ("reduce_bucket_size",)
+_STAGE3_BUCKETS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
-def structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
-    """The recipe structures searched (without the micro-batch), likely fastest first."""
+def structures(card, world: World, has_blocks: bool, optimizer: str, engines=("torch",),
+               hidden: int | None = None) -> list[dict]:
+    """The recipe structures searched (without the micro-batch), likely fastest first: PyTorch's (DDP, FSDP2) where
+    ``engines`` has ``torch``, DeepSpeed's ZeRO stages where it has ``deepspeed`` (``hidden``: the model's hidden
+    size, for their buckets)."""
+    found = _torch_structures(card, world, has_blocks, optimizer) if "torch" in engines else []
+    return found + (zero_structures(card, world, has_blocks, optimizer, hidden) if "deepspeed" in engines else [])
+
+
+def zero_structures(card, world: World, has_blocks: bool, optimizer: str, hidden: int | None = None) -> list[dict]:
+    """DeepSpeed's ZeRO stages (module docstring), each with checkpointing off and, for a model of blocks, every
+    block; none at one GPU (a stage without offload shards nothing there). Buckets at the Trainer's ``auto`` sizes
+    from ``hidden`` (DeepSpeed's defaults without it). Its offloads are not searched yet: the fake engine runs on
+    DeepSpeed's CPU accelerator, where the host's partitions and the GPU's are one device, so a plan could not tell
+    what an offload saves on the GPU."""
+    if world.size == 1:
+        return []
+    precision = "bf16" if card is None or card.bf16 else "fp16"
+
+    def buckets(keys) -> str:
+        if not hidden:
+            return ""
+        return resolve_auto(ZeroConfig.from_values({key: "auto" for key in keys}), hidden).text
+
+    stages = [("zero1", buckets(ZERO_BUCKETS)), ("zero2", buckets(ZERO_BUCKETS)),
+              ("zero2", ",".join(filter(None, (buckets(ZERO_BUCKETS), "overlap_comm=true")))),
+              ("zero3", buckets(_STAGE3_BUCKETS))]
+    return [{"parallel": stage, "precision": precision, "zero": zero, "checkpointing": checkpointing,
+             "optimizer": optimizer}
+            for checkpointing in (("off", "blocks") if has_blocks else ("off",)) for stage, zero in stages]
+
+
+def _torch_structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
+    """DDP and FSDP2's structures (module docstring)."""
     bf16 = card is None or card.bf16
     ddp = {"parallel": "ddp", "precision": "bf16-mixed" if bf16 else "fp32"}
     policy = {"mixed_precision": "bf16:fp32"} if bf16 else {}
@@ -81,6 +129,8 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     efficiency = EFFICIENCY["host_link"]
     within = peer_link(card)[1] * efficiency
     between = NETWORK_BANDWIDTH * efficiency
+    if recipe.parallel in STAGES:
+        return _zero_seconds(recipe, world, params, units, micro_batches, card)
     if recipe.parallel == "ddp":
         ring = 2 * params * 4 * (world.size - 1) / world.size  # fp32 gradients, one all-reduce per step
         return ring / (between if world.nodes > 1 else within), 0.0
@@ -97,4 +147,23 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     if world.nodes > 1 and recipe.shard_over == "node":  # HSDP: the shards all-reduced between nodes
         seconds += 2 * params / n * reduce_bytes * (world.nodes - 1) / world.nodes / between
     return seconds, all_gather / max(units, 1)
+
+
+
+def _zero_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
+    """ZeRO's (hidden, unhidden) seconds of collectives a step (module docstring): rings over every rank in the
+    model's 16-bit dtype."""
+    n = world.size
+    link = (NETWORK_BANDWIDTH if world.nodes > 1 else peer_link(card)[1]) * EFFICIENCY["host_link"]
+    ring = params * 2 * (n - 1) / n / link  # one all-gather or reduce-scatter of every parameter
+    zero = ZeroConfig.parse(recipe.zero)
+    stage = STAGES[recipe.parallel]
+    if stage == 3:  # every block gathered in forward and backward (prefetched) and reduced, each micro-batch
+        overlapped = zero.get("overlap_comm") is not False
+        reduce = ring * micro_batches
+        return 2 * ring * micro_batches + reduce * overlapped, ring / max(units, 1) + reduce * (not overlapped)
+    reduce = ring * (micro_batches if stage == 2 else 1)
+    hidden = stage == 2 and zero.get("overlap_comm") is True
+    # the updated partitions all-gathered after the step: nothing left to hide them behind
+    return reduce * hidden, reduce * (not hidden) + ring
 

@@ -55,7 +55,7 @@ SMALLEST_CHECKS = 4  # then the smallest predicted, in full
 def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | None = None, allow=(),
          optimizer="adamw", loss_fn=None, progress=None, cache: EngineCache | None = None, fixed=None,
          budget=None, gpu=None, global_batch_size: int | None = None, seq_len: int | None = None,
-         device: str | None = None, gpus: int | None = None, nodes: int | None = None) -> Plans:
+         device: str | None = None, gpus: int | None = None, nodes: int | None = None, engines=("torch",)) -> Plans:
     """The fastest recipes for ``model`` that fit ``budget``, fastest first.
 
         memfit.plan("llama-3.1-8b", hardware=memfit.Hardware(gpu="rtx-4090"),
@@ -84,6 +84,10 @@ def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | No
                 search is DDP / FSDP2 x checkpointing x micro-batch, each candidate a real per-rank
                 estimate (``ranks.py``); ``global_batch_size`` is over all ranks.
 
+    engines     the data-parallel engines searched across GPUs: ``"torch"`` (DDP, FSDP2 and its meshes, the
+                default), ``"deepspeed"`` (DeepSpeed's ZeRO stages and offloads), or both, e.g.
+                ``("torch", "deepspeed")``; ``deepspeed`` needs 2 GPUs or more (``gpus=``).
+
     fixed       Recipe fields the user set (a dict, or a Recipe: its non-default fields): every candidate
                 has them, and the search varies the rest (``memfit train`` plans so around its flags).
                 A math-changing value named here is the user's choice, as if allowed.
@@ -102,6 +106,10 @@ def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | No
     gpu, budget, device, gpus, nodes = hardware.gpu, hardware.budget, hardware.device, hardware.gpus, hardware.nodes
     global_batch_size, seq_len = data.batch_size, data.seq_len
     allowed = allowed_names(allow)
+    engines = check_engines(engines)
+    if "deepspeed" in engines and (gpus or 1) * (nodes or 1) == 1:
+        raise MemfitError("DeepSpeed's ZeRO is planned across GPUs: give gpus=2 or more (on the command line --gpus N; "
+                          "ZeRO-Offload on one GPU is not planned yet)")
     for name, value in (("progress", progress), ("loss_fn", loss_fn)):
         if value is not None and not callable(value):
             raise MemfitError(f"{name} must be a callable or None, got {type(value).__name__} {shown(value, 40)}")
@@ -166,7 +174,7 @@ def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | No
                               "optimizer callable (or gpus=)")
         return plan_ranks(source, target=target, budget_bytes=budget_bytes, world=world,
                           global_batch_size=global_batch_size, seq_len=seq_len, optimizer=optimizer, loss_fn=loss_fn,
-                          progress=progress)
+                          progress=progress, engines=engines)
     cache = EngineCache() if cache is None else cache
     engine = cache.engine(source, batch, target, seq_len, loss_fn, optimizer, global_batch_size, progress)
     space = search_space(engine, allowed, optimizer, fixed)
@@ -381,3 +389,18 @@ def _fits(report, budget: int) -> bool:
 
 def _rank(p: Plan):
     return (round(p.step_seconds, 9), p.device_bytes, p.recipe.describe())
+
+
+def check_engines(engines) -> tuple:
+    """``engines`` as a tuple of names from ``ENGINES`` (a name or a comma-separated text is one too)."""
+    from memfit.planner.data_parallel import ENGINES
+
+    names = [n.strip() for n in engines.split(",")] if isinstance(engines, str) else engines
+    try:
+        found = tuple(dict.fromkeys(names))
+    except TypeError:
+        found = None
+    if not found or not all(isinstance(n, str) and n in ENGINES for n in found):
+        raise MemfitError(f"engines={shown(engines, 40)} is not a set of data-parallel engines: use "
+                          f"{' or '.join(ENGINES)}, or both (e.g. engines=('torch', 'deepspeed'))")
+    return tuple(n for n in ENGINES if n in found)

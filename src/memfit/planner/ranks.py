@@ -46,6 +46,7 @@ from memfit.planner.mesh import (MAX_SHARD, MAX_TP, bubble, cp_degrees, cp_secon
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.search import RankSearch
 from memfit.techniques.recipe import Recipe
+from memfit.techniques.zero_config import zero_stage
 from memfit.units import format_size
 
 __all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees", "tp_seconds", "comm_seconds",
@@ -61,10 +62,11 @@ class NoWorld(MemfitError):
 
 
 def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_size: int, seq_len, optimizer: str,
-               loss_fn=None, progress=None) -> Plans:
+               loss_fn=None, progress=None, engines=("torch",)) -> Plans:
     """The fastest per-rank recipes that fit ``budget_bytes`` on each of ``world``'s GPUs (``target``): data
     parallel alone and, for a model with a tensor-parallel plan, FSDP2 x TP over each degree ``tp_degrees``
-    allows (the mesh: dp x tp)."""
+    allows (the mesh: dp x tp). ``engines``: PyTorch's (``torch``: DDP, FSDP2 and the meshes) and DeepSpeed's ZeRO
+    stages (``deepspeed``), either or both."""
     from memfit.estimator.estimate import estimate
     from memfit.estimator.verdict import OOM
     from memfit.techniques.checkpointing import find_blocks
@@ -74,21 +76,23 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     if not has_blocks:
         with _meta(source) as model:
             has_blocks = bool(model is not None and find_blocks(model))
+    meshes = "torch" in engines  # TP, EP, CP and PP are FSDP2's meshes
     # the data-parallel ranks split the global batch: each TP degree whose dp = size / tp divides it
-    degrees = [tp for tp in (tp_degrees(source, world) if world.size > 1 and loss_fn is None else [])
+    degrees = [tp for tp in (tp_degrees(source, world) if world.size > 1 and loss_fn is None and meshes else [])
                if global_batch_size % (world.size // tp) == 0]
     # expert parallel borrows data-parallel ranks: every rank reads its own rows
-    experts_at = [ep for ep in (ep_degrees(source, world) if world.size > 1 and loss_fn is None else [])
+    experts_at = [ep for ep in (ep_degrees(source, world) if world.size > 1 and loss_fn is None and meshes else [])
                   if global_batch_size % world.size == 0]
     if global_batch_size % world.size and not degrees:
         raise MemfitError(f"global_batch_size={global_batch_size} does not divide over {world.size} GPUs: use a "
                           f"multiple of {world.size}")
-    shapes = [(1, fields) for fields in structures(target, world, has_blocks, optimizer)
+    hidden = getattr(source.config, "hidden_size", None)
+    shapes = [(1, fields) for fields in structures(target, world, has_blocks, optimizer, engines, hidden)
               if global_batch_size % world.size == 0]
     shapes += [(tp, fields) for tp in degrees for fields in tp_structures(target, world, tp, has_blocks, optimizer)]
     shapes += [(1, fields) for ep in experts_at for fields in ep_structures(target, world, ep, has_blocks, optimizer)]
     # context parallel for long sequences: CP peers read the same rows (the data-parallel ranks are size / cp)
-    rings = cp_degrees(source, world, seq_len, global_batch_size) if world.size > 1 and loss_fn is None else []
+    rings = cp_degrees(source, world, seq_len, global_batch_size) if world.size > 1 and loss_fn is None and meshes else []
     shapes += [(cp, fields) for cp in rings for fields in cp_structures(target, world, cp, has_blocks, optimizer)]
     expert_params = 0
     if experts_at:
@@ -98,9 +102,15 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                         global_batch_size=global_batch_size, seq_len=seq_len, optimizer=optimizer, loss_fn=loss_fn,
                         progress=progress, expert_params=expert_params)
     depths, notes = search.depths, search.notes
-    if world.nodes > 1 and world.size > MAX_SHARD:
+    if world.nodes > 1 and world.size > MAX_SHARD and meshes:
         notes.append(f"FSDP over all {world.size} ranks left out (past {MAX_SHARD} a per-rank trace takes minutes): "
                      "HSDP, sharded within each node, searched")
+    if "deepspeed" in engines:
+        notes.append("DeepSpeed ZeRO searched" + (" beside PyTorch's DDP and FSDP2" if meshes else " alone")
+                     + f": stages 1-3, stage 2 with overlap_comm off and on, DeepSpeed's own "
+                     f"{'bf16' if target.bf16 else 'fp16'}, buckets at the Hugging Face Trainer's auto sizes "
+                     "(reduce_bucket_size hidden², stage 3 prefetch 0.9 hidden², persistence 10 hidden); its offloads "
+                     "not yet (the fake engine cannot tell the host's partitions from the GPU's)")
     if degrees:
         notes.append(f"tensor parallel searched at tp={', '.join(map(str, degrees))} (FSDP2 x TP, sequence and loss "
                      "parallel)")
@@ -109,7 +119,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
                      "routing; memfit estimate --moe-routing worst bounds it)")
     # pipeline parallel over several nodes, at the largest TP degree searched (torchtitan pairs PP with TP 8)
     staged = max(degrees, default=1)
-    pipelines = pp_degrees(source, world, staged, global_batch_size) if world.size > 1 and loss_fn is None else []
+    pipelines = (pp_degrees(source, world, staged, global_batch_size) if world.size > 1 and loss_fn is None and meshes
+                 else [])
     if pipelines:
         mesh = f"FSDP2 x TP {staged} x PP" if staged > 1 else "FSDP2 x PP"
         notes.append(f"pipeline parallel searched at pp={', '.join(map(str, pipelines))} ({mesh}, "
@@ -165,7 +176,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     searched = len(shapes) + len(pipelines)
     notes.append(f"{len(results)} of {searched} structures fit; {search.traces} per-rank candidates traced")
     settings = {"model": source.name, "global_batch_size": global_batch_size, "seq_len": seq_len,
-                "optimizer": optimizer, "gpus": world.gpus, "nodes": world.nodes, "traces": search.traces,
+                "optimizer": optimizer, "gpus": world.gpus, "nodes": world.nodes, "engines": list(engines),
+                "traces": search.traces,
                 "speed": search.speed.name, "tp_degrees": degrees, "ep_degrees": experts_at, "pp_degrees": pipelines,
                 "cp_degrees": rings}
     return Plans([chosen] + rest, budget=budget_bytes, device="cuda", gpu=target.name, candidates=searched,
@@ -193,12 +205,18 @@ def _reasons(search: RankSearch, r: Recipe, checked, compute: float, comm: float
                        target) * 1000
     cp_ms = cp_seconds(r, r.micro_batch_size, seq_len or 0, search.kv_width, depth, r.grad_accum_steps, target) * 1000
     p2p_ms = pp_seconds(r, 1, seq_len or 0, hidden, target, world.size // pp >= world.gpus) * 1000
+    # ZeRO's collectives that nothing hides: stage 1's reduction, the partitions gathered after the step
+    # (module docstring of data_parallel.py)
+    dp_world = World(world.gpus // tp // pp, world.nodes)
+    unhidden = comm_seconds(r, dp_world, checked.parameters, depth + 1, r.grad_accum_steps, target)[1] * 1000
     return (f"{r.describe()} on {world.describe()} ({mesh}): {format_size(checked.device_bytes)} per rank "
             f"of {format_size(search.budget_bytes)} (the highest rank's full estimate)",
             f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of data-parallel collectives "
             f"({link} {rate / 1e9:,.0f} GB/s within a node"
             + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
             + "), overlapped"
+            + (f"; {unhidden:,.0f} ms of them not overlapped (the reduction without overlap_comm, the updated "
+               "partitions gathered after the step)" if zero_stage(r) in (1, 2) else "")
             + (f"; {tp_ms:,.0f} ms of TP collectives, not overlapped" if tp > 1 else "")
             + (f"; {ep_ms:,.0f} ms of EP all-to-alls (balanced routing), not overlapped" if ep > 1 else "")
             + (f"; {cp_ms:,.0f} ms of the ring's all-gathers and reduce-scatters, not overlapped" if cp > 1 else "")

@@ -39,6 +39,7 @@ from memfit.planner.result import Plan
 from memfit.planner.terms import KernelRows, Phases
 from memfit.techniques.accumulation import MAX_ACCUM_STEPS, divisors
 from memfit.techniques.recipe import Recipe
+from memfit.techniques.zero_config import zero_stage
 
 __all__ = ["RankSearch", "TRACED_MICRO"]
 
@@ -187,10 +188,14 @@ class RankSearch:
         return self._kernels[key]
 
     def _trace_kernels(self, model, recipe: Recipe, micro: int, traced: int):
+        from contextlib import nullcontext
+
         from memfit.estimator.fake_trace import fake_trace
+        from memfit.techniques.deepspeed import torch_as_found
 
         self.runs += 1
-        with fake_world(self.world, 0):
+        # DeepSpeed's engine patches torch as it initializes: undone after each trace (``deepspeed.torch_as_found``)
+        with fake_world(self.world, 0), torch_as_found() if zero_stage(recipe) else nullcontext():
             report, replay = fake_trace(model, None, recipe=recipe.replace(grad_accum_steps=traced),
                                         loss_fn=self.loss_fn, optimizer=None, steps=2, batch_size=micro * traced,
                                         seq_len=self.seq_len, gpu=self.target, budget=self.budget_bytes, detail=True)

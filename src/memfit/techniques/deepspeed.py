@@ -146,8 +146,8 @@ class _Engine:
     """DeepSpeed's engine as the step sees it: called as the model, ``backward(loss)`` as DeepSpeed wants it (its
     ``step`` after every micro-batch but the last: it counts them to find the accumulation boundary)."""
 
-    def __init__(self, engine, scope):
-        self.engine, self.scope = engine, scope
+    def __init__(self, engine, scope, watch=None):
+        self.engine, self.scope, self.watch = engine, scope, watch
 
     def __call__(self, *args, **kwargs):
         with self.scope():
@@ -156,8 +156,71 @@ class _Engine:
     def backward(self, loss) -> None:
         with self.scope():
             self.engine.backward(loss)
+            _mark_buffers(self.engine.optimizer, self.watch)
             if not self.engine.is_gradient_accumulation_boundary():
                 self.engine.step()
+
+
+def _mark_buffers(optimizer, watch) -> None:
+    """The roles of what DeepSpeed's optimizer holds after a backward, by its own attribute names (0.19.8): its
+    reduction buckets (``ipg_buckets``) are communication buffers, the gradient partitions they fill (stage 2's
+    ``grads_in_partition``, stage 3's ``grad_partitions_flat_buffer``, ``averaged_gradients``) gradients. Otherwise
+    the ledger sees them as temporaries (made inside backward, held by no ``.grad``)."""
+    if watch is None:
+        return
+    from memfit.categories import Category
+
+    def tensors(value):
+        if value is None:
+            return []
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            return [t for item in value for t in tensors(item)]
+        return [value] if hasattr(value, "untyped_storage") else []
+
+    for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
+        for tensor in tensors(getattr(bucket, "buffer", None)):
+            watch.mark(tensor, Category.COMMUNICATION)
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer", "averaged_gradients"):
+        for tensor in tensors(getattr(optimizer, name, None)):
+            watch.mark(tensor, Category.GRADIENTS)
+
+
+@contextlib.contextmanager
+def _marked(watch, stage: int):
+    """While the engine runs: stage 1/2's reduction buckets, made at each backward's start (``setup_buckets``), marked
+    as communication buffers; stage 3's gathered parameters (the coordinator's fetch of a module's partitions,
+    prefetched ones as their module is fetched) as unsharded parameters, as FSDP2's are."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator, stage_1_and_2
+
+    from memfit.categories import Category
+    from memfit.scoped import patched
+
+    if stage < 3:
+        cls = stage_1_and_2.DeepSpeedZeroOptimizer
+        setup = cls.setup_buckets
+
+        def setup_marked(self):
+            setup(self)
+            for bucket in self.ipg_buckets.values():
+                for tensor in bucket.buffer:
+                    watch.mark(tensor, Category.COMMUNICATION)
+
+        with patched(cls, "setup_buckets", setup_marked):
+            yield
+        return
+    cls = coordinator.PartitionedParameterCoordinator
+    fetch = cls.fetch_sub_module
+
+    def fetch_marked(self, current_submodule, forward):
+        fetch(self, current_submodule, forward)
+        for param in current_submodule.parameters(recurse=False):
+            if param.numel():
+                watch.mark(param, Category.UNSHARDED_PARAMETERS)
+
+    with patched(cls, "fetch_sub_module", fetch_marked):
+        yield
 
 
 class _EngineOptimizer:
@@ -226,7 +289,13 @@ def zero_engine(build, place) -> None:
             # stage 1/2 cut one flat buffer into equal partitions: a parameter across a boundary counts in both ranks'
             # gradient partitions and the last holds the padding (the estimate traces the last rank too)
             place.notes.setdefault("uneven", "DeepSpeed's flat partitions")
-        build.engine = _Engine(engine, scope)
+        def marked():  # the engine's forward and backward, its buckets and gathers marked as they are made
+            stack = contextlib.ExitStack()
+            stack.enter_context(scope())
+            stack.enter_context(_marked(build.watch, zero_stage(recipe)))
+            return stack
+
+        build.engine = _Engine(engine, marked, build.watch)
         return _EngineOptimizer(engine, base, scope)
 
     build.make_optimizer = make
