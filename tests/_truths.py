@@ -21,11 +21,15 @@ from pathlib import Path
 from memfit.distributed.truth import launch_many
 
 _GROUPS: dict[str, list[tuple[dict, dict]]] = {}
+_LAST: set[str] = set()
 
 
-def register(group: str, cases: list[tuple[dict, dict]]) -> None:
-    """``cases``: (model config, truth case without its ``model``), each a 2-rank truth of module ``group``."""
+def register(group: str, cases: list[tuple[dict, dict]], last: bool = False) -> None:
+    """``cases``: (model config, truth case without its ``model``), each a 2-rank truth of module ``group``;
+    ``last``: run after every other group's (DeepSpeed's: importing it patches torch in the ranks' processes)."""
     _GROUPS[group] = [(dict(config), dict(case)) for config, case in cases]
+    if last:
+        _LAST.add(group)
 
 
 def _root(tmp_path_factory) -> Path:
@@ -46,7 +50,7 @@ def _written(root: Path, config: dict) -> str:
 
 def results(tmp_path_factory, group: str) -> list[list[dict]]:
     """Per case of ``group`` (as registered), each rank's result: from this session's one launch of every group."""
-    groups = sorted(_GROUPS)
+    groups = sorted(_GROUPS, key=lambda name: (name in _LAST, name))
     listed = [(name, config, case) for name in groups for config, case in _GROUPS[name]]
     key = hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()[:16]
     root = _root(tmp_path_factory)

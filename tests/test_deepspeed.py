@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+import _truths
+
 pytest.importorskip("deepspeed", reason="pip install 'memfit[deepspeed]'")
 
 from memfit import Recipe  # noqa: E402
@@ -80,24 +82,27 @@ def test_the_config_it_writes_is_deepspeeds_own_valid_config():
     assert checked.gradient_accumulation_steps == 2 and checked.train_batch_size == 8
 
 
-def test_each_rank_is_a_real_deepspeed_runs_peak(tmp_path):
+# 2 ranks, in the session's one torchrun with the other modules' truths (tests/_truths.py), after them
+TRUTH_RECIPES = [dict(parallel="zero2", precision="bf16", attention="eager", grad_accum_steps=2,
+                      zero="reduce_bucket_size=50000,overlap_comm=true"),
+                 dict(parallel="zero3", precision="bf16", attention="eager",
+                      zero="reduce_bucket_size=50000,stage3_prefetch_bucket_size=50000,"
+                           "stage3_param_persistence_threshold=1000")]
+TRUTH_SHAPE = dict(batch_size=16, seq_len=32, steps=4)
+_truths.register("deepspeed", [(CONFIG, {"recipe": r, **TRUTH_SHAPE}) for r in TRUTH_RECIPES], last=True)
+
+
+def test_each_rank_is_a_real_deepspeed_runs_peak(tmp_path, tmp_path_factory):
     """Stage 2 with accumulation and overlapped buckets, stage 3 with small prefetch and persistence: DeepSpeed 0.19.8's
     engine on gloo, 2 ranks, 4 steps (stage 3 reaches its steady trace from step 3), each rank's peak from its own
     allocator events, against memfit's estimate of that rank (DeepSpeed's engine on fake tensors)."""
     import memfit
-    from memfit.distributed.truth import launch_many
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
-    recipes = [dict(parallel="zero2", precision="bf16", attention="eager", grad_accum_steps=2,
-                    zero="reduce_bucket_size=50000,overlap_comm=true"),
-               dict(parallel="zero3", precision="bf16", attention="eager",
-                    zero="reduce_bucket_size=50000,stage3_prefetch_bucket_size=50000,"
-                         "stage3_param_persistence_threshold=1000")]
-    shape = dict(batch_size=16, seq_len=32, steps=4)
-    truths = launch_many([{"model": str(path), "recipe": r, **shape} for r in recipes], 2)
-    for recipe, ranks in zip(recipes, truths):
-        estimate = memfit.estimate(str(path), recipe=Recipe(**recipe), gpus=2, device="cpu", **shape)
+    truths = _truths.results(tmp_path_factory, "deepspeed")
+    for recipe, ranks in zip(TRUTH_RECIPES, truths):
+        estimate = memfit.estimate(str(path), recipe=Recipe(**recipe), gpus=2, device="cpu", **TRUTH_SHAPE)
         estimated = {r["rank"]: r["peak_bytes"] for r in estimate.ranks}
         errors = [abs(estimated.get(rank["rank"], estimated[0]) - rank["peak_bytes"]) / rank["peak_bytes"]
                   for rank in ranks]  # rank 0, and the last of stage 2 (its partition holds the padding)
