@@ -35,7 +35,11 @@ def test_zero_stages_are_searched_only_where_allowed_with_the_trainers_buckets()
     assert stage3["zero"] == ("reduce_bucket_size=16777216,stage3_param_persistence_threshold=40960,"
                               "stage3_prefetch_bucket_size=15099494")
     assert sum("overlap_comm=true" in f["zero"] for f in zero) == 2
-    assert zero_structures(gpu("v100-32gb"), world, False, "adamw", 4096)[0]["precision"] == "fp16"
+    # a card without bf16: DeepSpeed's fp16 section (a valid recipe: fp32 master partitions, its own loss scaling)
+    fp16 = zero_structures(gpu("v100-32gb"), world, False, "adamw", 4096)
+    assert {f["precision"] for f in fp16} == {"fp16"} and Recipe(**fp16[0]).precision == "fp16"
+    with pytest.raises(MemfitError, match="precision=fp16 is DeepSpeed's fp16 section"):
+        Recipe(precision="fp16")
     assert zero_structures(card, World(1), True, "adamw", 4096) == []  # nothing to shard alone
     assert structures(card, world, False, "adamw", ("deepspeed",), 4096) == zero_structures(card, world, False,
                                                                                             "adamw", 4096)

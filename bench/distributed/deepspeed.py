@@ -6,8 +6,9 @@ estimated by ``memfit.estimate(..., gpus=2, device="cpu")`` (the same engine on 
 process group). The cases cover issue 51's list: stages 1/2/3, DeepSpeed's default buckets (5e8 elements: a 1 GB
 bf16 bucket that a CPU run allocates without touching) and small ones, overlap_comm, contiguous gradients off, fp32
 and bf16, stage 1's BF16_Optimizer (fp32 gradient accumulation), stage 3's prefetch / persistence / live /
-reuse-distance settings, optimizer (and stage 3 parameter) offload, and accumulation. Prints one row per case and
-rank and writes ``bench/results/deepspeed-cpu.json``.
+reuse-distance settings, optimizer (and stage 3 parameter) offload, and accumulation. Beside each, DeepSpeed's own
+estimator (``estimate_zero2/3_model_states_mem_needs``: model states only; none for the offloaded cases, whose host and
+device are one memory here). Prints one row per case and rank and writes ``bench/results/deepspeed-cpu.json``.
 
     python -m bench deepspeed [--only NAME ...]
 """
@@ -58,6 +59,25 @@ CASES = {
 }
 
 
+def deepspeed_estimator(model, stage: int, gpus: int) -> int:
+    """Bytes a GPU needs by DeepSpeed's own estimator (model states only: no activations, buckets or temporaries),
+    without offload; for stage 1 its stage-2 estimator (DeepSpeed has none for stage 1)."""
+    import torch
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from memfit.models.source import resolve
+
+    with torch.device("meta"):
+        built = resolve(model).build()
+    total = sum({id(p): p.numel() for p in built.parameters()}.values())
+    if stage < 3:
+        return estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=gpus, cpu_offload=False)[1]
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
+    return estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=gpus, cpu_offload=False,
+                                                 cpu_offload_params=False)[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="these cases (writes nothing)")
@@ -75,19 +95,25 @@ def main(argv=None) -> int:
             report = memfit.estimate(str(path), recipe=Recipe(**CASES[name]), gpus=2, device="cpu", **SHAPE)
             seconds = round(time.monotonic() - start, 1)
             estimated = {r["rank"]: r["peak_bytes"] for r in report.ranks}
+            recipe = Recipe(**CASES[name])
+            theirs = None if "offload" in recipe.zero else deepspeed_estimator(str(path), int(recipe.parallel[-1]), 2)
             for rank in ranks:
                 mine = estimated.get(rank["rank"], estimated[0])  # a rank not traced holds what rank 0 holds
                 error = (mine - rank["peak_bytes"]) / rank["peak_bytes"]
                 rows.append({"case": name, "recipe": CASES[name], "rank": rank["rank"],
                              "truth_peak_bytes": rank["peak_bytes"], "estimate_peak_bytes": mine,
                              "error": round(error, 7), "estimate_seconds": seconds,
-                             "traced_ranks": sorted(estimated)})
+                             "traced_ranks": sorted(estimated), "deepspeed_estimator_bytes": theirs,
+                             "deepspeed_estimator_error": None if theirs is None else
+                             round((theirs - rank["peak_bytes"]) / rank["peak_bytes"], 4)})
                 print(f"{name:18} rank {rank['rank']}: truth {rank['peak_bytes']:>13,}  estimate {mine:>13,}  "
                       f"{100 * error:+.4f} %", flush=True)
     worst = max(abs(r["error"]) for r in rows)
+    theirs = [abs(r["deepspeed_estimator_error"]) for r in rows if r["deepspeed_estimator_error"] is not None]
     print(f"worst {100 * worst:.4f} % over {len(rows)} rank(s) of {len(names)} case(s); truths {truth_seconds:.0f} s")
     if not args.only:
         _results.write(RESULTS, rows, {"worst_abs_error": worst, "cases": len(names), "ranks": len(rows),
+                                       "deepspeed_estimator_median_abs_error": sorted(theirs)[len(theirs) // 2],
                                        "truth_seconds": round(truth_seconds)},
                        device=f"{_results.device_name()}, gloo, 2 ranks", deepspeed="0.19.8", model=MODEL, **SHAPE)
     return 0

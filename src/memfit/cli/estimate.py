@@ -120,8 +120,9 @@ def run(args) -> int:
     if given:
         raise MemfitError(f"--{given[0].replace('_', '-')} is for --generate (a Hugging Face generate): add --generate, "
                           f"or drop --{given[0].replace('_', '-')}")
-    if args.precision == "fp16":
-        raise MemfitError("--precision fp16 is a --generate dtype: a training step in half precision is fp16-mixed")
+    if args.precision == "fp16" and args.from_config is None and not str(getattr(args, "parallel", None) or "").startswith("zero"):
+        raise MemfitError("--precision fp16 is a --generate dtype, or DeepSpeed's fp16 section with --parallel "
+                          "zero1-3: a training step of your own in half precision is fp16-mixed")
     if args.max_batch_size:
         if args.lengths is not None or args.packed:
             raise MemfitError("--max-batch-size does not take --lengths or --packed yet: estimate the batch sizes "

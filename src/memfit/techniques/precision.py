@@ -4,6 +4,9 @@
 ``bf16-mixed``  float32 weights; the forward runs under ``torch.autocast(dtype=bfloat16)``.
 ``fp16-mixed``  float32 weights; ``torch.autocast(dtype=float16)`` and a dynamic ``GradScaler``.
 ``bf16``        weights cast to bfloat16, no autocast: gradients and optimizer state in bf16 too.
+``fp16``        DeepSpeed's fp16 section (``parallel=zero1-3`` only): the engine casts the weights to float16, keeps
+                fp32 master partitions and scales the loss itself. Elsewhere refused: a float16 step without master
+                weights or a loss scaler is not one people train with (``fp16-mixed`` is).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from memfit.techniques.spec import Field, Technique
 __all__ = ["PRECISIONS", "check_precision", "autocast", "grad_scaler", "weight_dtype", "check_capability",
            "check_gpu", "TECHNIQUE"]
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 
 
 def check_precision(precision: str) -> str:
@@ -82,10 +85,16 @@ def _search(ctx):
     return [{"precision": p} for p in values]
 
 
+def _conflicts(recipe):
+    if recipe.precision == "fp16" and not str(recipe.parallel).startswith("zero"):
+        yield ("precision=fp16 is DeepSpeed's fp16 section (parallel=zero1, zero2 or zero3: fp32 master partitions, "
+               "its own loss scaling); a training step of your own in half precision is precision=fp16-mixed")
+
+
 TECHNIQUE = Technique(
     name="precision",
     fields=(Field("precision", "fp32", "default fp32; bf16-mixed halves most activations", slot=10,
                   choices=PRECISIONS),),
-    order=10, apply=_apply, search=_search,
+    order=10, apply=_apply, search=_search, conflicts=_conflicts,
     approximations=lambda r: ["precision=bf16"] if r.precision == "bf16" else [],
     allow=("bf16",), trace="both")

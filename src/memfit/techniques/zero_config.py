@@ -25,6 +25,9 @@ _KEYS = {
     "overlap_comm": ("bool", None),  # stage 3: true, else false (runtime/zero/config.py)
     "contiguous_gradients": ("bool", True),
     "reduce_scatter": ("bool", True),
+    "allgather_partitions": ("bool", True),  # false: each partition broadcast after the step, not all-gathered
+    # what a save does (stage 3's 16-bit weights gathered on rank 0): nothing in the step; common in HF's examples
+    "stage3_gather_16bit_weights_on_model_save": ("bool", False),
     "use_multi_rank_bucket_allreduce": ("bool", True),
     "round_robin_gradients": ("bool", False),
     "stage3_prefetch_bucket_size": ("int", 50_000_000),
@@ -39,7 +42,7 @@ _KEYS = {
 # keys DeepSpeed has and memfit does not model: refused by name rather than run as if absent
 _UNMODELLED = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
                "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather", "zenflow",
-               "super_offload", "stage3_gather_16bit_weights_on_model_save", "memory_efficient_linear",
+               "super_offload", "memory_efficient_linear",
                "ignore_unused_parameters", "legacy_stage1", "elastic_checkpoint", "load_from_fp32_weights",
                "stage3_use_all_reduce_for_fetch_params", "parameter_alignment", "log_trace_cache_warnings")
 _OFFLOAD = ("none", "cpu")
