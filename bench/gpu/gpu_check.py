@@ -11,7 +11,7 @@ nvidia-smi shows) for what the process holds outside the allocator), and its **e
 cases: training recipes (fp32, bf16-mixed, pure bf16, fp16 with a scaler, checkpointing, accumulation,
 fused and foreach AdamW, LoRA, a mixture of experts, a convolutional net), a whole-model and a per-layer
 ``torch.compile``, FSDP2 at world size 1 over NCCL under ``torchrun`` with and without
-``CPUOffloadPolicy``, two generate runs, a profiled user loop with a leak (``memfit.profile``'s peak
+``CPUOffloadPolicy``, DeepSpeed's ZeRO-2 and ZeRO-3 the same way (with ``memfit[deepspeed]`` installed), two generate runs, a profiled user loop with a leak (``memfit.profile``'s peak
 against the allocator's) and a real out-of-memory error under ``set_per_process_memory_fraction``
 (the estimate's verdict against it). Without a GPU the script says so and exits 0.
 
@@ -79,6 +79,11 @@ CASES = {
                          recipe={"parallel": "fsdp", "mixed_precision": "bf16"}),
     "fsdp-offload-llama3b": dict(kind="fsdp", model="llama-3.2-3b", bs=2, seq=2048,
                                  recipe={"parallel": "fsdp", "mixed_precision": "bf16", "offload": "cpu"}),
+    # DeepSpeed ZeRO at world size 1 (issue 51): the engine's own buffers on a real GPU (needs memfit[deepspeed])
+    "zero2-llama1b": dict(kind="fsdp", model="llama-3.2-1b", bs=2, seq=2048,
+                          recipe={"parallel": "zero2", "precision": "bf16", "zero": "reduce_bucket_size=5e7"}),
+    "zero3-llama1b": dict(kind="fsdp", model="llama-3.2-1b", bs=2, seq=2048,
+                          recipe={"parallel": "zero3", "precision": "bf16"}),
     "generate-llama1b": dict(kind="generate", model="llama-3.2-1b", bs=8, prompt=1024, new=256),
     "generate-qwen8b": dict(kind="generate", model="qwen3-8b", bs=4, prompt=4096, new=64),
     "profile-leak": dict(kind="profile", model="llama-3.2-1b", bs=2, seq=1024, recipe={}),
@@ -399,7 +404,7 @@ def _truth_profile(config, dev, bs, seq, name, traces, out) -> dict:
 
 def _truth_fsdp(case, config, dev, bs, seq, name, traces, out) -> dict:
     """One rank of ``torchrun --nproc_per_node 1`` (NCCL): built on the host, sharded onto the GPU by
-    memfit's apply (FSDP2), two steps."""
+    memfit's apply (FSDP2, or DeepSpeed's engine for a ZeRO recipe), two steps."""
     import torch
     import torch.distributed as dist
 

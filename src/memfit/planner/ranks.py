@@ -46,7 +46,7 @@ from memfit.planner.mesh import (MAX_SHARD, MAX_TP, bubble, cp_degrees, cp_secon
 from memfit.planner.result import CLEAN_SLOWDOWN, NothingFits, Plan, Plans, clean as is_clean
 from memfit.planner.search import RankSearch
 from memfit.techniques.recipe import Recipe
-from memfit.techniques.zero_config import zero_stage
+from memfit.techniques.zero_config import ZeroConfig, zero_stage
 from memfit.units import format_size
 
 __all__ = ["plan_ranks", "NoWorld", "structures", "tp_structures", "tp_degrees", "tp_seconds", "comm_seconds",
@@ -215,8 +215,10 @@ def _reasons(search: RankSearch, r: Recipe, checked, compute: float, comm: float
             f"({link} {rate / 1e9:,.0f} GB/s within a node"
             + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
             + "), overlapped"
-            + (f"; {unhidden:,.0f} ms of them not overlapped (the reduction without overlap_comm, the updated "
-               "partitions gathered after the step)" if zero_stage(r) in (1, 2) else "")
+            + (f"; {unhidden:,.0f} ms more of ZeRO's, not overlapped ("
+               + ("the updated partitions gathered after the step" if zero_stage(r) == 2 and ZeroConfig.parse(r.zero).get("overlap_comm") is True
+                  else "the reduction and the updated partitions gathered after the step") + ")"
+               if zero_stage(r) in (1, 2) else "")
             + (f"; {tp_ms:,.0f} ms of TP collectives, not overlapped" if tp > 1 else "")
             + (f"; {ep_ms:,.0f} ms of EP all-to-alls (balanced routing), not overlapped" if ep > 1 else "")
             + (f"; {cp_ms:,.0f} ms of the ring's all-gathers and reduce-scatters, not overlapped" if cp > 1 else "")
