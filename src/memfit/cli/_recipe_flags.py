@@ -12,7 +12,7 @@ __all__ = ["FLAGS", "CLI", "ALLOWABLE", "row", "render"]
 
 # (field name, kind, the choices argparse offers, help), in the Recipe's order
 FLAGS = (
-    ('precision', 'str', ('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16'),
+    ('precision', 'str', ('fp32', 'bf16-mixed', 'fp16-mixed', 'bf16', 'fp16'),
      'default fp32; bf16-mixed halves most activations'),
     ('checkpointing', 'str', (),
      'off | blocks | blocks:N | selective | modules:a,b (recompute in backward)'),
