@@ -120,7 +120,8 @@ def run(args) -> int:
     if given:
         raise MemfitError(f"--{given[0].replace('_', '-')} is for --generate (a Hugging Face generate): add --generate, "
                           f"or drop --{given[0].replace('_', '-')}")
-    if args.precision == "fp16" and args.from_config is None and not str(getattr(args, "parallel", None) or "").startswith("zero"):
+    zero = str(getattr(args, "parallel", None) or "").startswith("zero")
+    if args.precision == "fp16" and args.from_config is None and not zero:
         raise MemfitError("--precision fp16 is a --generate dtype, or DeepSpeed's fp16 section with --parallel "
                           "zero1-3: a training step of your own in half precision is fp16-mixed")
     if args.max_batch_size:

@@ -8,8 +8,9 @@ over every rank; each with activation checkpointing off and, for a model of bloc
 bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce, fp32 shards, as torchtitan
 trains), autocast for DDP. Where the user allows DeepSpeed (``engines``), its ZeRO stages beside them
 (``zero_structures``): stage 1; stage 2 with ``overlap_comm`` off and on (the second bucket buys the reductions'
-overlap with backward); stage 3 (its offloads not yet: ``zero_structures``); DeepSpeed's own bf16 (fp16 on a card without bf16), the buckets at the Hugging Face Trainer's ``auto`` sizes
-(``reduce_bucket_size`` = hidden², prefetch 0.9 hidden², persistence 10 hidden: what most ZeRO fine-tunes run).
+overlap with backward); stage 3 (its offloads not yet: ``zero_structures``); DeepSpeed's own bf16 (fp16 on a card
+without bf16), the buckets at the Hugging Face Trainer's ``auto`` sizes (``reduce_bucket_size`` = hidden², prefetch
+0.9 hidden², persistence 10 hidden: what most ZeRO fine-tunes run).
 
 The collectives are rings: an all-gather or reduce-scatter of B bytes moves B x (n-1)/n per rank, an all-reduce
 twice that, at the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between nodes
@@ -21,8 +22,8 @@ back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``. ZeRO, in th
 reduces the gradients once a step (at the last micro-batch) and stage 2 every micro-batch, each then all-gathers the
 updated partitions (``allgather_bucket_size`` buckets, after the step: unhidden); their reductions are hidden behind
 backward only with ``overlap_comm``; stage 3 gathers every block in forward and backward (prefetched: hidden) and
-reduce-scatters every micro-batch. Left out: how the step
-overlaps these with its kernels (``search.py``), the latency of many small buckets.
+reduce-scatters every micro-batch. Left out: how the step overlaps these with its kernels (``search.py``), the
+latency of many small buckets.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_ba
     return seconds, all_gather / max(units, 1)
 
 
-
-def _zero_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:
+def _zero_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int,
+                  card) -> tuple[float, float]:
     """ZeRO's (hidden, unhidden) seconds of collectives a step (module docstring): rings over every rank in the
     model's 16-bit dtype."""
     n = world.size
@@ -166,4 +167,3 @@ def _zero_seconds(recipe: Recipe, world: World, params: int, units: int, micro_b
     hidden = stage == 2 and zero.get("overlap_comm") is True
     # the updated partitions all-gathered after the step: nothing left to hide them behind
     return reduce * hidden, reduce * (not hidden) + ring
-

@@ -85,7 +85,7 @@ def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | No
                 estimate (``ranks.py``); ``global_batch_size`` is over all ranks.
 
     engines     the data-parallel engines searched across GPUs: ``"torch"`` (DDP, FSDP2 and its meshes, the
-                default), ``"deepspeed"`` (DeepSpeed's ZeRO stages and offloads), or both, e.g.
+                default), ``"deepspeed"`` (DeepSpeed's ZeRO stages; not yet its offloads), or both, e.g.
                 ``("torch", "deepspeed")``; ``deepspeed`` needs 2 GPUs or more (``gpus=``).
 
     fixed       Recipe fields the user set (a dict, or a Recipe: its non-default fields): every candidate

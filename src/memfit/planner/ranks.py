@@ -92,7 +92,8 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
     shapes += [(tp, fields) for tp in degrees for fields in tp_structures(target, world, tp, has_blocks, optimizer)]
     shapes += [(1, fields) for ep in experts_at for fields in ep_structures(target, world, ep, has_blocks, optimizer)]
     # context parallel for long sequences: CP peers read the same rows (the data-parallel ranks are size / cp)
-    rings = cp_degrees(source, world, seq_len, global_batch_size) if world.size > 1 and loss_fn is None and meshes else []
+    rings = (cp_degrees(source, world, seq_len, global_batch_size) if world.size > 1 and loss_fn is None and meshes
+             else [])
     shapes += [(cp, fields) for cp in rings for fields in cp_structures(target, world, cp, has_blocks, optimizer)]
     expert_params = 0
     if experts_at:
@@ -209,6 +210,7 @@ def _reasons(search: RankSearch, r: Recipe, checked, compute: float, comm: float
     # (module docstring of data_parallel.py)
     dp_world = World(world.gpus // tp // pp, world.nodes)
     unhidden = comm_seconds(r, dp_world, checked.parameters, depth + 1, r.grad_accum_steps, target)[1] * 1000
+    overlapped = zero_stage(r) == 2 and ZeroConfig.parse(r.zero).get("overlap_comm") is True
     return (f"{r.describe()} on {world.describe()} ({mesh}): {format_size(checked.device_bytes)} per rank "
             f"of {format_size(search.budget_bytes)} (the highest rank's full estimate)",
             f"per step: {compute * 1000:,.0f} ms of kernels and {comm * 1000:,.0f} ms of data-parallel collectives "
@@ -216,7 +218,7 @@ def _reasons(search: RankSearch, r: Recipe, checked, compute: float, comm: float
             + (f", {NETWORK_BANDWIDTH / 1e9:,.0f} GB/s per GPU between nodes, assumed" if world.nodes > 1 else "")
             + "), overlapped"
             + (f"; {unhidden:,.0f} ms more of ZeRO's, not overlapped ("
-               + ("the updated partitions gathered after the step" if zero_stage(r) == 2 and ZeroConfig.parse(r.zero).get("overlap_comm") is True
+               + ("the updated partitions gathered after the step" if overlapped
                   else "the reduction and the updated partitions gathered after the step") + ")"
                if zero_stage(r) in (1, 2) else "")
             + (f"; {tp_ms:,.0f} ms of TP collectives, not overlapped" if tp > 1 else "")
