@@ -304,3 +304,28 @@ def test_leaves_torch_as_it_found_it(here):
             torch.utils.swap_tensors) == before
     assert not torch.cuda.is_available()
     assert torch.zeros(2).device.type == "cpu" and not isinstance(torch.zeros(2), torch._subclasses.FakeTensor)
+
+
+def test_a_backward_run_inside_the_optimizers_step_takes_autograds_own_cublas_handle(here):
+    """Lightning (and LBFGS) run forward and backward in a closure that ``optimizer.step`` calls; on a card the backward
+    still runs on autograd's device thread, which has a cuBLAS handle and workspace of its own. Measured on an H200
+    (bench/results/scripts-gpu-h200.json): tests/scripts/lightning_train.py allocated 68,829,696 B, where the estimate
+    that gave the closure's backward the forward's handle said 34,226,688 (one 32 MiB workspace short)."""
+    Path("closure.py").write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(16, 64, device="cuda"), torch.randn(16, 64, device="cuda")
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        for _ in range(2):
+            assert not torch.cuda.is_current_stream_capturing()  # torch 2.11's optimizers ask it before a step
+            opt.step(closure)
+    """))
+    report = memfit.estimate_script("closure.py", gpu="h100-sxm", steps=2)
+    names = json.dumps(report.to_dict())
+    assert "(cuBLAS workspace, backward thread)" in names and "(cuBLAS workspace, forward thread)" in names
+    assert report.peak_bytes > 2 * 32 * 2**20  # both workspaces live at the peak

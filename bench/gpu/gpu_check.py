@@ -456,8 +456,9 @@ def _truth_proc(name: str, smoke: bool, traces: bool, out: str) -> dict:
     if args[0] == "-m":
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
         lines = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            return {"error": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1][:400]}"}
+        if proc.returncode != 0 or not lines:  # the rank's own error, not torchrun's summary after it
+            errors = [line for line in proc.stderr.splitlines() if "Error: " in line] or proc.stderr.splitlines()
+            return {"error": f"exit {proc.returncode}: {(errors or ['?'])[0][:400]}"}
         return json.loads(lines[-1])
     return _run(args)
 

@@ -1,15 +1,18 @@
 """Users' unchanged scripts on a real GPU against ``memfit estimate SCRIPT.py`` made on that machine's CPU.
 
-    PYTHONPATH=src python3 -m bench scripts_gpu          # on a machine with a GPU; bench/results/scripts-gpu-<card>.json
+    PYTHONPATH=src python3 -m bench scripts_gpu    # on a machine with a GPU: bench/results/scripts-gpu-<card>.json
+    python -m bench scripts_gpu regrade --truths FILE --out DIR   # the estimates again against recorded truths
 
 For each case, two fresh processes: the script run on the card, stopped after the same optimizer steps, its
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` read at the end (``memfit.script.truth.card_peak``);
-and ``memfit estimate --gpu CARD --json SCRIPT ...`` with ``CUDA_VISIBLE_DEVICES=""`` (the estimate sees no GPU).
+and ``memfit estimate --gpu CARD --json SCRIPT ...`` with ``CUDA_VISIBLE_DEVICES=""`` (the estimate sees no GPU),
+four at a time while the truths run one by one.
 The card is the catalog's entry for the GPU torch sees.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -72,14 +75,14 @@ def _truth(path, argv, steps, folder) -> dict:
 def _estimate(card: str, path, argv, steps, folder) -> dict:
     done = subprocess.run([sys.executable, "-m", "memfit.cli", "estimate", "--gpu", card, "--steps", str(steps),
                            "--json", path, *argv], cwd=folder, capture_output=True, text=True,
-                          env=_env(CUDA_VISIBLE_DEVICES=""))
+                          env=_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2"))
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     data = json.loads(done.stdout)
     return {"allocated": data["peak_bytes"], "reserved": data["reserved_bytes"], "verdict": data["verdict"]}
 
 
-def main() -> None:
+def main(jobs: int = 4) -> None:
     import torch
 
     from memfit.hardware.gpus import visible_gpu
@@ -90,19 +93,67 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         _data(folder)
-        for name, script, argv, steps in CASES:
-            path = os.path.join(SCRIPTS, script)
-            real = _truth(path, argv, steps, folder)
-            estimate = _estimate(card.name, path, argv, steps, folder)
-            row = {"case": name, "script": script, "argv": argv, "steps": steps, "truth": real, "estimate": estimate}
-            if "error" not in real and "error" not in estimate:
-                for key in ("allocated", "reserved"):
-                    row[f"{key}_error_pct"] = round(100 * (estimate[key] - real[key]) / real[key], 3)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        # the estimates run on the CPU while the truths hold the card, in a folder of their own (the scripts
+        # write their outputs beside them) that shares the data and the model
+        blind = os.path.join(folder, "estimates")
+        os.makedirs(blind)
+        for shared in ("data", "llama-3.2-1b"):
+            os.symlink(os.path.join(folder, shared), os.path.join(blind, shared))
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            estimates = [pool.submit(_estimate, card.name, os.path.join(SCRIPTS, script), argv, steps, blind)
+                         for _, script, argv, steps in CASES]
+            for (name, script, argv, steps), estimate in zip(CASES, estimates):
+                path = os.path.join(SCRIPTS, script)
+                real = _truth(path, argv, steps, folder)
+                estimate = estimate.result()
+                row = {"case": name, "script": script, "argv": argv, "steps": steps, "truth": real,
+                       "estimate": estimate}
+                if "error" not in real and "error" not in estimate:
+                    for key in ("allocated", "reserved"):
+                        row[f"{key}_error_pct"] = round(100 * (estimate[key] - real[key]) / real[key], 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     path = _results.write(f"scripts-gpu-{card.name}.json", rows, device=torch.cuda.get_device_name(), card=card.name)
     print(f"wrote {path}")
 
 
+def _grade(row: dict, estimate: dict) -> dict:
+    row = {k: v for k, v in row.items() if not k.endswith("_error_pct")} | {"estimate": estimate}
+    if "error" not in row["truth"] and "error" not in estimate:
+        for key in ("allocated", "reserved"):
+            row[f"{key}_error_pct"] = round(100 * (estimate[key] - row["truth"][key]) / row["truth"][key], 3)
+    return row
+
+
+def regrade(truths: str, out: str, jobs: int = 8) -> None:
+    """The estimates made again (this machine, this memfit) against a GPU session's recorded truths."""
+    recorded = _results.read(truths)
+    card = recorded["meta"]["card"]
+    with tempfile.TemporaryDirectory() as folder:
+        _data(folder)
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            estimates = [pool.submit(_estimate, card, os.path.join(SCRIPTS, row["script"]), row["argv"], row["steps"],
+                                     folder) for row in recorded["rows"]]
+            rows = []
+            for row, estimate in zip(recorded["rows"], estimates):
+                rows.append(_grade(row, estimate.result()))
+                print(json.dumps({k: rows[-1][k] for k in ("case", "estimate")}
+                                 | {k: v for k, v in rows[-1].items() if k.endswith("_pct")}), flush=True)
+    meta = {k: v for k, v in recorded["meta"].items() if k not in ("command", "date", "torch", "transformers")}
+    path = _results.write(os.path.join(out, os.path.basename(truths)), rows, truths_from=recorded["meta"], **meta)
+    print(f"wrote {path}")
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", nargs="?", default="run", choices=("run", "regrade"),
+                        help="run: truths on the card and estimates; regrade: estimates again against --truths")
+    parser.add_argument("--truths", default=None, help="regrade: a scripts-gpu-<card>.json with the card's truths")
+    parser.add_argument("--out", default=str(_results.DIR))
+    args = parser.parse_args()
+    if args.stage == "regrade":
+        regrade(args.truths, args.out)
+    else:
+        main()

@@ -41,9 +41,12 @@ class CudaSemantics:
             self.stream = before
 
     def _workspace(self, func, args, kwargs) -> None:
-        thread = "backward" if self.phase == "backward" else "forward"
         if func.overloadpacket not in _MATMUL_OPS:
             return
+        # autograd's engine runs a CUDA backward on its device thread, with a cuBLAS handle of its own: also a backward
+        # the step phase holds (Lightning's and LBFGS's closure, run inside optimizer.step)
+        backward = self.phase == "backward" or torch._C._current_autograd_node() is not None
+        thread = "backward" if backward else "forward"
         self.libraries.add("cublas")
         device = self.placer.device_of(self, args, kwargs) if self.placer is not None else None
         if (thread, device) not in self._workspaces:  # one cuBLAS handle per thread and device

@@ -202,4 +202,7 @@ class CudaApi:
             "mem_get_info": self._mem_get_info,
             "reset_max_memory_allocated": lambda *a, **k: self.counters.reset(),
             "set_per_process_memory_fraction": lambda fraction, device=None: setattr(self, "fraction", fraction),
+            # torch 2.11's optimizers ask it before each step (later ones ask torch.accelerator's stream); a CUDA
+            # build of torch with no device visible would raise "no CUDA-capable device"
+            "is_current_stream_capturing": lambda: False,
         })

@@ -261,7 +261,8 @@ def zero_engine(build, place) -> None:
     def scope():
         if place.fake:
             return _on_fake(place)
-        return _on_cpu() if build.device_type == "cpu" else contextlib.nullcontext()
+        # a real run: the accelerator of its process group (the model may be built on the host, the engine moves it)
+        return _on_cuda() if _nccl() else _on_cpu()
 
     def make(params):
         base = make_base(params)
@@ -350,6 +351,28 @@ def _on_cpu():
     try:
         with patched(__import__("importlib").import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None):
             yield
+    finally:
+        real_accelerator.ds_accelerator = accelerator
+
+
+def _nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+@contextlib.contextmanager
+def _on_cuda():
+    """A real run on a GPU: DeepSpeed's CUDA accelerator for the block. Its import (``_quiet_import``) chose the CPU
+    one, which an estimate's fake engine runs on; kept, the engine would leave the model on the host and broadcast it
+    over NCCL ("No backend type associated with device type cpu", seen on an H200)."""
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    accelerator = real_accelerator.ds_accelerator
+    real_accelerator.ds_accelerator = CUDA_Accelerator()
+    try:
+        yield
     finally:
         real_accelerator.ds_accelerator = accelerator
 
