@@ -256,3 +256,43 @@ def test_torch_fake_tensor_log_is_silenced_during_a_trace_and_restored(capfd):
         assert seen
     finally:
         log.removeHandler(handler)
+
+
+def _raising_loss(model, batch):
+    model(batch[0])
+    raise ValueError("my loss broke")
+
+
+def _raising_factory():
+    raise RuntimeError("factory broke")
+
+
+def _raising_batch():
+    raise KeyError("batch broke")
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda: memfit.estimate(MLP, BATCH, loss_fn=_raising_loss), "the step raised ValueError at "),
+    (lambda: memfit.estimate(_raising_factory, BATCH, loss_fn=classify), "the model factory"),
+    (lambda: memfit.estimate(MLP, _raising_batch, loss_fn=classify), "making the batch failed"),
+])
+def test_the_users_own_function_raising_is_one_line_naming_its_file_and_line(call, needle):
+    """A loss function, a model factory or a batch function of the user's raising inside the trace: one line that
+    names where in their file (a raising loss function printed memfit's traceback and exited 1 once)."""
+    with pytest.raises(MemfitError) as err:
+        call()
+    text = _one_line(err)
+    assert needle in text and "test_errors.py:" in text, text
+
+
+@pytest.mark.parametrize("architectures", ["LlamaForCausalLM", [1, 2], {"a": 1}])
+def test_architectures_that_are_not_a_list_of_class_names_are_refused(tmp_path, architectures):
+    """The head is read from ``architectures``: a string or numbers there picked none, silently (a fuzz found it)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=architectures, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=128)))
+    with pytest.raises(MemfitError) as err:
+        memfit.estimate(str(tmp_path), batch_size=1, seq_len=16, device="cpu")
+    assert "architectures=" in _one_line(err) and "list of class names" in str(err.value)

@@ -10,7 +10,11 @@ user typed can be megabytes; the fix is named at the end). ``shown`` quotes such
 
 from __future__ import annotations
 
-__all__ = ["MemfitError", "MAX_MESSAGE", "shown"]
+import os
+import sys
+import sysconfig
+
+__all__ = ["MemfitError", "MAX_MESSAGE", "shown", "library_roots", "user_frame"]
 
 MAX_MESSAGE = 400  # characters: room for the longest fix we name (the GPU list) and a quoted value
 
@@ -37,3 +41,35 @@ def shown(value, limit: int = 60) -> str:
     except Exception:  # noqa: BLE001 — a user object whose __repr__ fails is still an object
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def library_roots() -> tuple[str, ...]:
+    """Folders whose files are not the user's code: torch, memfit, the standard library, installed packages."""
+    import torch
+
+    roots = {os.path.dirname(torch.__file__), os.path.dirname(__file__)}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(path)
+    roots.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
+
+
+def user_frame(err: BaseException) -> str | None:
+    """``"file.py:LINE"``: where in the user's own code (a factory, a batch or loss function, a model class of
+    theirs) ``err`` was raised, its innermost such frame; None when the traceback holds none."""
+    library, found = library_roots(), None
+    tb = err.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith("<") and not os.path.realpath(name).startswith(library):
+            found = (name, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    try:
+        rel = os.path.relpath(found[0])
+    except ValueError:
+        rel = found[0]
+    return f"{found[0] if rel.startswith('..') else rel}:{found[1]}"

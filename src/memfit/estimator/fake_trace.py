@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, user_frame
 from memfit.estimator.fake import ScalarReads, build_fake, fake_batch, fake_copy, quiet_fake_log
 from memfit.estimator.trace import trace
 from memfit.hardware.cpu_kernels import CpuKernels
@@ -69,8 +69,9 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
     except MemfitError:
         raise
     except Exception as err:  # noqa: BLE001 — a batch factory is the user's code
-        raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}: "
-                          "check the batch (or batch_size and seq_len)") from None
+        where = user_frame(err)
+        raise MemfitError(f"making the batch failed: {_overflow(err) or type(err).__name__ + ': ' + str(err)}"
+                          f"{f' at {where}' if where else ''}: check the batch (or batch_size and seq_len)") from None
     if layout is not None and not layout.ragged and not layout.packed:
         unread_masks(module)
     config = source.config or getattr(module, "config", None)  # a factory's HF model carries its config
@@ -95,6 +96,10 @@ def _fake_trace(source: Source, batch, *, recipe, loss_fn, optimizer, steps, bat
             if "same dtype" in str(err) and recipe.precision in ("bf16", "fp16"):
                 hint = (f": precision={recipe.precision} casts the model, not the batch; pass the batch in that dtype, "
                         "or use bf16-mixed")
+            where = user_frame(err)
+            if where is not None:  # the user's own code raised (their loss function, their model class): where
+                raise MemfitError(f"the step raised {type(err).__name__} at {where}: {_first_line(err)}{hint}: fix "
+                                  "the code there (the model, the batch or the loss function)") from None
             raise MemfitError(f"the model rejected the batch: {_first_line(err)}{hint}") from None
     notes = []  # what only the fake run knows, after the trace: the Report is made anew with them
     if top_k and recipe.ep > 1:

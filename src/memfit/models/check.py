@@ -18,7 +18,7 @@ import importlib
 
 import torch
 
-from memfit.errors import MemfitError, shown
+from memfit.errors import MemfitError, shown, user_frame
 
 __all__ = ["check_config", "read_config", "config_from_dict", "import_object", "checked_build"]
 
@@ -45,7 +45,12 @@ except ImportError:  # pragma: no cover — older huggingface_hub
 
 
 def check_config(config, name: str) -> None:
-    """Raise for a size field that is not a whole number within bounds."""
+    """Raise for a size field that is not a whole number within bounds, and for ``architectures`` that is not a
+    list of class names (the head is read from it: a string or numbers there would silently pick none)."""
+    arch = _field(config, "architectures")
+    if arch is not None and not (isinstance(arch, (list, tuple)) and all(isinstance(a, str) and a for a in arch)):
+        raise MemfitError(f"{name}: architectures={shown(arch)} must be a list of class names, e.g. "
+                          '["LlamaForCausalLM"]: fix the config')
     for key in _DEPTHS + _SIZES:
         value = _field(config, key)
         if value is None or (key in _UNBOUNDED and value == -1):
@@ -129,7 +134,8 @@ def checked_build(build, name: str, user: bool):
         except caught as err:
             what = f"the model factory {name} raised" if user else f"transformers cannot build {name}:"
             fix = "fix the factory or call it yourself" if user else "fix the config"
-            raise MemfitError(f"{what} {_message(err)}: {fix}") from None
+            where = user_frame(err) if user else None
+            raise MemfitError(f"{what} {_message(err)}{f' at {where}' if where else ''}: {fix}") from None
         if not isinstance(module, torch.nn.Module):
             raise MemfitError(f"the model factory {name} returned {type(module).__name__}, not an nn.Module: "
                               "return the model")

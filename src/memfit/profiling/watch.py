@@ -10,8 +10,6 @@ standard library's or an installed package's (``library_roots``).
 from __future__ import annotations
 
 import os
-import sys
-import sysconfig
 import weakref
 
 import torch
@@ -19,20 +17,10 @@ from torch.utils._traceback import CapturedTraceback
 
 from memfit.accounting.ledger import Ledger
 from memfit.categories import Category
+from memfit.errors import library_roots
 from memfit.profiling.sites import FRAMES
 
 __all__ = ["Watch", "library_roots"]
-
-
-def library_roots() -> tuple[str, ...]:
-    """Folders whose files are not the user's code: torch, memfit, the standard library, installed packages."""
-    roots = {os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.add(path)
-    roots.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
-    return tuple(sorted(os.path.realpath(r) + os.sep for r in roots))
 
 
 class Watch(Ledger):

@@ -237,7 +237,7 @@ def _fake_failure(err: BaseException) -> bool:
 def _user_frame(err: BaseException, what: Target):
     """(file, line) of the innermost frame of the user's own code in ``err``'s traceback (the script's own as a
     fallback: a script installed as a package is in a library folder)."""
-    from memfit.profiling.watch import library_roots
+    from memfit.errors import library_roots
 
     library = library_roots()
     script = os.path.realpath(what.name) if not what.module else None
