@@ -217,3 +217,27 @@ def test_estimate_without_a_gpu_matches_recorded_h100_runs(case):
     # the CPU-semantics estimate of the same step misses the GPU by far more (no workspaces)
     cpu = memfit.estimate(build, batch(), loss_fn=loss, precision=precision, optimizer=optimizer)
     assert abs(cpu.peak_bytes - real["allocated_peak"]) > 3 * abs(est.peak_bytes - real["allocated_peak"])
+
+
+def test_an_offloaded_optimizer_is_estimated_for_a_card_without_one():
+    """torchao's CPUOffloadOptimizer on the fake trace (its CUDA calls answered): each parameter's pinned copy and
+    gradient copy, and the AdamW state and step, are the host's; parameters below its minimal size keep an optimizer
+    on the GPU. ``offload_gradients`` frees each GPU gradient once copied. (Refused before: 'needs a CUDA device'.)"""
+    pytest.importorskip("torchao.optim")
+    build, batch, _ = CASES["hf-llama"]
+    params = list(build().parameters())
+    small = sum(p.numel() for p in params if p.numel() < 4096)
+    big = [p.numel() * 4 for p in params if p.numel() >= 4096]
+    base = memfit.estimate(build, batch(), gpu="h100-sxm")
+    off = memfit.estimate(build, batch(), gpu="h100-sxm", recipe=memfit.Recipe(offload_optimizer=True))
+    assert 0 < off.by_category["optimizer_state"] <= 8 * small + 64 * len(params)  # the small ones' AdamW state
+    assert base.by_category["optimizer_state"] >= 8 * sum(p.numel() for p in params)
+    assert off.peak_bytes < base.peak_bytes
+    pow2 = sum(1 << (n - 1).bit_length() for n in big)
+    assert off.pinned_bytes == 2 * pow2  # each parameter's copy and its gradient's, as the pinned allocator rounds
+    assert off.host_bytes >= off.pinned_bytes + 2 * sum(big)  # and AdamW's two fp32 states on the host
+    grads = memfit.estimate(build, batch(), gpu="h100-sxm",
+                            recipe=memfit.Recipe(offload_optimizer=True, offload_gradients=True))
+    assert grads.phase_peaks["optimizer"] <= off.phase_peaks["optimizer"] - sum(big) // 2  # no gradients left
+    with pytest.raises(memfit.MemfitError, match="needs a CUDA device"):
+        memfit.estimate(build, batch(), device="cpu", recipe=memfit.Recipe(offload_optimizer=True))

@@ -19,7 +19,7 @@ from memfit.models.catalog import CATALOG  # noqa: E402
 from memfit.techniques.registry import fields  # noqa: E402
 
 # Recipe fields being built beside the bench; a row may name them before the tree has them.
-PENDING = {"compile", "activation_memory_budget", "lora_targets", "lora_alpha", "lora_dropout", "offload_gradients"}
+PENDING = {"compile", "activation_memory_budget", "lora_targets", "lora_alpha", "lora_dropout"}
 
 
 def test_rows_are_quoted_and_mapped():

@@ -178,7 +178,8 @@ _DINO_NOTE = ("timm vit_giant_patch14_dinov2 (SwiGLU) fed 224 px crops (257 toke
               "in --model_kwargs for that) -> HF Dinov2 giant, image_size 224, 45 labels; "
               "--full_bf16 -> pure bf16; --checkpoint_activations -> every block; optimizer "
               "torch.optim.AdamW(fused=True) (with offload memfit's offload_optimizer runs torchao's "
-              "CPUOffloadOptimizer, whose CPU step it does not trace: no optimizer_impl there); 4070 Ti SUPER -> "
+              "CPUOffloadOptimizer, on the fake trace for the card: its CPU side is the host's; no optimizer_impl "
+              "there, torchao makes its AdamW fused); 4070 Ti SUPER -> "
               "rtx-4090 semantics. ")
 ROWS += [
     dict(_DINO, id="ao-dino-none", value=9.82, quote="None                   | 1.27s/it      | 9.82 GB",
@@ -190,7 +191,7 @@ ROWS += [
     dict(_DINO, id="ao-dino-offload-grads", value=4.01, quote="ao (offload gradients) | 1.53s/it      | 4.01 GB",
          recipe=dict(precision="bf16", checkpointing="blocks", optimizer="adamw", offload_optimizer=True, offload_gradients=True),
          note=_DINO_NOTE + "CPUOffloadOptimizer(..., offload_gradients=True): each gradient leaves the GPU "
-              "as it is produced; memfit has no offload_gradients field."),
+              "as it is produced (memfit's offload_gradients)."),
     dict(_DINO, id="ao-dino-compiled", value=9.90, quote="Full BF16, compiled | None         | 1.18s/it      | 9.90 GB",
          recipe=dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused", compile=True),
          note=_DINO_NOTE + "Ablation table: compiled, no offload."),

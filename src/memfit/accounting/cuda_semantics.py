@@ -31,6 +31,24 @@ class CudaSemantics:
     """The ledger's part that logs the CUDA libraries' workspaces and each storage's stream (``Ledger``'s
     ``records``, ``events``, ``phase``, ``step``, ``placer``, ``stream``, ``libraries`` and ``cublas_workspace``)."""
 
+    # records of storages in host memory on a trace whose tensors all stand for the GPU's (``on_host``)
+    host: frozenset = frozenset()
+    pinned: frozenset = frozenset()
+
+    @contextlib.contextmanager
+    def on_host(self, pinned: bool = False):
+        """Storages allocated inside are in host memory (torchao's CPUOffloadOptimizer: its copies of each parameter
+        and gradient, ``pinned``, and its optimizer's state and step on the CPU): ``host`` (and ``pinned``) hold their
+        records, which the CUDA report leaves off the device (``estimator/trace.py``)."""
+        start = len(self.records)
+        try:
+            yield
+        finally:
+            made = frozenset(range(start, len(self.records)))
+            self.host = self.host | made
+            if pinned:
+                self.pinned = self.pinned | made
+
     @contextlib.contextmanager
     def on_stream(self, stream: int):
         """Storages allocated inside are on CUDA stream ``stream`` (``Record.stream``)."""

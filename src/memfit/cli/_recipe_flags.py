@@ -36,6 +36,8 @@ FLAGS = (
      'step each parameter as its gradient is ready'),
     ('offload_optimizer', 'bool', (),
      'optimizer state and step on the CPU (CUDA only)'),
+    ('offload_gradients', 'bool', (),
+     "with offload_optimizer: each gradient freed on the GPU once copied to the host (torchao's; no accumulation)"),
     ('micro_batch_size', 'optional-count', (),
      'examples per forward/backward'),
     ('grad_accum_steps', 'count', (),
@@ -119,6 +121,8 @@ CLI = {
                                            "gradients (default off)"),
     "offload_optimizer": ("optimizer", "optimizer state and step on the CPU (default off; CUDA only): "
                                        "a slower, host-bound step"),
+    "offload_gradients": ("optimizer", "with --offload-optimizer: each gradient freed on the GPU once copied "
+                                       "(default off; no accumulation)"),
     "set_to_none": ("optimizer", "free gradients after each step (default); --no-set-to-none zeroes them, "
                                  "kept to next forward"),
     # batch and sequence

@@ -33,9 +33,14 @@ def traced(source, batch, *, recipe, loss_fn, factory, steps, batch_size, seq_le
     if fast and recipe.compile:
         raise MemfitError("fast=True and compile conflict: a compiled step has no per-block records for the depth "
                           "fast path to write out; leave fast unset (compiled steps are traced in full)")
+    if fast and recipe.offload_optimizer and target is not None:
+        raise MemfitError("fast=True and offload_optimizer conflict on a card: the depth fast path does not yet write "
+                          "out which records are the host's; leave fast unset (traced in full)")
     if fast is None:
+        # compiled code runs outside the blocks' records, and an offloaded optimizer's host records are not written
+        # out at depth: both in full
         fast = (source.config is not None and batch is None and (source.depth or 0) >= FAST_MIN_DEPTH
-                and not recipe.compile)  # compiled code runs outside the blocks' records: in full
+                and not recipe.compile and not (recipe.offload_optimizer and target is not None))
     if fast and batch is None and source.config is not None and source.depth:  # else nothing to scale: traced in full
         from memfit.estimator.depth import estimate_by_depth
 
