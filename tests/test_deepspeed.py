@@ -10,6 +10,7 @@ import _truths
 
 pytest.importorskip("deepspeed", reason="pip install 'memfit[deepspeed]'")
 
+import memfit  # noqa: E402
 from memfit import Recipe  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
@@ -232,3 +233,24 @@ def test_buckets_gradient_partitions_and_gathers_have_their_roles(tmp_path):
     assert found["zero2"][Category.COMMUNICATION] == [50_000 * 2] * 4  # two buckets, each step's backward
     assert found["zero2"][Category.GRADIENTS] and not found["zero2"][Category.UNSHARDED_PARAMETERS]
     assert found["zero3"][Category.UNSHARDED_PARAMETERS] and found["zero3"][Category.GRADIENTS]
+
+
+@pytest.mark.parametrize("stage, zero", [("zero2", "offload_optimizer=cpu"),
+                                         ("zero3", "offload_optimizer=cpu,offload_param=cpu")])
+def test_zero_offload_for_a_card_puts_the_offloaded_partitions_on_the_host(tmp_path, stage, zero):
+    """Under CUDA semantics ZeRO-Offload's host partitions (found by DeepSpeed's attribute names) and the client
+    optimizer's step are the host's: no optimizer state on the GPU, at least the fp32 master partition and AdamW's
+    two states of this rank's share on the host; under CPU semantics nothing is split."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    common = dict(batch_size=2, seq_len=32, gpus=2)
+    recipe = Recipe(parallel=stage, precision="bf16", attention="eager", zero=f"reduce_bucket_size=50000,{zero}")
+    card = memfit.estimate(str(path), recipe=recipe, gpu="h100-sxm", **common)
+    kept = memfit.estimate(str(path), recipe=recipe.replace(zero="reduce_bucket_size=50000"), gpu="h100-sxm", **common)
+    params = card.parameters
+    assert card.by_category["optimizer_state"] == 0 < kept.by_category["optimizer_state"]
+    assert card.host_bytes >= 12 * params // 2  # fp32 master, exp_avg, exp_avg_sq of half the parameters
+    assert card.peak_bytes < kept.peak_bytes
+    assert any("ZeRO-Offload" in note for note in card.notes)
+    cpu = memfit.estimate(str(path), recipe=recipe, device="cpu", **common)
+    assert cpu.host_bytes is None

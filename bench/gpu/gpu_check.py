@@ -84,6 +84,10 @@ CASES = {
                           recipe={"parallel": "zero2", "precision": "bf16", "zero": "reduce_bucket_size=5e7"}),
     "zero3-llama1b": dict(kind="fsdp", model="llama-3.2-1b", bs=2, seq=2048,
                           recipe={"parallel": "zero3", "precision": "bf16"}),
+    # ZeRO-Offload: the host's partitions found by DeepSpeed's attribute names (techniques/deepspeed_offload.py)
+    "zero2-offload-llama1b": dict(kind="fsdp", model="llama-3.2-1b", bs=2, seq=2048,
+                                  recipe={"parallel": "zero2", "precision": "bf16",
+                                          "zero": "reduce_bucket_size=5e7,offload_optimizer=cpu"}),
     "generate-llama1b": dict(kind="generate", model="llama-3.2-1b", bs=8, prompt=1024, new=256),
     "generate-qwen8b": dict(kind="generate", model="qwen3-8b", bs=4, prompt=4096, new=64),
     "profile-leak": dict(kind="profile", model="llama-3.2-1b", bs=2, seq=1024, recipe={}),

@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_map
 
-from memfit.accounting.events import ALLOC, FREE, Record
+from memfit.accounting.events import ALLOC, FREE, Record, plain
 from memfit.accounting.subclasses import local
 from memfit.categories import Category
 
@@ -48,6 +48,14 @@ class CudaSemantics:
             self.host = self.host | made
             if pinned:
                 self.pinned = self.pinned | made
+
+    def host_tensor(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage (each record of it) is in host memory: for tensors found after they were made
+        (DeepSpeed's offloaded partitions, by the attributes it keeps them in)."""
+        for one in plain(tensor):
+            index = self._ids.get(one.untyped_storage())
+            if index is not None:
+                self.host = self.host | frozenset(self._chain.get(self._first.get(index, index), (index,)))
 
     @contextlib.contextmanager
     def on_stream(self, stream: int):

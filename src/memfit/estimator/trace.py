@@ -90,8 +90,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
         device_side, host = _offloaded(ledger, scratch, recipe, cuda=gpu is not None)
         if gpu is not None:  # the GPU's figures are of what stays on it; on the CPU all is one memory
             result = replay(device_side, scratch)
-    elif ledger.host:  # torchao's CPUOffloadOptimizer on a trace for a card: its host side off the GPU's figures
-        device_side, host = _optimizer_offloaded(ledger)
+    elif ledger.host and gpu is not None:  # an offloaded optimizer (torchao's, ZeRO-Offload) on a trace for a card:
+        device_side, host = _optimizer_offloaded(ledger, recipe)  # its host side off the GPU's figures
         result = replay(device_side, scratch)
     if gpu is not None:
         verdict = cuda_fit(device_side, gpu, budget, outside=found.bytes)
@@ -185,10 +185,11 @@ def _offloaded(ledger, scratch, recipe, cuda: bool = True):
     return LedgerView(ledger, device, spikes=True, transient=staged), fields
 
 
-def _optimizer_offloaded(ledger):
-    """(the GPU's side, report fields of the host's side) of a step with torchao's CPUOffloadOptimizer: the
-    records ``on_host`` marked (each parameter's and gradient's pinned copy, its optimizer's state and step) are the
-    host's. Pinned blocks are rounded as torch's pinned-memory allocator serves them (``_pow2``)."""
+def _optimizer_offloaded(ledger, recipe):
+    """(the GPU's side, report fields of the host's side) of a step with torchao's CPUOffloadOptimizer or
+    DeepSpeed's ZeRO-Offload: the records ``on_host`` / ``host_tensor`` marked (torchao's pinned copy of each
+    parameter and gradient, ZeRO's host partitions, the optimizer's state and step) are the host's. Pinned blocks are
+    rounded as torch's pinned-memory allocator serves them (``_pow2``)."""
     from memfit.accounting.replay import replay as replay_log
 
     host = set(ledger.host)
@@ -197,11 +198,16 @@ def _optimizer_offloaded(ledger):
                     for i, r in enumerate(ledger.records)]
     on_host = replay_log(LedgerView(view, host, spikes=False), [0] * len(ledger.sites))
     pinned = sum(_pow2(ledger.records[i].nbytes) for i in ledger.pinned)
-    fields = {"host_bytes": on_host.peak_bytes, "pinned_bytes": pinned,
-              "notes": [f"offload_optimizer: a pinned copy of each parameter and gradient and the optimizer step on "
-                        f"the host (torchao's CPUOffloadOptimizer): {format_size(on_host.peak_bytes)} of host RAM at "
-                        f"its peak, {format_size(pinned)} of it pinned; each gradient crosses the host link to it and "
-                        "each updated weight back"]}
+    if getattr(recipe, "parallel", "none").startswith("zero"):
+        note = (f"ZeRO-Offload ({recipe.zero}): the offloaded partitions and the optimizer step on the host: "
+                f"{format_size(on_host.peak_bytes)} of host RAM at its peak (pinned or not as the config's pin_memory "
+                "says; not read); each gradient partition crosses the host link to it and each updated one back")
+    else:
+        note = (f"offload_optimizer: a pinned copy of each parameter and gradient and the optimizer step on the host "
+                f"(torchao's CPUOffloadOptimizer): {format_size(on_host.peak_bytes)} of host RAM at its peak, "
+                f"{format_size(pinned)} of it pinned; each gradient crosses the host link to it and each updated "
+                "weight back")
+    fields = {"host_bytes": on_host.peak_bytes, "pinned_bytes": pinned, "notes": [note]}
     return LedgerView(ledger, set(range(len(ledger.records))) - host, spikes=True), fields
 
 

@@ -30,6 +30,7 @@ import contextlib
 import os
 
 from memfit.errors import MemfitError
+from memfit.techniques.deepspeed_offload import hosted_step, mark as offload_mark
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.zero_config import VERSION, ZeroConfig, check_zero, ds_config, zero_stage
 
@@ -146,8 +147,8 @@ class _Engine:
     """DeepSpeed's engine as the step sees it: called as the model, ``backward(loss)`` as DeepSpeed wants it (its
     ``step`` after every micro-batch but the last: it counts them to find the accumulation boundary)."""
 
-    def __init__(self, engine, scope, watch=None):
-        self.engine, self.scope, self.watch = engine, scope, watch
+    def __init__(self, engine, scope, watch=None, after=None):
+        self.engine, self.scope, self.watch, self.after = engine, scope, watch, after  # after: ZeRO-Offload's marks
 
     def __call__(self, *args, **kwargs):
         with self.scope():
@@ -157,6 +158,8 @@ class _Engine:
         with self.scope():
             self.engine.backward(loss)
             _mark_buffers(self.engine.optimizer, self.watch)
+            if self.after is not None:
+                self.after()
             if not self.engine.is_gradient_accumulation_boundary():
                 self.engine.step()
 
@@ -227,8 +230,8 @@ class _EngineOptimizer:
     """The optimizer the step sees: ``step`` is the engine's (the optimizer steps at the accumulation boundary),
     ``zero_grad`` the engine's own (done in its step), ``state`` the client optimizer's (on the fp32 partitions)."""
 
-    def __init__(self, engine, base, scope):
-        self.engine, self.base, self.scope = engine, base, scope
+    def __init__(self, engine, base, scope, after=None):
+        self.engine, self.base, self.scope, self.after = engine, base, scope, after
 
     @property
     def state(self):
@@ -241,6 +244,8 @@ class _EngineOptimizer:
     def step(self, closure=None):
         with self.scope():
             self.engine.step()
+        if self.after is not None:
+            self.after()
 
     def zero_grad(self, set_to_none: bool = True):
         return None
@@ -257,6 +262,8 @@ def zero_engine(build, place) -> None:
     config = ds_config(recipe, place.world.size, recipe.micro_batch_size or 1, hidden=_hidden(build.model))
     make_base = build.make_optimizer or (lambda params: make_optimizer(build.optimizer_spec, params))
     model = build.model
+    zero = ZeroConfig.parse(recipe.zero)
+    offload = place.fake and (zero.get("offload_optimizer") != "none" or zero.get("offload_param") != "none")
 
     def scope():
         if place.fake:
@@ -266,6 +273,8 @@ def zero_engine(build, place) -> None:
 
     def make(params):
         base = make_base(params)
+        if offload:  # ZeRO-Offload on a trace for a card: the client optimizer steps on the host partitions
+            hosted_step(base, build.watch)
         import deepspeed.comm.comm as ds_comm
         from deepspeed.utils import groups
 
@@ -285,6 +294,9 @@ def zero_engine(build, place) -> None:
             for tensor in getattr(optimizer, name, None) or ():
                 if tensor is not None:
                     build.watch.mark(tensor, Category.OPTIMIZER_STATE)  # the fp32 master weights
+        after = (lambda: offload_mark(engine.optimizer, model, build.watch, zero)) if offload else None
+        if after is not None:
+            after()
         build.watch.settle()  # the engine's construction is before the step
         if zero_stage(recipe) < 3 and place.world.size > 1:
             # stage 1/2 cut one flat buffer into equal partitions: a parameter across a boundary counts in both ranks'
@@ -296,8 +308,8 @@ def zero_engine(build, place) -> None:
             stack.enter_context(_marked(build.watch, zero_stage(recipe)))
             return stack
 
-        build.engine = _Engine(engine, marked, build.watch)
-        return _EngineOptimizer(engine, base, scope)
+        build.engine = _Engine(engine, marked, build.watch, after)
+        return _EngineOptimizer(engine, base, scope, after)
 
     build.make_optimizer = make
 
