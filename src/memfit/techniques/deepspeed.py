@@ -30,7 +30,7 @@ import contextlib
 import os
 
 from memfit.errors import MemfitError
-from memfit.techniques.deepspeed_offload import hosted_step, mark as offload_mark
+from memfit.techniques.deepspeed_offload import held_tensors, hosted_step, mark as offload_mark
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.zero_config import VERSION, ZeroConfig, check_zero, ds_config, zero_stage
 
@@ -173,20 +173,11 @@ def _mark_buffers(optimizer, watch) -> None:
         return
     from memfit.categories import Category
 
-    def tensors(value):
-        if value is None:
-            return []
-        if isinstance(value, dict):
-            value = list(value.values())
-        if isinstance(value, (list, tuple)):
-            return [t for item in value for t in tensors(item)]
-        return [value] if hasattr(value, "untyped_storage") else []
-
     for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
-        for tensor in tensors(getattr(bucket, "buffer", None)):
+        for tensor in held_tensors(getattr(bucket, "buffer", None)):
             watch.mark(tensor, Category.COMMUNICATION)
     for name in ("grads_in_partition", "grad_partitions_flat_buffer", "averaged_gradients"):
-        for tensor in tensors(getattr(optimizer, name, None)):
+        for tensor in held_tensors(getattr(optimizer, name, None)):
             watch.mark(tensor, Category.GRADIENTS)
 
 

@@ -24,7 +24,7 @@ the CPU accelerator), NVMe (refused). Not yet checked on a GPU: the CPU truths h
 
 from __future__ import annotations
 
-__all__ = ["mark", "hosted_step"]
+__all__ = ["mark", "hosted_step", "held_tensors"]
 
 _STAGE_1_2 = ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
               "accumulated_grads_in_cpu", "temp_grad_buffer_for_cpu_offload")
@@ -33,13 +33,14 @@ _STAGE_3_PARAMS = ("param_groups_fp16_flat_cpu_memory", "lp_param_contiguous_pin
                    "lp_grad_partitions_flat_pin_buffers")
 
 
-def _tensors(value) -> list:
+def held_tensors(value) -> list:
+    """The tensors an engine's attribute holds: itself, or those of a list, tuple or dict of them, nested."""
     if value is None:
         return []
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
+        return [t for item in value for t in held_tensors(item)]
     return [value] if hasattr(value, "untyped_storage") else []
 
 
@@ -54,10 +55,10 @@ def mark(optimizer, model, watch, zero) -> None:
     if zero.get("offload_param") != "none":
         names += list(_STAGE_3_PARAMS)
         for param in model.parameters():
-            for tensor in _tensors(getattr(param, "ds_tensor", None)):
+            for tensor in held_tensors(getattr(param, "ds_tensor", None)):
                 watch.host_tensor(tensor)
     for name in names:
-        for tensor in _tensors(getattr(optimizer, name, None)):
+        for tensor in held_tensors(getattr(optimizer, name, None)):
             watch.host_tensor(tensor)
             if getattr(tensor, "grad", None) is not None:
                 watch.host_tensor(tensor.grad)
