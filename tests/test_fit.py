@@ -205,3 +205,17 @@ def test_fit_outside_the_planners_traces_searches_by_full_estimates():
     assert any("full estimates only" in note for note in found.notes)
     _edges(found, lambda n, b: estimate(_config(), recipe=recipe.replace(micro_batch_size=n), seq_len=64, gpu=GPU,
                                         budget=b))
+
+
+def test_an_answer_within_half_a_percent_of_a_cards_budget_says_so_and_how_many_fewer_leave_that():
+    """An H200 ran ResNet-50 out of memory at memfit's answer, 51 MB (0.03 %) from the limit, where the card itself is
+    not monotone (bench/results/fit-edge-h200.json): such an answer carries a note with the micro-batch that leaves
+    0.5 %, from the step to the next size's estimate. A roomy answer carries none."""
+    from memfit.planner.fit_result import edge_note
+
+    budget = 150_109_945_856
+    (note,) = edge_note(1707, budget, budget - 51_576_832, budget - 51_576_832 + 87_000_000)
+    assert "0.03 % of the budget" in note and "micro-batch 1698 leaves 0.5 %" in note
+    assert edge_note(15, budget, 145_641_766_912, 147_822_804_992) == []
+    (no_step,) = edge_note(280, 25_769_803_776, 25_728_712_704, 25_705_644_032)  # the next size estimated lower
+    assert "leaves 0.5 %" not in no_step

@@ -36,7 +36,7 @@ from memfit.errors import MemfitError, shown
 from memfit.estimator.checkpoint import checkpoint_recipe
 from memfit.estimator.inputs import Data, Hardware, gather
 from memfit.estimator.verdict import FITS, OOM
-from memfit.planner.fit_result import Fit, NoBatchFits
+from memfit.planner.fit_result import Fit, NoBatchFits, edge_note
 from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.units import format_size
 
@@ -300,6 +300,8 @@ class _Search:
             notes.append(f"the composed prediction said {predicted}; full estimates moved it to {n}")
         if above is None:
             notes.append(f"the search stops at micro-batch {self.limit} (limit=)")
+        if self.target is not None:
+            notes += edge_note(n, self.budget, report.device_bytes, None if above is None else self.need(n + 1))
         return Fit(recipe=self.recipe.replace(micro_batch_size=n), micro_batch_size=n,
                    grad_accum_steps=self.recipe.grad_accum_steps, budget_bytes=self.budget,
                    device_bytes=report.device_bytes, allocated_bytes=report.peak_bytes,

@@ -13,7 +13,7 @@ from memfit.errors import MemfitError
 from memfit.techniques.recipe import Recipe
 from memfit.units import format_size
 
-__all__ = ["Fit", "NoBatchFits"]
+__all__ = ["edge_note", "Fit", "NoBatchFits"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,24 @@ class NoBatchFits(MemfitError):
         super().__init__(message)
         self.needed_bytes, self.budget_bytes = needed_bytes, budget_bytes
 
+
+
+#: a card's answer closer to its limit than this share of the budget is closer than the estimate's error on a real
+#: card (reserved: median 0.73 %, bench/results/gpu-check-h200.json)
+EDGE = 0.005
+
+
+def edge_note(n: int, budget: int, needed: int, next_bytes: int | None) -> list[str]:
+    """A note when micro-batch ``n`` leaves less than ``EDGE`` of a card's budget: measured on an H200, such an edge
+    is decided by the allocator's retries and cuDNN's algorithm choice, not by the estimate."""
+    spare = budget - needed
+    if spare >= EDGE * budget:
+        return []
+    step = (next_bytes - needed) if next_bytes is not None and next_bytes > needed else None
+    fewer = ""
+    if step is not None:
+        fewer = f"; micro-batch {max(1, n - -(-(int(EDGE * budget) - spare) // step))} leaves {EDGE * 100:g} %"
+    return [f"micro-batch {n} leaves {format_size(spare)} ({100 * spare / budget:.2f} % of the budget, under "
+            f"{EDGE * 100:g} %): closer than the estimate's error on a real card, where the allocator's retries and "
+            f"cuDNN's choice of algorithms decide such an edge (an H200's ResNet-50 ran out at memfit's answer, "
+            f"bench/results/fit-edge-h200.json){fewer}"]
