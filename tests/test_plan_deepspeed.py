@@ -27,7 +27,12 @@ def test_zero_stages_are_searched_only_where_allowed_with_the_trainers_buckets()
     both = structures(card, world, True, "adamw", ("torch", "deepspeed"), hidden=4096)
     assert not any(f["parallel"].startswith("zero") for f in torch_only)
     zero = [f for f in both if f["parallel"].startswith("zero")]
-    assert both[:len(torch_only)] == torch_only and len(zero) == 8  # 4 stages x checkpointing off, blocks
+    # 4 stages x checkpointing off, blocks; ZeRO-Offload's stage 2 and stage 3, blocks checkpointed
+    assert both[:len(torch_only)] == torch_only and len(zero) == 10
+    offloads = [f for f in zero if "offload" in f["zero"]]
+    assert [(f["parallel"], f["checkpointing"]) for f in offloads] == [("zero2", "blocks"), ("zero3", "blocks")]
+    assert offloads[1]["zero"].endswith("offload_optimizer=cpu,offload_param=cpu")
+    assert not any("offload" in f["zero"] for f in zero_structures(card, world, True, "adamw8bit", 4096))
     assert {f["parallel"] for f in zero} == {"zero1", "zero2", "zero3"}
     assert all(f["precision"] == "bf16" and "mixed_precision" not in f for f in zero)
     # the Trainer's auto: reduce_bucket_size hidden², prefetch 0.9 hidden², persistence 10 hidden, written as numbers
@@ -58,6 +63,26 @@ def test_zero_collectives_hidden_only_where_deepspeed_overlaps_them():
     assert seconds["z2o"] == pytest.approx((4 * t, t))  # overlap_comm: the reductions behind backward
     assert seconds["z3"] == pytest.approx((8 * t + 4 * t, t / 33))  # prefetched gathers: one block's shows
     assert seconds["z3n"] == pytest.approx((8 * t, t / 33 + 4 * t))
+
+
+def test_zero_offload_adds_the_host_links_traffic_and_the_host_step():
+    """ZeRO-Offload's seconds a step (planner/data_parallel.py): each micro-batch's fp32 gradient partition to the host,
+    the updated 16-bit one back, AdamW on the host, and with offload_param each gathered partition from it twice a
+    micro-batch; none without offload."""
+    from memfit.planner.data_parallel import ADAMW_BYTES, HOST_STEP_BANDWIDTH, offload_seconds
+
+    card, world, params = gpu("h100-sxm"), World(8), 8_000_000_000
+    share = params / 8
+    link = offload_seconds(Recipe(parallel="zero2", precision="bf16", zero="offload_optimizer=cpu"), world, 8, 1,
+                           card) - 8 / 8 * ADAMW_BYTES / HOST_STEP_BANDWIDTH  # seconds of 6 bytes over the link
+    per_byte = link / 6
+    two = offload_seconds(Recipe(parallel="zero2", precision="bf16", zero="offload_optimizer=cpu"), world, params, 4,
+                          card)
+    assert two == pytest.approx((4 * 4 + 2) * share * per_byte + share * ADAMW_BYTES / HOST_STEP_BANDWIDTH)
+    three = offload_seconds(Recipe(parallel="zero3", precision="bf16", zero="offload_optimizer=cpu,offload_param=cpu"),
+                            world, params, 4, card)
+    assert three == pytest.approx(two + 2 * 4 * 2 * share * per_byte)
+    assert offload_seconds(Recipe(parallel="zero2", precision="bf16"), world, params, 4, card) == 0
 
 
 def test_engines_are_named():

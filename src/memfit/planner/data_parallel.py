@@ -8,9 +8,11 @@ over every rank; each with activation checkpointing off and, for a model of bloc
 bf16 where the card has it: FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce, fp32 shards, as torchtitan
 trains), autocast for DDP. Where the user allows DeepSpeed (``engines``), its ZeRO stages beside them
 (``zero_structures``): stage 1; stage 2 with ``overlap_comm`` off and on (the second bucket buys the reductions'
-overlap with backward); stage 3 (its offloads not yet: ``zero_structures``); DeepSpeed's own bf16 (fp16 on a card
-without bf16), the buckets at the Hugging Face Trainer's ``auto`` sizes (``reduce_bucket_size`` = hidden², prefetch
-0.9 hidden², persistence 10 hidden: what most ZeRO fine-tunes run).
+overlap with backward); stage 3; where the optimizer steps on the host (not an 8/4-bit or paged one), ZeRO-Offload:
+stage 2 with ``offload_optimizer=cpu`` and stage 3 with ``offload_optimizer`` and ``offload_param`` on the CPU, with
+every block checkpointed (offload is for a run memory keeps from fitting otherwise); DeepSpeed's own bf16 (fp16 on a
+card without bf16), the buckets at the Hugging Face Trainer's ``auto`` sizes (``reduce_bucket_size`` = hidden²,
+prefetch 0.9 hidden², persistence 10 hidden: what most ZeRO fine-tunes run).
 
 The collectives are rings: an all-gather or reduce-scatter of B bytes moves B x (n-1)/n per rank, an all-reduce
 twice that, at the card's NVLink (or PCIe) rate within a node and ``NETWORK_BANDWIDTH`` between nodes
@@ -18,7 +20,9 @@ twice that, at the card's NVLink (or PCIe) rate within a node and ``NETWORK_BAND
 backward when it reshards, for every micro-batch; it reduce-scatters once per step (sync on the last micro-batch)
 or once per micro-batch; HSDP adds an all-reduce of the shards between nodes; DDP all-reduces the gradients once
 per step. Offload adds, unhidden, each gathered shard over the host link (fp32, per gather), the sharded gradients
-back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``. ZeRO, in the model's 16-bit dtype: stage 1
+back, and the optimizer step on the host at ``HOST_STEP_BANDWIDTH``; ZeRO-Offload each micro-batch's fp32 gradient
+partition to the host, the updated 16-bit partition back, the step on the host and, with ``offload_param``, each
+gathered partition from the host in forward and backward. ZeRO, in the model's 16-bit dtype: stage 1
 reduces the gradients once a step (at the last micro-batch) and stage 2 every micro-batch, each then all-gathers the
 updated partitions (``allgather_bucket_size`` buckets, after the step: unhidden); their reductions are hidden behind
 backward only with ``overlap_comm``; stage 3 gathers every block in forward and backward (prefetched: hidden) and
@@ -58,10 +62,9 @@ def structures(card, world: World, has_blocks: bool, optimizer: str, engines=("t
 
 def zero_structures(card, world: World, has_blocks: bool, optimizer: str, hidden: int | None = None) -> list[dict]:
     """DeepSpeed's ZeRO stages (module docstring), each with checkpointing off and, for a model of blocks, every
-    block; none at one GPU (a stage without offload shards nothing there). Buckets at the Trainer's ``auto`` sizes
-    from ``hidden`` (DeepSpeed's defaults without it). Its offloads are not searched yet: the fake engine runs on
-    DeepSpeed's CPU accelerator, where the host's partitions and the GPU's are one device, so a plan could not tell
-    what an offload saves on the GPU."""
+    block, and ZeRO-Offload's two (blocks checkpointed) where the optimizer steps on the host; none at one GPU.
+    Buckets at the Trainer's ``auto`` sizes from ``hidden`` (DeepSpeed's defaults without it). An offload's host
+    share is left off the GPU's figures by the trace (``techniques/deepspeed_offload.py``)."""
     if world.size == 1:
         return []
     precision = "bf16" if card is None or card.bf16 else "fp16"
@@ -74,9 +77,21 @@ def zero_structures(card, world: World, has_blocks: bool, optimizer: str, hidden
     stages = [("zero1", buckets(ZERO_BUCKETS)), ("zero2", buckets(ZERO_BUCKETS)),
               ("zero2", ",".join(filter(None, (buckets(ZERO_BUCKETS), "overlap_comm=true")))),
               ("zero3", buckets(_STAGE3_BUCKETS))]
-    return [{"parallel": stage, "precision": precision, "zero": zero, "checkpointing": checkpointing,
-             "optimizer": optimizer}
-            for checkpointing in (("off", "blocks") if has_blocks else ("off",)) for stage, zero in stages]
+    found = [{"parallel": stage, "precision": precision, "zero": zero, "checkpointing": checkpointing,
+              "optimizer": optimizer}
+             for checkpointing in (("off", "blocks") if has_blocks else ("off",)) for stage, zero in stages]
+    if _host_step(optimizer):
+        offloads = [("zero2", buckets(ZERO_BUCKETS), "offload_optimizer=cpu"),
+                    ("zero3", buckets(_STAGE3_BUCKETS), "offload_optimizer=cpu,offload_param=cpu")]
+        found += [{"parallel": stage, "precision": precision, "zero": ",".join(filter(None, (zero, offload))),
+                   "checkpointing": "blocks" if has_blocks else "off", "optimizer": optimizer}
+                  for stage, zero, offload in offloads]
+    return found
+
+
+def _host_step(optimizer: str) -> bool:
+    """Whether ``optimizer`` can step on the host (an offload's): not a quantized, paged or fp8 one."""
+    return not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
 
 
 def _torch_structures(card, world: World, has_blocks: bool, optimizer: str) -> list[dict]:
@@ -90,7 +105,7 @@ def _torch_structures(card, world: World, has_blocks: bool, optimizer: str) -> l
     # sit on the GPU whole, which is what offload is there to avoid
     offload = {**zero3, "offload": "cpu", "sync_grads": "every"}
     found = []
-    host_step = not any(k in optimizer for k in ("8bit", "4bit", "paged", "fp8"))
+    host_step = _host_step(optimizer)
     # over every rank: 1/size each (up to MAX_SHARD ranks: past them a trace takes minutes)
     spread = [{**zero3, "shard_over": "world"}] if 1 < world.nodes and world.size <= MAX_SHARD else []
     if spread and host_step:
@@ -114,6 +129,8 @@ def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: in
     """Seconds an offloaded step adds on top of the GPU's: each gather's shard over the host link (fp32,
     every micro-batch, twice when resharding), the sharded gradients back once, and the optimizer step
     on the host."""
+    if recipe.parallel in STAGES:
+        return _zero_offload_seconds(recipe, world, params, micro_batches, card)
     if recipe.offload == "none":
         return 0.0
     link = card.host_link_bandwidth * EFFICIENCY["host_link"]
@@ -121,6 +138,21 @@ def offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: in
     gathers = (1 + (recipe.reshard_after_forward != "false")) * micro_batches
     reduces = micro_batches if recipe.sync_grads == "every" else 1
     return (gathers + reduces) * shard / link + shard / 4 * ADAMW_BYTES / HOST_STEP_BANDWIDTH
+
+
+def _zero_offload_seconds(recipe: Recipe, world: World, params: int, micro_batches: int, card) -> float:
+    """ZeRO-Offload's host work a step, unhidden (module docstring): a rank's fp32 gradient partition to the host each
+    micro-batch, its updated 16-bit partition back, AdamW on the host and, with ``offload_param``, each gathered
+    16-bit partition from the host in forward and backward of every micro-batch."""
+    zero = ZeroConfig.parse(recipe.zero)
+    if zero.get("offload_optimizer") == "none":
+        return 0.0
+    link = card.host_link_bandwidth * EFFICIENCY["host_link"]
+    share = params / world.size
+    seconds = (micro_batches * share * 4 + share * 2) / link + share * ADAMW_BYTES / HOST_STEP_BANDWIDTH
+    if zero.get("offload_param") != "none":
+        seconds += 2 * micro_batches * share * 2 / link
+    return seconds
 
 
 def comm_seconds(recipe: Recipe, world: World, params: int, units: int, micro_batches: int, card) -> tuple[float, float]:

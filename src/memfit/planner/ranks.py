@@ -110,8 +110,9 @@ def plan_ranks(source, *, target, budget_bytes: int, world: World, global_batch_
         notes.append("DeepSpeed ZeRO searched" + (" beside PyTorch's DDP and FSDP2" if meshes else " alone")
                      + f": stages 1-3, stage 2 with overlap_comm off and on, DeepSpeed's own "
                      f"{'bf16' if target.bf16 else 'fp16'}, buckets at the Hugging Face Trainer's auto sizes "
-                     "(reduce_bucket_size hidden², stage 3 prefetch 0.9 hidden², persistence 10 hidden); its offloads "
-                     "not yet (the fake engine cannot tell the host's partitions from the GPU's)")
+                     "(reduce_bucket_size hidden², stage 3 prefetch 0.9 hidden², persistence 10 hidden), and "
+                     "ZeRO-Offload (stage 2 offload_optimizer, stage 3 offload_optimizer and offload_param) where the "
+                     "optimizer steps on the host")
     if degrees:
         notes.append(f"tensor parallel searched at tp={', '.join(map(str, degrees))} (FSDP2 x TP, sequence and loss "
                      "parallel)")
