@@ -208,3 +208,19 @@ def test_a_dead_weak_proxy_anywhere_in_the_process_does_not_stop_a_profile():
         model(torch.randn(2, 4)).sum().backward()
     assert prof.report is not None and prof.report.peak_bytes > 0
     assert proxy is not None  # kept alive through the profile
+
+
+def test_an_optimizer_without_state_anywhere_in_the_process_does_not_stop_a_profile():
+    """torchao's CPUOffloadOptimizer is a torch Optimizer that never runs ``Optimizer.__init__``: it has no ``state``.
+    One alive anywhere in the process (the suite's offload estimate left one) stopped every later profile with an
+    AttributeError; it is read as holding no state of its own."""
+
+    class NoInit(torch.optim.Optimizer):  # as torchao's CPUOffloadOptimizer
+        def __init__(self):
+            pass
+
+    kept = NoInit()
+    model = torch.nn.Linear(4, 4)
+    with profile(device="cpu", model=model) as prof:
+        model(torch.randn(2, 4)).sum().backward()
+    assert prof.report is not None and prof.report.peak_bytes > 0 and not hasattr(kept, "state")

@@ -183,7 +183,9 @@ class Profile:
             elif isinstance(obj, torch.nn.Module):
                 roles.extend((buf, Category.BUFFERS) for buf in obj._buffers.values() if buf is not None)
             elif isinstance(obj, torch.optim.Optimizer):
-                roles.extend((value, Category.OPTIMIZER_STATE) for state in obj.state.values()
+                # torchao's CPUOffloadOptimizer is an Optimizer that never ran Optimizer.__init__: no ``state`` (its
+                # per-parameter optimizers, found here too, hold it)
+                roles.extend((value, Category.OPTIMIZER_STATE) for state in getattr(obj, "state", {}).values()
                              for value in state.values() if isinstance(value, torch.Tensor))
         known = [(t, Category.PARAMETERS) for t in tensors if isinstance(t, torch.nn.Parameter)] + roles
         for tensor, category in known + [(t, Category.BATCH) for t in tensors]:
@@ -297,7 +299,7 @@ class Profile:
                 watch.mark(param, Category.PARAMETERS)
                 if param.grad is not None:
                     watch.mark(param.grad, Category.GRADIENTS)
-        for state in optimizer.state.values():
+        for state in getattr(optimizer, "state", {}).values():  # none in torchao's CPUOffloadOptimizer
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     watch.mark(value, Category.OPTIMIZER_STATE)

@@ -91,7 +91,8 @@ def _resident(model, optimizer) -> int:
     tensors = list(model.parameters()) + list(model.buffers()) + \
         [p.grad for p in model.parameters() if p.grad is not None]
     if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += [v for state in getattr(optimizer, "state", {}).values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
     for t in tensors:
         storage = t.untyped_storage()
         storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
