@@ -10,6 +10,11 @@ the same run trained. memfit reads each config as ``memfit estimate --from ds_co
 ``cutoff_len`` of 1024 (the optimizer step the report caught holds no activation: the sequence does not move it), and
 DeepSpeed's own estimator (``estimate_zero2/3_model_states_mem_needs``, model states only) is shown beside it.
 
+LLaMA-Factory#5977 (2024-11-09): Llama-3-8B-Instruct full SFT on 8 x RTX 3090 with LLaMA-Factory's ds_z3_config.json
+ran out of memory; with ds_z3_offload_config.json it trained ("each card only 13G", no peak measured). A row a GPU,
+accumulation 2, cutoff_len 1024 (its data unpacked: a longest row of at most that), fp16, LLaMA-Factory's default
+gradient checkpointing.
+
     python -m bench deepspeed_reports
 """
 
@@ -46,6 +51,17 @@ Z3 = {**_TRAINER, "zero_optimization": {"stage": 3, "overlap_comm": True, "conti
                                         "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
                                         "stage3_gather_16bit_weights_on_model_save": True}}
 
+# LLaMA-Factory's examples/deepspeed/ds_z3_config.json and ds_z3_offload_config.json as stored at commit 98ea0e81
+# (before their monitor sections; the zero sections are the same today): overlap_comm false, pinned offloads
+_Z3_LF = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "sub_group_size": 1e9,
+          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+          "stage3_gather_16bit_weights_on_model_save": True}
+Z3_LF = {**_TRAINER, "bf16": {"enabled": "auto"}, "zero_optimization": _Z3_LF}
+Z3_LF_OFFLOAD = {**_TRAINER, "bf16": {"enabled": "auto"},
+                 "zero_optimization": {**_Z3_LF, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "offload_param": {"device": "cpu", "pin_memory": True}}}
+
 REPORTS = [
     {"name": "llama-factory-1221-zero2", "model": "llama-2-7b", "gpu": "v100-32gb", "gpus": 8, "rows_per_gpu": 1,
      "seq_len": 1024, "config": Z2, "reported": "OOM at Adam's exp_avg_sq.sqrt(): 28.28 GiB allocated + 3.14 GiB asked",
@@ -53,6 +69,16 @@ REPORTS = [
     {"name": "llama-factory-1221-zero3", "model": "llama-2-7b", "gpu": "v100-32gb", "gpus": 8, "rows_per_gpu": 1,
      "seq_len": 1024, "config": Z3, "reported": "trained (the same run with stage 3)", "reported_bytes": None,
      "reported_fits": True},
+    # LLaMA-Factory#5977 (2024-11-09, https://github.com/hiyouga/LlamaFactory/issues/5977): Meta-Llama-3-8B-Instruct
+    # (Llama-3.1-8B's shapes), full SFT on 8 x RTX 3090, per_device_train_batch_size 1, gradient_accumulation_steps 2,
+    # cutoff_len 1024, fp16, LLaMA-Factory's default gradient checkpointing: with ds_z3_config.json it ran out of
+    # memory; with ds_z3_offload_config.json it trained, "each card only using 13G" (the maintainer: "normal").
+    {"name": "llama-factory-5977-zero3", "model": "llama-3.1-8b", "gpu": "rtx-3090", "gpus": 8, "rows_per_gpu": 1,
+     "accum": 2, "seq_len": 1024, "checkpointing": "blocks", "config": Z3_LF, "reported": "out of memory",
+     "reported_bytes": None, "reported_fits": False},
+    {"name": "llama-factory-5977-zero3-offload", "model": "llama-3.1-8b", "gpu": "rtx-3090", "gpus": 8,
+     "rows_per_gpu": 1, "accum": 2, "seq_len": 1024, "checkpointing": "blocks", "config": Z3_LF_OFFLOAD,
+     "reported": "trained, about 13 GB a card", "reported_bytes": None, "reported_fits": True},
 ]
 
 
@@ -60,9 +86,12 @@ def main(argv=None) -> int:
     rows = []
     for report in REPORTS:  # each a few tens of seconds: DeepSpeed's engine on fake tensors, rank 0 and the last
         fields, _ = read_ds_config(report["name"], report["config"])
-        recipe = Recipe(**fields, precision="fp16", optimizer_impl="forloop")
+        accum = report.get("accum", 1)
+        recipe = Recipe(**fields, precision="fp16", optimizer_impl="forloop", grad_accum_steps=accum,
+                        checkpointing=report.get("checkpointing", "off"))
         estimate = memfit.estimate(report["model"], recipe=recipe, gpu=report["gpu"], gpus=report["gpus"],
-                                   batch_size=report["rows_per_gpu"] * report["gpus"], seq_len=report["seq_len"])
+                                   batch_size=report["rows_per_gpu"] * report["gpus"] * accum,
+                                   seq_len=report["seq_len"])
         peak = max(r["peak_bytes"] for r in estimate.ranks)
         theirs = deepspeed_estimator(report["model"], int(recipe.parallel[-1]), report["gpus"])
         fits = estimate.verdict != OOM
