@@ -17,7 +17,7 @@ export PYTHONPATH=src${SITE:+:$SITE} PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 log() { sed -u "s/^/[$1] /" >> "$OUT/log.txt"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | log gpu
 python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" 2>&1 | log gpu
-python3 -m bench gpu_check --out "$OUT" --cases zero2-llama1b,zero3-llama1b,zero2-offload-llama1b --workers 3 > >(log zero) 2>&1 &
+python3 -m bench gpu_check --out "$OUT" --cases zero2-llama1b,zero3-llama1b,zero2-offload-llama1b,generate-llama1b-loaded --workers 4 > >(log zero) 2>&1 &
 ZERO=$!
 python3 -m bench scripts_gpu > >(log scripts) 2>&1 &
 SCRIPTS=$!
