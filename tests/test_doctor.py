@@ -320,3 +320,27 @@ def test_a_scripts_own_model_gets_recipe_fixes_and_the_first_one_fits(tmp_path, 
                                  step="step({'input_ids': ids, 'labels': ids})"))
     code, out = _cli("--budget", "9MiB", "--no-plan", "--json", "--", "python", str(fixed))
     assert code == 4  # the fixed script runs to its end under the budget: no out-of-memory to diagnose
+
+
+MPS = ("RuntimeError: MPS backend out of memory (MPS allocated: 5.50 GB, other allocations: 14.76 GB, max allowed: "
+       "20.40 GB). Tried to allocate 147.24 MB on private pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper "
+       "limit for memory allocations (may cause system failure).")
+
+
+def test_an_mps_message_is_read_and_past_its_high_watermark_is_the_cause():
+    """MPS's message (MPSAllocator.mm, torch 2.11 lines 286-295; this one pytorch/pytorch#130112, an 18 GB Mac: 20.40 GB
+    = 1.7 x its 12 GiB recommended working set): binary sizes whatever the label, the limit the capacity, heaps and
+    Metal's other allocations apart; the cause is MPS's limit, its direct fix the ratio's most (2.0). Without a limit
+    (ratio 0.0) Metal itself refused: the Mac's RAM, not a watermark."""
+    m = parse_oom(MPS)
+    assert (m.kind, m.device) == ("mps", "mps")
+    assert m.requested == round(147.24 * 2**20) and m.allowed == m.capacity == round(20.40 * 2**30)
+    assert m.mps_heaps == round(5.50 * 2**30) and m.mps_other == round(14.76 * 2**30)
+    assert m.this_process == m.mps_heaps + m.mps_other and m.free == m.allowed - m.this_process
+    found = diagnose(MPS)
+    assert found.cause == "mps_limit" and "past MPS's limit of 20.40 GiB" in found.summary
+    assert found.fixes[0].command.startswith("PYTORCH_MPS_HIGH_WATERMARK_RATIO=2.0")
+    unlimited = parse_oom("MPS backend out of memory (MPS allocated: 30.00 GiB, other allocations: 2.00 GiB). Tried to "
+                          "allocate 1.00 GiB on shared pool.")
+    assert unlimited.allowed is None and unlimited.mps_other == 2 * 2**30
+    assert diagnose(unlimited).cause == "unknown" and "the Mac's memory itself" in diagnose(unlimited).summary

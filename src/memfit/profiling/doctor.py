@@ -14,6 +14,7 @@ other_process          other processes hold the memory the request lacked
 leak                   memory that grows step after step (a profile's ``leaks``) is much of what was live
 eval_without_no_grad   a forward with grad enabled whose saved activations no backward consumed (a profile)
 long_batch             the step that ran out had far more tokens than the median step (a profile)
+mps_limit              on a Mac, the request would take the process past MPS's high watermark (the message)
 unknown                none of these is shown by the evidence given
 
 How it is decided. From the message alone: other processes holding at least what the request lacked
@@ -92,7 +93,8 @@ def diagnose(error=None, *, profile: dict | None = None, model=None, batch=None,
     message = error if isinstance(error, OomMessage) or error is None else parse_oom(str(error))
     if message is None and profile is None:
         raise NoOomFound("no out-of-memory error found in the input: paste torch's message (it starts "
-                         "'CUDA out of memory' or 'DefaultCPUAllocator') or pass the log that holds it")
+                         "'CUDA out of memory', 'HIP out of memory', 'MPS backend out of memory' or "
+                         "'DefaultCPUAllocator') or pass the log that holds it")
     work = Failing.of(message, model=model, batch=batch, loss_fn=loss_fn, recipe=recipe, batch_size=batch_size,
                     seq_len=seq_len, gpu=gpu, budget=budget, allow=allow, label=label, profile=profile, search=plan)
     found = diagnose_profile(profile, work.capacity) if profile is not None else None

@@ -15,7 +15,7 @@ __all__ = ["CAUSES", "RECIPE_CAUSES", "Fix", "Diagnosis", "NoOomFound", "EXIT_FI
            "LONG_FACTOR"]
 
 CAUSES = ("model_states", "activations", "optimizer_temporaries", "fragmentation", "other_process", "leak",
-          "eval_without_no_grad", "long_batch", "unknown")
+          "eval_without_no_grad", "long_batch", "mps_limit", "unknown")
 RECIPE_CAUSES = ("model_states", "activations", "optimizer_temporaries")
 EXIT_FITS, EXIT_NO_FIX, EXIT_NO_OOM = 0, 3, 4
 SHARE = 0.05  # of the capacity: other processes' or fragmented bytes below this are noise, not the cause
@@ -87,6 +87,8 @@ class Diagnosis:
 def message_cause(message: OomMessage) -> tuple[str, str, Fix | None]:
     """(cause, summary, direct fix) from a message's figures alone: ``other_process``, ``fragmentation``
     or ``unknown``."""
+    if message.kind == "mps" and message.requested is not None:
+        return _mps_cause(message)
     if message.requested is None or message.capacity is None:
         return "unknown", f"{message.kind} out of memory, without figures to tell why", None
     free = message.free if message.free is not None else max(message.capacity - (message.this_process or 0), 0)
@@ -109,6 +111,23 @@ def message_cause(message: OomMessage) -> tuple[str, str, Fix | None]:
     cap = "" if message.allowed is None else f" under the process's cap of {format_size(message.allowed)}"
     return "unknown", (f"the {format_size(message.requested)} request found {format_size(room)} free{cap} of "
                        f"{format_size(message.capacity)}; the message alone does not say what holds the rest"), None
+
+
+def _mps_cause(message: OomMessage) -> tuple[str, str, Fix | None]:
+    """An MPS message (``oom_text``): past MPS's own limit, the high watermark (``mps_limit``), or, with the limit
+    disabled, Metal itself out of memory (``unknown``: the Mac's RAM)."""
+    heaps, other, asked = message.mps_heaps or 0, message.mps_other or 0, format_size(message.requested)
+    held = f"MPS's heaps hold {format_size(heaps)} and Metal {format_size(other)} more for the process"
+    if message.allowed is None:
+        return "unknown", (f"Metal refused the {asked} request with no MPS limit set (PYTORCH_MPS_HIGH_WATERMARK_RATIO="
+                           f"0.0): {held}; the Mac's memory itself ran out"), None
+    lacked = max(message.requested - (message.free or 0), 0)
+    fix = Fix("mps_high_watermark", None, None, None, command="PYTORCH_MPS_HIGH_WATERMARK_RATIO=2.0 <your command>",
+              why="raises MPS's limit from 1.7 to 2.0 x the GPU's recommended working set (its most): past that set "
+                  "macOS swaps, slower, and may still fail; a smaller step is the lasting fix (pass the model)")
+    return "mps_limit", (f"the {asked} request would take the process past MPS's limit of "
+                         f"{format_size(message.allowed)} (the high watermark, PYTORCH_MPS_HIGH_WATERMARK_RATIO x the "
+                         f"GPU's recommended working set): {held}; it lacked {format_size(lacked)}"), fix
 
 
 def fragmentation_fix(saves: int, fits: bool | None, command: str = "<your command>") -> Fix:

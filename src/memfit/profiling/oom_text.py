@@ -17,13 +17,21 @@ killed the run):
 * the CPU allocator: ``DefaultCPUAllocator: not enough memory: you tried to allocate 123456 bytes.``
   (or ``can't allocate memory``);
 * memfit's virtual budget (``accounting/budget.py``): ``memfit virtual budget: tried to allocate 1.00 MiB
-  with 250.00 MiB of 256.00 MiB in use``, and its injected faults (no figures).
+  with 250.00 MiB of 256.00 MiB in use``, and its injected faults (no figures);
+* Apple's MPS (``aten/src/ATen/mps/MPSAllocator.mm``, torch 2.11 at 57ba412, lines 286-295;
+  ``research/mps/notes.md``)::
+
+    MPS backend out of memory (MPS allocated: 5.50 GB, other allocations: 14.76 GB, max allowed: 20.40 GB).
+    Tried to allocate 147.24 MB on private pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable ...
+
+  "MPS allocated" is what its heaps hold (cache included), "other allocations" the rest of what Metal holds for the
+  process, "max allowed" the high watermark (1.7 x the GPU's recommended working set by default; absent when the
+  ratio is 0.0). Its sizes are binary whatever the label (older torch printed "GB" for GiB).
 
 Sizes are c10's ``format_size`` (two decimals of B/KiB/MiB/GiB), so a figure read back is within half
 a hundredth of its unit. A log that wraps the message over lines is read as one line.
 
-ROCm's "HIP out of memory" is the CUDA wording with another name and is read as it. Left out: the MPS and
-XPU messages.
+ROCm's "HIP out of memory" is the CUDA wording with another name and is read as it. Left out: XPU's.
 """
 
 from __future__ import annotations
@@ -34,13 +42,13 @@ from dataclasses import asdict, dataclass, field
 __all__ = ["OomMessage", "parse_oom", "c10_size", "KINDS"]
 
 #: what ``OomMessage.kind`` says the message was
-KINDS = ("cuda", "cuda-legacy", "cpu", "virtual")
+KINDS = ("cuda", "cuda-legacy", "cpu", "virtual", "mps")
 
 _UNIT = {"b": 1, "byte": 1, "bytes": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
 _SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)"
 _STARTS = re.compile(r"(?:CUDA|HIP) out of memory|DefaultCPUAllocator: (?:not enough memory|can't allocate memory)"
-                     r"|memfit virtual budget:")
+                     r"|memfit virtual budget:|MPS backend out of memory")
 _WINDOW = 2000  # characters after a message's start that may hold its figures (the new CUDA one is ~600)
 
 _NEW = {
@@ -56,6 +64,8 @@ _LEGACY = re.compile(r"Tried to allocate " + _SIZE + r" \(GPU (\d+); " + _SIZE +
                      + r" already allocated; " + _SIZE + r" free; (?:" + _SIZE + r" allowed; )?" + _SIZE
                      + r" reserved in total by PyTorch")
 _CPU = re.compile(r"you tried to allocate (\d+) bytes")
+_MPS = re.compile(r"MPS allocated: " + _SIZE + r", other allocations: " + _SIZE + r"(?:, max allowed: " + _SIZE
+                  + r")?\)\. Tried to allocate " + _SIZE + r" on (shared|private) pool")
 _VIRTUAL = re.compile(r"tried to allocate " + _SIZE + " with " + _SIZE + " of " + _SIZE + " in use")
 
 
@@ -63,10 +73,11 @@ _VIRTUAL = re.compile(r"tried to allocate " + _SIZE + " with " + _SIZE + " of " 
 class OomMessage:
     """The figures of one out-of-memory message, in bytes (None where the message does not say).
 
-    kind                  "cuda", "cuda-legacy" (torch < 2.1), "cpu" or "virtual" (memfit's budget)
-    device                "cuda:0", "cpu"
+    kind                  "cuda", "cuda-legacy" (torch < 2.1), "cpu", "virtual" (memfit's budget) or "mps"
+    device                "cuda:0", "cpu", "mps"
     requested             the allocation that failed
-    capacity              the device's total memory ("total capacity"); the virtual budget's limit
+    capacity              the device's total memory ("total capacity"); the virtual budget's limit; MPS's high
+                          watermark
     allowed               the process's cap (``set_per_process_memory_fraction``: on what PyTorch reserves,
                           the CUDA context not included), when set
     free                  what the device had free
@@ -89,6 +100,8 @@ class OomMessage:
     allocated: int | None = None
     reserved_unallocated: int | None = None
     other_processes: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    mps_heaps: int | None = None  # MPS: what its allocator's heaps hold, cache included ("MPS allocated")
+    mps_other: int | None = None  # MPS: the rest of what Metal holds for the process ("other allocations")
 
     @property
     def other_bytes(self) -> int:
@@ -121,6 +134,8 @@ def parse_oom(text: str) -> OomMessage | None:
     start = starts[-1]
     window = " ".join(text[start.start():start.start() + _WINDOW].split())
     kind = start.group(0)
+    if kind.startswith("MPS"):
+        return _mps(window)
     if kind.endswith("out of memory"):
         return _legacy(window) or _cuda(window)
     if kind.startswith("DefaultCPU"):
@@ -175,3 +190,19 @@ def _virtual(window: str) -> OomMessage:
     g = found.groups()
     return OomMessage("virtual", "cpu", _cut(window, "in use"), requested=_bytes(g[0], g[1]),
                       this_process=_bytes(g[2], g[3]), capacity=_bytes(g[4], g[5]))
+
+
+def _mps(window: str) -> OomMessage:
+    found = _MPS.search(window)
+    if found is None:
+        return OomMessage("mps", "mps", _cut(window, "pool."))
+    g = found.groups()
+
+    def size(number, unit):  # MPS prints binary sizes, older torch with decimal-looking labels ("GB" for GiB)
+        return int(round(float(number) * 1024 ** "bkmgt".index(unit[0].lower())))
+
+    heaps, other = size(g[0], g[1]), size(g[2], g[3])
+    limit = size(g[4], g[5]) if g[4] else None
+    return OomMessage("mps", "mps", _cut(window, "pool."), requested=size(g[6], g[7]), capacity=limit, allowed=limit,
+                      this_process=heaps + other, free=None if limit is None else max(limit - heaps - other, 0),
+                      mps_heaps=heaps, mps_other=other)
