@@ -1,0 +1,90 @@
+"""Apple silicon's MPS allocator as PyTorch's source writes it: heap sizes, its limits, and what they mean on a Mac.
+
+The rules, for torch 2.11 and 2.13 (``research/mps/notes.md`` holds every citation; the lines below are of the
+2.13 wheel's ``torch/include/ATen/mps/MPSAllocator.h`` unless named, and of ``aten/src/ATen/mps/MPSAllocator.mm``
+at 57ba412 for 2.11):
+
+* **Heaps** (``HeapBlock::createHeapBlock``, header lines 140-154): a request of at most 1 MiB (``kMaxSmallAlloc``)
+  opens an 8 MiB heap (``kSmallHeap``), one under 10 MiB (``kMinLargeAlloc``) a 32 MiB heap (``kLargeHeap``), one
+  under half of ``kXLargeHeap`` (1 GiB on unified memory; 2.11's discrete GPUs 128 MiB) with no memory pressure a
+  whole ``kXLargeHeap``, anything else a heap of its own rounded up to 2 MiB (``kRoundLarge``). A heap with any live
+  buffer stays whole: a 1 GiB heap holding one small tensor keeps its 1 GiB.
+* **Limits** (``init_allocator``, .mm lines 28-38 and 83-97): the high watermark, ``PYTORCH_MPS_HIGH_WATERMARK_RATIO``
+  (default 1.7, at most 2.0, 0 = none) times Metal's ``recommendedMaxWorkingSetSize``, is a hard limit on what
+  Metal holds for the process (torch's heaps and MPSGraph's own): past it an allocation raises "MPS backend out of
+  memory". The low watermark, ``PYTORCH_MPS_LOW_WATERMARK_RATIO`` (default 1.4 on unified memory), starts the
+  cache's garbage collection. ``torch.mps.set_per_process_memory_fraction(f)`` sets the high ratio to ``f``.
+* **What a Mac does** (``verdict``): within the recommended working set the GPU's memory is its own; past it, and
+  under the high watermark, macOS gives the GPU more of the shared RAM and swaps what else lived there: the run
+  fits only by swapping, slower by how far it is past; past the high watermark it fails.
+
+Left out (not yet modelled): the replay of a step's allocations through these heaps (which heaps a step opens), the
+alignment Metal adds to each buffer (``heapBufferSizeAndAlignWithLength``: a device's answer, not torch's), the
+bucketed rounding upstream after 2.13, MPSGraph's own allocations ("other allocations" in its message), and the
+RAM macOS keeps for itself. Never run on a Mac: the rules are read from the source and the test cases computed by
+hand from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.errors import MemfitError
+
+__all__ = ["heap_size", "MpsLimits", "limits", "verdict", "MiB", "GiB"]
+
+MiB, GiB = 1 << 20, 1 << 30
+MAX_SMALL_ALLOC = 1 * MiB  # kMaxSmallAlloc
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
+ROUND_LARGE = 2 * MiB  # kRoundLarge
+SMALL_HEAP = 8 * MiB  # kSmallHeap
+LARGE_HEAP = 32 * MiB  # kLargeHeap
+XLARGE_HEAP_UNIFIED = 1024 * MiB  # kXLargeHeap (2.13; kXLargeHeapU in 2.11)
+XLARGE_HEAP_DISCRETE = 128 * MiB  # kXLargeHeapD (2.11 only: 2.13 refuses a Mac without unified memory)
+HIGH_RATIO, HIGH_RATIO_MOST, LOW_RATIO = 1.7, 2.0, 1.4  # default_high_watermark_ratio, its upper bound, the low one
+
+
+def heap_size(size: int, *, unified: bool = True, pressure: bool = False) -> int:
+    """Bytes of the heap a new ``size``-byte buffer (already aligned) opens (``createHeapBlock``)."""
+    if not isinstance(size, int) or size <= 0:
+        raise MemfitError(f"heap_size takes a positive number of bytes, got {size!r}")
+    xlarge = XLARGE_HEAP_UNIFIED if unified else XLARGE_HEAP_DISCRETE
+    if size <= MAX_SMALL_ALLOC:
+        return SMALL_HEAP
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_HEAP
+    if size < xlarge // 2 and not pressure:
+        return xlarge
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+@dataclass(frozen=True)
+class MpsLimits:
+    """What MPS lets a process hold, from Metal's recommended working set (bytes)."""
+
+    recommended: int  # recommendedMaxWorkingSetSize
+    high: int | None  # the hard limit (None: PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0, no limit)
+    low: int | None  # where garbage collection of the cache starts (None: disabled)
+
+
+def limits(recommended: int, high_ratio: float = HIGH_RATIO, low_ratio: float = LOW_RATIO) -> MpsLimits:
+    """The watermarks for ``recommended`` bytes of working set, the ratios as their environment variables take them
+    (``init_allocator``: high in [0, 2], low in [0, high], or [0, 2] when high is 0)."""
+    if not 0.0 <= high_ratio <= HIGH_RATIO_MOST:
+        raise MemfitError(f"PYTORCH_MPS_HIGH_WATERMARK_RATIO={high_ratio} is outside 0.0-2.0 (torch refuses it): "
+                          "use 1.7 (its default), up to 2.0, or 0.0 for no limit")
+    if not 0.0 <= low_ratio <= (high_ratio or HIGH_RATIO_MOST):
+        raise MemfitError(f"PYTORCH_MPS_LOW_WATERMARK_RATIO={low_ratio} must be from 0.0 to the high ratio "
+                          f"({high_ratio or HIGH_RATIO_MOST}): torch refuses it otherwise")
+    return MpsLimits(recommended, int(high_ratio * recommended) if high_ratio else None,
+                     int(low_ratio * recommended) if low_ratio else None)
+
+
+def verdict(held: int, mac: MpsLimits) -> tuple[str, int]:
+    """(``fits`` | ``fits_by_swapping`` | ``out_of_memory``, bytes past the line that decided): what Metal holds for
+    the step (``held``) against the recommended working set and the high watermark."""
+    if mac.high is not None and held > mac.high:
+        return "out_of_memory", held - mac.high
+    if held > mac.recommended:
+        return "fits_by_swapping", held - mac.recommended
+    return "fits", 0
