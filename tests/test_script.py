@@ -329,3 +329,27 @@ def test_a_backward_run_inside_the_optimizers_step_takes_autograds_own_cublas_ha
     names = json.dumps(report.to_dict())
     assert "(cuBLAS workspace, backward thread)" in names and "(cuBLAS workspace, forward thread)" in names
     assert report.peak_bytes > 2 * 32 * 2**20  # both workspaces live at the peak
+
+
+def test_torchaos_cpu_offload_optimizer_in_a_script_is_one_step_with_its_state_on_the_host(here):
+    """torchao's CPUOffloadOptimizer steps one torch optimizer per parameter and never runs Optimizer.__init__: a
+    profile counted each parameter's update as an optimizer step (two of them ended the estimate before the second
+    weight's state existed), and its side stream's ``record_event`` returned None (AttributeError). One step each now,
+    every weight's pinned copy, gradient copy and AdamW state on the host."""
+    pytest.importorskip("torchao.optim")
+    Path("ao.py").write_text(textwrap.dedent("""
+        import torch
+        from torchao.optim import CPUOffloadOptimizer
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8)).cuda()
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW)
+        for _ in range(3):
+            loss = model(torch.randn(16, 1024, device="cuda")).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    report = memfit.estimate_script("ao.py", gpu="h100-sxm", steps=2)
+    assert report.settings["script"]["steps"] == 2
+    weights = (1024 * 1024 + 1024 * 8) * 4  # the two weights torchao offloads (the biases are under its minimal size)
+    assert report.settings["script"]["host_peak_bytes"] >= 4 * weights  # copy, gradient copy, exp_avg, exp_avg_sq
+    assert report.by_category["optimizer_state"] < weights  # on the card: only the biases' state

@@ -55,6 +55,7 @@ from memfit.accounting.scratch import measure_scratch
 from memfit.categories import Category
 from memfit.errors import MemfitError
 from memfit.estimator.trace import fold_peaks, numel
+from memfit.profiling.composite_steps import hooked
 from memfit.profiling.sites import largest_at, leaks, short
 from memfit.profiling.watch import Watch
 from memfit.report.report import Report
@@ -137,6 +138,7 @@ class Profile:
                        torch.nn.modules.module.register_module_forward_pre_hook(self._module_called),
                        torch.nn.modules.module.register_module_forward_hook(self._module_returned, with_kwargs=True)]
             scope.callback(lambda: [h.remove() for h in handles])
+            scope.enter_context(hooked(self._optimizer_begins, self._optimizer_ends))  # torchao's CPU offload
             scope.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
             scope.enter_context(watch)
             self._scope = scope.pop_all()
