@@ -252,5 +252,6 @@ def test_zero_offload_for_a_card_puts_the_offloaded_partitions_on_the_host(tmp_p
     assert card.host_bytes >= 12 * params // 2  # fp32 master, exp_avg, exp_avg_sq of half the parameters
     assert card.peak_bytes < kept.peak_bytes
     assert any("ZeRO-Offload" in note for note in card.notes)
+    assert card.pinned_bytes is None  # its pin_memory is not read: unknown, not 0
     cpu = memfit.estimate(str(path), recipe=recipe, device="cpu", **common)
     assert cpu.host_bytes is None

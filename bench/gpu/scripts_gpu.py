@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -105,12 +106,8 @@ def main(jobs: int = 4) -> None:
             for (name, script, argv, steps), estimate in zip(CASES, estimates):
                 path = os.path.join(SCRIPTS, script)
                 real = _truth(path, argv, steps, folder)
-                estimate = estimate.result()
-                row = {"case": name, "script": script, "argv": argv, "steps": steps, "truth": real,
-                       "estimate": estimate}
-                if "error" not in real and "error" not in estimate:
-                    for key in ("allocated", "reserved"):
-                        row[f"{key}_error_pct"] = round(100 * (estimate[key] - real[key]) / real[key], 3)
+                row = _grade({"case": name, "script": script, "argv": argv, "steps": steps, "truth": real},
+                             estimate.result())
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     path = _results.write(f"scripts-gpu-{card.name}.json", rows, device=torch.cuda.get_device_name(), card=card.name)
@@ -139,8 +136,14 @@ def regrade(truths: str, out: str, jobs: int = 8) -> None:
                 rows.append(_grade(row, estimate.result()))
                 print(json.dumps({k: rows[-1][k] for k in ("case", "estimate")}
                                  | {k: v for k, v in rows[-1].items() if k.endswith("_pct")}), flush=True)
-    meta = {k: v for k, v in recorded["meta"].items() if k not in ("command", "date", "torch", "transformers")}
-    path = _results.write(os.path.join(out, os.path.basename(truths)), rows, truths_from=recorded["meta"], **meta)
+    # the truths' own session (a file regraded before names it under truths_from)
+    truths_from = recorded["meta"].get("truths_from", recorded["meta"])
+    meta = {k: v for k, v in recorded["meta"].items()
+            if k not in ("command", "date", "torch", "transformers", "truths_from")}
+    import torch
+
+    meta["estimated_on"] = f"{platform.node() or 'this machine'}'s CPU, torch {torch.__version__} (no GPU visible)"
+    path = _results.write(os.path.join(out, os.path.basename(truths)), rows, truths_from=truths_from, **meta)
     print(f"wrote {path}")
 
 

@@ -197,7 +197,8 @@ def _optimizer_offloaded(ledger, recipe):
     view.records = [dataclasses.replace(r, nbytes=_pow2(r.nbytes)) if i in ledger.pinned else r
                     for i, r in enumerate(ledger.records)]
     on_host = replay_log(LedgerView(view, host, spikes=False), [0] * len(ledger.sites))
-    pinned = sum(_pow2(ledger.records[i].nbytes) for i in ledger.pinned)
+    # ZeRO-Offload's pinning (its config's pin_memory) is not read: unknown, not 0
+    pinned = sum(_pow2(ledger.records[i].nbytes) for i in ledger.pinned) if ledger.pinned else None
     if getattr(recipe, "parallel", "none").startswith("zero"):
         note = (f"ZeRO-Offload ({recipe.zero}): the offloaded partitions and the optimizer step on the host: "
                 f"{format_size(on_host.peak_bytes)} of host RAM at its peak (pinned or not as the config's pin_memory "

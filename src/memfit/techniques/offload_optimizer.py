@@ -92,7 +92,7 @@ def _fake_offloaded(spec: OptimizerSpec, params, watch, offload_gradients: bool)
     def stepped(closure=None):
         from memfit.categories import Category
 
-        out = _faked(step, closure)
+        out = step(closure)  # inside the step's contexts: ``_on_fake`` answers its CUDA calls
         # its state is its optimizers' (it keeps no ``state`` of its own): the small parameters' on the GPU, the rest's
         # on the host
         for inner in [optimizer.d_opt, *optimizer.optim_dict.values()]:
@@ -112,11 +112,6 @@ def _hosted(step, watch):
             return step(*args, **kwargs)
 
     return on_host
-
-
-def _faked(step, closure):
-    with _on_fake():
-        return step(closure)
 
 
 def _apply(build) -> None:
