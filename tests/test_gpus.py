@@ -38,11 +38,12 @@ def test_unknown_name_is_one_line_listing_the_names_and_the_fix():
         gpu("rtx-4080")
     text = str(err.value)
     assert "\n" not in text and "'rtx-4080'" in text
-    assert all(name in text for name in gpu_names())
+    assert all(name in text for name in gpu_names() if CATALOG[name].vendor != "apple")
+    assert "m3-max-36gb" in text and "--unified-memory" in text  # Macs by pattern, not 45 names
     assert "--budget" in text
 
 
-@pytest.mark.parametrize("name", sorted(CATALOG))
+@pytest.mark.parametrize("name", sorted(n for n, g in CATALOG.items() if g.vendor == "nvidia"))
 def test_every_entry_is_consistent(name):
     g = CATALOG[name]
     assert g.name == name and g.full_name
@@ -60,6 +61,23 @@ def test_every_entry_is_consistent(name):
     assert g.tf32_flops <= g.bf16_flops or not g.bf16
     # bytes, not GiB or GB: every part here is between 16 GB and 192 GB
     assert 14 * 2**30 < g.memory_bytes < 200 * 2**30
+
+
+@pytest.mark.parametrize("name", sorted(n for n, g in CATALOG.items() if g.vendor != "nvidia"))
+def test_every_amd_and_apple_entry_is_consistent(name):
+    """AMD's compute capability is ROCm's gfx major.minor (bf16 on every card here, fp8 from CDNA3); a Mac's memory is
+    its RAM, its usable bytes the working set macOS gives the GPU (hardware/macs.py)."""
+    g = CATALOG[name]
+    assert g.name == name and g.full_name and g.source and g.semantics in ("ROCm", "MPS")
+    for figure in (g.memory_bytes, g.memory_bandwidth, g.bf16_flops, g.fp32_flops):
+        assert figure > 0
+    assert g.bf16 and g.fp16_flops >= g.fp32_flops and g.tf32_flops >= g.fp32_flops
+    if g.vendor == "amd":
+        assert g.fp8 == (g.arch in ("gfx942", "gfx950")) and g.usable_bytes() == g.memory_bytes - g.outside_bytes
+        assert 20 * 2**30 < g.memory_bytes < 300 * 2**30 and g.memory_bytes % (16 * 2**20) == 0
+    else:
+        assert g.cuda_context_bytes == 0 and g.blas_workspaces == () and not g.fp8
+        assert g.usable_bytes() == g.working_set_bytes in (g.memory_bytes * 2 // 3, g.memory_bytes * 3 // 4)
 
 
 def test_known_values_from_the_sources():
@@ -90,8 +108,10 @@ def test_to_dict_is_json_and_round_trips_the_fields():
     d = g.to_dict()
     json.dumps(d)
     assert d["compute_capability"] == [8, 9] and d["usable_bytes"] == g.usable_bytes()
-    fields = {k: v for k, v in d.items() if k not in ("usable_bytes", "outside_bytes")}
+    fields = {k: v for k, v in d.items() if k not in ("usable_bytes", "outside_bytes", "semantics", "blas_workspaces")}
     fields["compute_capability"] = tuple(fields["compute_capability"])
+    fields["workspaces"] = tuple(tuple(w) for w in fields["workspaces"])
+    assert d["semantics"] == "CUDA" and d["blas_workspaces"] == [["cuBLAS", g.cublas_workspace_bytes]]
     assert GPU(**fields) == g
 
 

@@ -25,6 +25,8 @@ _CONV_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_back
 # ops that take a cuBLAS handle, and with it the thread's workspace, on CUDA
 _MATMUL_OPS = {getattr(torch.ops.aten, name) for name in (
     "mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "vdot", "addbmm", "_addmm_activation")}
+# the vector products: on ROCm hipBLAS runs them (its own workspace), hipBLASLt the matrix ones (hardware/amd.py)
+_VECTOR_OPS = {getattr(torch.ops.aten, name) for name in ("addmv", "mv", "dot", "vdot")}
 
 
 class CudaSemantics:
@@ -33,6 +35,15 @@ class CudaSemantics:
 
     # records of storages in host memory on a trace whose tensors all stand for the GPU's (``on_host``)
     host: frozenset = frozenset()
+    # (library, bytes) of the card's BLAS workspaces (``GPU.blas_workspaces``); () = one cuBLAS one of cublas_workspace
+    workspaces: tuple = ()
+    convolution_workspaces = True  # cuDNN's (MIOpen's on ROCm, taken at cuDNN's rule); a Mac's are MPSGraph's own
+
+    def follow(self, card) -> None:
+        """Log the workspaces ``card`` (a catalog ``GPU``) takes: its BLAS libraries', and its convolutions' unless
+        it is a Mac (MPS allocates neither from torch's heaps)."""
+        self.workspaces = card.blas_workspaces
+        self.convolution_workspaces = card.vendor != "apple"
     pinned: frozenset = frozenset()
 
     @contextlib.contextmanager
@@ -73,20 +84,26 @@ class CudaSemantics:
         # the step phase holds (Lightning's and LBFGS's closure, run inside optimizer.step)
         backward = self.phase == "backward" or torch._C._current_autograd_node() is not None
         thread = "backward" if backward else "forward"
+        kinds = self.workspaces or (("cuBLAS", self.cublas_workspace),)
+        vector = func.overloadpacket in _VECTOR_OPS or any(
+            isinstance(a, torch.Tensor) and a.dtype in (torch.float64, torch.complex64, torch.complex128) for a in args)
+        library, nbytes = kinds[1] if vector and len(kinds) > 1 else kinds[0]
+        if not nbytes:
+            return
         self.libraries.add("cublas")
         device = self.placer.device_of(self, args, kwargs) if self.placer is not None else None
-        if (thread, device) not in self._workspaces:  # one cuBLAS handle per thread and device
-            self._workspaces.add((thread, device))
+        if (thread, device, library) not in self._workspaces:  # one handle per thread, device and library
+            self._workspaces.add((thread, device, library))
             index = len(self.records)
             where = f", GPU {device}" if device is not None else ""
-            self.records.append(Record(self.cublas_workspace, Category.TEMPORARIES, self.phase, self.step,
-                                       f"(cuBLAS workspace, {thread} thread{where})", device=device))
+            self.records.append(Record(nbytes, Category.TEMPORARIES, self.phase, self.step,
+                                       f"({library} workspace, {thread} thread{where})", device=device))
             self.events.append((ALLOC, index))
 
     def _conv_workspaces(self, func, args, out) -> None:
         """cuDNN's workspace of each call a convolution makes on CUDA: allocated after its outputs, freed when
         the call returns (``hardware/cuda.conv_workspaces``)."""
-        if func not in _CONV_OPS:
+        if func not in _CONV_OPS or not self.convolution_workspaces:
             return
         from memfit.hardware.cuda import conv_workspaces
 

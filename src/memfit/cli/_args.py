@@ -125,7 +125,32 @@ def model_of(args):
 
 
 def add_gpu(parser, help: str, default: str | None = None) -> None:
-    section(parser, "card").add_argument("--gpu", default=default, metavar="CARD", help=help)
+    group = section(parser, "card")
+    group.add_argument("--gpu", default=default, metavar="CARD", help=help, action=_Gpu)
+    group.add_argument("--unified-memory", dest="gpu", action=_UnifiedMemory, metavar="SIZE",
+                       help="a Mac of this much RAM, e.g. 48GiB (MPS semantics; a listed one: --gpu m3-max-36gb)")
+
+
+class _Gpu(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "_unified_memory", False):
+            raise argparse.ArgumentError(self, "--unified-memory and --gpu both name the device: drop one")
+        setattr(namespace, self.dest, values)
+        namespace._gpu_given = True
+
+
+class _UnifiedMemory(argparse.Action):
+    """``--unified-memory SIZE``: the card ``mac-<GiB>gb`` (``hardware/macs.py``), refused beside ``--gpu``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "_gpu_given", False):
+            raise argparse.ArgumentError(self, "--unified-memory and --gpu both name the device: drop one")
+        try:
+            gib = size(values) / 2**30
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentError(self, str(err)) from None
+        setattr(namespace, self.dest, f"mac-{gib:g}gb")
+        namespace._unified_memory = True
 
 
 def add_budget(parser, help: str = "bytes available, e.g. 24GiB, 24GB, 80G (default: the --gpu's memory)") -> None:

@@ -58,18 +58,22 @@ def gpus(args) -> int:
     from rich.table import Table
 
     from memfit.hardware.gpus import CATALOG
-    from memfit.units import format_size
 
     if args.json:
         print(json.dumps([g.to_dict() for g in CATALOG.values()], indent=2))
         return 0
     # units in two-line headers so the table fits 80 columns; bf16 "-": the card has no bf16
-    table = Table(title="GPU catalog (figures and sources in memfit/hardware/gpus.py)", title_justify="left")
-    for column in ("name", "memory", "compute", "bf16 dense\nTFLOPS", "memory\nTB/s", "host link", "host\nGB/s"):
-        table.add_column(column, justify="left" if column in ("name", "host link") else "right")
+    table = Table(title="GPU catalog: NVIDIA (CUDA), AMD (ROCm), Macs (MPS: memory is RAM)",
+                  title_justify="left")
+    for column in ("name", "memory", "compute", "bf16 dense\nTFLOPS", "memory\nTB/s", "host link\n(x16)", "host\nGB/s"):
+        table.add_column(column, justify="left" if column in ("name", "host link\n(x16)") else "right", no_wrap=column == "name")
     for g in CATALOG.values():
-        table.add_row(g.name, format_size(g.memory_bytes), "%d.%d" % g.compute_capability,
+        compute = {"nvidia": "%d.%d" % g.compute_capability, "amd": g.arch, "apple": "MPS"}[g.vendor]
+        table.add_row(g.name, f"{g.memory_bytes / 2**30:.1f} GiB", compute,
                       f"{g.bf16_flops / 1e12:.0f}" if g.bf16 else "-", f"{g.memory_bandwidth / 1e12:.2f}",
-                      g.host_link, f"{g.host_link_bandwidth / 1e9:.0f}")
+                      "unified" if g.vendor == "apple" else g.host_link.replace(" x16", ""),
+                      f"{g.host_link_bandwidth / 1e9:.0f}")
     Console().print(table)
+    print("sources: memfit/hardware/gpus.py (NVIDIA), amd.py (AMD), macs.py (Apple);")
+    print("each card's in short: memfit gpus --json (its source field)")
     return 0

@@ -18,7 +18,7 @@ from memfit.accounting.ops import OpCounter
 from memfit.accounting.replay import LedgerView, event_series, replay
 from memfit.accounting.scratch import measure_scratch
 from memfit.categories import PHASES, Category
-from memfit.hardware.cuda import cuda_semantics
+from memfit.hardware.cuda import card_semantics
 from memfit.estimator.rebudget import offer
 from memfit.estimator.verdict import cuda_fit, outside_fields, process_outside
 from memfit.report.report import Report
@@ -58,6 +58,8 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
     placed = placement
     ledger = Ledger(device=device, model=model,
                     cublas_workspace=None if gpu is None else gpu.cublas_workspace_bytes)
+    if gpu is not None:
+        ledger.follow(gpu)
     ledger.prime = prime
     ledger.on_phase = tick
     _register(ledger, model, batch)
@@ -68,7 +70,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
 
         dispatch = dispatched(model, placed, ledger, training=workload == "train")
     try:
-        with ledger, counter, (cuda_semantics() if gpu is not None else contextlib.nullcontext()), dispatch as placer:
+        with ledger, counter, (card_semantics(gpu) if gpu is not None else contextlib.nullcontext()), dispatch as placer:
             run_steps(model, batch, recipe=recipe, steps=steps, optimizer=optimizer, loss_fn=loss_fn,
                       watch=ledger, workload=workload)
     finally:
@@ -127,7 +129,7 @@ def trace(model, batch, *, recipe, loss_fn, optimizer, steps, method: str, gpu=N
             "workload": workload,
             "batch_shapes": [list(t.shape) for t in batch_tensors(batch)],
         },
-        notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None) + host.pop("notes", []),
+        notes=_notes(unprobed, ledger.attention_matrices, cuda=gpu is not None, card=gpu) + host.pop("notes", []),
         **cuda,
         **host,
     ), result
@@ -254,14 +256,17 @@ def numel(param) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
-def _notes(unprobed: int, attention: dict[str, int], cuda: bool = False) -> list[str]:
+def _notes(unprobed: int, attention: dict[str, int], cuda: bool = False, card=None) -> list[str]:
     notes = []
     if unprobed:
         notes.append(f"{unprobed} large op call(s) were not replayed for kernel scratch; their scratch is not counted")
     if attention:
         module, nbytes = max(attention.items(), key=lambda kv: kv[1])
+        unfused = card is not None and not card.fused_attention
         notes.append(f"{len(attention)} module(s) materialise the full S x S attention matrix ({format_size(nbytes)} "
                      f"each in {module}); " + (
+                         f"the {card.name} has no fused attention kernel for training ({card.semantics}): a shorter "
+                         "sequence or activation checkpointing lowers it" if unfused else
                          "on CUDA the fused SDPA kernels avoid it, but fp32 grouped-query attention has none: "
                          "bf16-mixed or attention=sdpa" if cuda else
                          "SDPA's memory-efficient kernels avoid it (attention=sdpa; on CPU only without dropout)"))

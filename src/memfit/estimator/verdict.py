@@ -173,7 +173,15 @@ def cuda_fit(ledger, gpu, budget: int | None = None, *, garbage_collection_thres
     """Replay ``ledger`` under ``gpu``'s limit (or ``budget``'s) and say what torch would do.
 
     ``unlimited``: the default allocator's statistics with no limit, if already replayed. ``outside``: the
-    bytes the process holds outside the allocator (``hardware/outside.py``; default a training process's)."""
+    bytes the process holds outside the allocator (``hardware/outside.py``; default a training process's). A Mac
+    (``gpu.vendor == "apple"``) is answered by MPS's rules (``estimator/mps_fit.py``)."""
+    if getattr(gpu, "vendor", "nvidia") == "apple":
+        from memfit.estimator.mps_fit import mps_fit
+
+        fields = mps_fit(ledger, gpu, budget)
+        margin = error_margin(fields["reserved"])
+        return CudaFit(**fields, error_margin_bytes=margin, tight=fields["verdict"] == FITS
+                       and fields["capacity_bytes"] - fields["reserved"] < margin)
     outside = gpu.outside_bytes if outside is None else outside
     capacity, allowed = limits(gpu, budget, outside)
     gc = garbage_collection_threshold if allowed is not None else 0.0

@@ -30,7 +30,7 @@ from memfit.generation.values import LIMIT, KnownValues
 from memfit.generation.weights import DTYPES, Outliers, probed_ops, quantize_weights, stored
 from memfit.generation.device import cuda_fields
 from memfit.hardware.cpu_kernels import CpuKernels
-from memfit.hardware.cuda import cuda_semantics
+from memfit.hardware.cuda import card_semantics
 from memfit.report.report import Report
 from memfit.scoped import patched
 
@@ -79,7 +79,9 @@ def generation_ledger(model, weights: str, gpu) -> Ledger:
     """The ledger of a generation's trace: on CUDA (``gpu`` a catalog card) with its cuBLAS workspace and no CPU
     kernel scratch, on the CPU with the kernels whose scratch is replayed."""
     if gpu is not None:
-        return Ledger(device=torch.device("cpu"), model=model, cublas_workspace=gpu.cublas_workspace_bytes)
+        ledger = Ledger(device=torch.device("cpu"), model=model, cublas_workspace=gpu.cublas_workspace_bytes)
+        ledger.follow(gpu)
+        return ledger
     ledger = Ledger(device=torch.device("cpu"), model=model)
     ledger.probe_ops = PROBED | probed_ops(weights)
     return ledger
@@ -87,7 +89,7 @@ def generation_ledger(model, weights: str, gpu) -> Ledger:
 
 def semantics(gpu):
     """CUDA's rules for the trace (``hardware/cuda.py``) when ``gpu`` is a card; nothing on the CPU."""
-    return cuda_semantics() if gpu is not None else contextlib.nullcontext()
+    return card_semantics(gpu) if gpu is not None else contextlib.nullcontext()
 
 
 def traced(model, prompt: dict, request: Request, ledger: Ledger, name: str):

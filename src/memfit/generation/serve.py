@@ -282,7 +282,8 @@ def serve_plan(model, *, gpu="h100-sxm", context: int, gpus: int = 1, chunks=Non
     if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
         raise MemfitError(f"gpu_memory_utilization must be in (0, 1], got {shown(gpu_memory_utilization)}")
     formats = ("bf16",) + tuple(f for f in FORMATS[1:] if f in _formats(allow))
-    memory = card.memory_bytes if budget is None else parse_size(budget)
+    # a Mac's: the working set macOS gives its GPU, not its RAM (``hardware/macs.py``)
+    memory = (card.working_set_bytes or card.memory_bytes) if budget is None else parse_size(budget)
     # the context and the libraries' memory outside the allocator (the cuBLAS workspace is in the traces)
     held = outside(card, Workload(kind="generate")).bytes
     usable = memory - held

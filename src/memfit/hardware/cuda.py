@@ -81,6 +81,7 @@ from memfit.scoped import patched
 __all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "conv_workspaces"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
+_FUSED = contextvars.ContextVar("memfit_fused_attention", default=True)
 
 # torch's CUDA autocast, aten/src/ATen/autocast_mode.cpp (AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE)
 FP32_OPS = (
@@ -331,7 +332,7 @@ def _fused_attention():
     original = functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        kernel = cuda_attention_kernel(query, key, attn_mask, enable_gqa, value)
+        kernel = cuda_attention_kernel(query, key, attn_mask, enable_gqa, value) if _FUSED.get() else "math"
         if kernel == "math":
             with sdpa_kernel(SDPBackend.MATH):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
@@ -350,15 +351,45 @@ def _fused_attention():
 
 
 @contextlib.contextmanager
-def cuda_semantics():
+def cuda_semantics(fused_attention: bool = True):
     """Trace the step as a CUDA device would run it (see the module docstring). Every change to torch
-    it makes (the ``AutocastCPU`` and ``dropout`` registrations, the SDPA function) is undone on exit."""
-    token = _ACTIVE.set(True)
+    it makes (the ``AutocastCPU`` and ``dropout`` registrations, the SDPA function) is undone on exit.
+    ``fused_attention`` False: the card has no flash / memory-efficient kernel (ROCm's RDNA3: ``amd.py``),
+    so SDPA runs the math path."""
+    token, fused = _ACTIVE.set(True), _FUSED.set(fused_attention)
     try:
         with _autocast_policy(), _dropout_policy(), _fused_attention():
             yield
     finally:
         _ACTIVE.reset(token)
+        _FUSED.reset(fused)
+
+
+@contextlib.contextmanager
+def mps_semantics():
+    """Trace the step as MPS runs it on a Mac (``hardware/mps.py``): autocast's fp32 lists as CUDA's (torch's MPS
+    autocast registers the same policy kinds), SDPA's math path in training (MPS has no fused attention with a
+    backward: ``_scaled_dot_product_attention_math``, the weights kept), dropout unfused (``is_fused_kernel_acceptable``
+    is CUDA/XPU only: the mask kept in the input's dtype, as on the CPU), and the per-tensor optimizer loop (MPS is
+    not among foreach's devices: ``cuda.active()`` stays False)."""
+    fused = _FUSED.set(False)
+    try:
+        with _autocast_policy(), _fused_attention():
+            yield
+    finally:
+        _FUSED.reset(fused)
+
+
+def card_semantics(card):
+    """The tracing context for ``card`` (a catalog ``GPU``): MPS's on a Mac, CUDA's (ROCm's is CUDA's, but for
+    attention where the card has no fused kernel) otherwise."""
+    if card.vendor == "apple":
+        return mps_semantics()
+    if card.vendor == "amd":
+        from memfit.hardware.amd import fused_attention
+
+        return cuda_semantics(fused_attention(card))
+    return cuda_semantics()
 
 
 def _nbytes(tensor) -> int:

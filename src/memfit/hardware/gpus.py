@@ -21,6 +21,9 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
+from memfit.hardware.amd import AMD, AMD_ALIASES, AMD_PEER_LINKS
+from memfit.hardware.card import GPU
+from memfit.hardware.macs import MACS, is_mac_name, mac
 
 __all__ = ["ALIASES", "CATALOG", "GPU", "gpu", "gpu_names", "peer_link", "NETWORK_BANDWIDTH"]
 
@@ -74,57 +77,6 @@ _CONTEXT_TYPICAL = 512 * MiB  # typical, not measured on these parts
 # (PCIe Gen3 32 GB/s, Gen4 64 GB/s, Gen5 128 GB/s bidirectional). After 128b/130b encoding the raw
 # link is 15.75 / 31.5 / 63 GB/s; pinned-memory copies typically reach 80-90 % of that.
 _PCIE3, _PCIE4, _PCIE5 = 16 * GB_S, 32 * GB_S, 64 * GB_S
-
-
-@dataclass(frozen=True)
-class GPU:
-    name: str  # catalog key
-    full_name: str  # as NVIDIA names it
-    memory_bytes: int  # cudaDeviceProp.totalGlobalMem (= torch total_memory) where a log was found
-    compute_capability: tuple[int, int]
-    memory_bandwidth: float  # bytes/s, peak DRAM
-    host_link: str  # which link host_link_bandwidth is
-    host_link_bandwidth: float  # bytes/s per direction
-    bf16_flops: float  # dense bf16 tensor, FP32 accumulate (pre-sm80: no bf16 units; FP32 rate)
-    fp16_flops: float  # dense fp16 tensor, FP32 accumulate
-    fp32_flops: float  # non-tensor FP32 (CUDA cores)
-    tf32_flops: float  # dense TF32 tensor (pre-sm80: no TF32; FP32 rate)
-    cuda_context_bytes: int
-    cublas_workspace_bytes: int
-    bf16: bool = False  # native bf16 (sm80+)
-    fp8: bool = False  # fp8 tensor cores (sm89+)
-
-    @property
-    def memory(self) -> int:
-        return self.memory_bytes
-
-    @property
-    def outside_bytes(self) -> int:
-        """What a training process holds outside torch's allocator on this card: the CUDA context and the
-        libraries it loads (cuBLAS, attention and step kernels; ``hardware/outside.py``)."""
-        from memfit.hardware.outside import outside
-
-        return outside(self).bytes
-
-    def usable_bytes(self) -> int:
-        """What torch's allocator can get: total memory less what a training process holds outside it."""
-        return self.memory_bytes - self.outside_bytes
-
-    def allowed_bytes(self, budget: int | None = None) -> int:
-        """What torch's allocator may hold under a process ``budget`` (bytes, what nvidia-smi counts; None:
-        the whole card): the budget less ``outside_bytes``, never more than the card's usable bytes. A run keeps
-        to a budget with ``set_per_process_memory_fraction(allowed_bytes(budget) / total_memory)``, and
-        ``estimator/verdict.py`` replays the step under the same limit."""
-        if budget is None:
-            return self.usable_bytes()
-        return min(self.usable_bytes(), max(int(budget) - self.outside_bytes, 0))
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["compute_capability"] = list(self.compute_capability)
-        out["usable_bytes"] = self.usable_bytes()
-        out["outside_bytes"] = self.outside_bytes
-        return out
 
 
 def _gpu(name, full_name, memory_bytes, cc, bw_gb_s, link, link_bw, bf16_tf, fp16_tf, fp32_tf, tf32_tf, context):
@@ -236,6 +188,10 @@ CATALOG: dict[str, GPU] = {
                  _PCIE5, 2250, 2250, 75, 1100, _CONTEXT_TYPICAL),
 }
 
+# AMD Instinct and Radeon cards (ROCm semantics, ``amd.py``) and Apple silicon Macs (MPS semantics, ``macs.py``)
+CATALOG.update(AMD)
+CATALOG.update(MACS)
+
 # Other spellings, compared after _compact(): lowercase, vendor words dropped, only letters and
 # digits kept, so "RTX 4090", "rtx_4090" and torch's device names ("NVIDIA A100-SXM4-80GB") all land.
 # Bare "a100" means the 80GB SXM part (the 40GB launch part was replaced across the market);
@@ -247,10 +203,10 @@ ALIASES: dict[str, str] = {
     "a100": "a100-80gb", "a100sxm": "a100-80gb", "a100sxm480gb": "a100-80gb", "a10080gb": "a100-80gb",
     "a100sxm440gb": "a100-40gb", "a10040gb": "a100-40gb",
     "h100": "h100-sxm", "h100sxm5": "h100-sxm", "h10080gbhbm3": "h100-sxm", "h100sxm580gb": "h100-sxm",
-    "h200sxm": "h200", "b200hgx": "b200",
+    "h200sxm": "h200", "b200hgx": "b200", **AMD_ALIASES,
 }
 
-_VENDOR = re.compile(r"^(nvidia|geforce|tesla)+")
+_VENDOR = re.compile(r"^(nvidia|geforce|tesla|amd|instinct|radeon|apple)+")
 
 
 def _compact(name: str) -> str:
@@ -275,6 +231,8 @@ def peer_link(card: GPU) -> tuple[str, float]:
     """(name, bytes/s per direction) of the link between two GPUs of one node."""
     if card.name in _NVLINK:
         return "NVLink", _NVLINK[card.name]
+    if card.name in AMD_PEER_LINKS:
+        return AMD_PEER_LINKS[card.name]
     return card.host_link, card.host_link_bandwidth
 
 
@@ -285,13 +243,16 @@ def gpu_names() -> list[str]:
 
 def gpu(name: str) -> GPU:
     """The GPU called ``name`` (case-insensitive; aliases and torch device names accepted)."""
-    key = _LOOKUP.get(_compact(str(name)))
+    compact = _compact(str(name))
+    key = _LOOKUP.get(compact)
     if key is not None:
         return CATALOG[key]
+    if is_mac_name(compact):
+        return mac(compact)
     close = difflib.get_close_matches(str(name).strip().lower(), gpu_names(), n=2, cutoff=0.5)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
-    raise MemfitError(f"unknown GPU {name!r}: {hint}known GPUs are {', '.join(gpu_names())}; "
-                      f"use one of these, or give the memory as a size (e.g. --budget 24GiB)")
+    raise MemfitError(f"unknown GPU {name!r}: {hint}known: {', '.join(n for n in gpu_names() if n not in MACS)}, "
+                      f"Macs as m3-max-36gb (memfit gpus); or a size: --budget 24GiB, --unified-memory 48GiB")
 
 
 #: The card memfit answers for when no GPU is given and none is visible: the most common training card in

@@ -128,11 +128,15 @@ class Outside:
 
     @property
     def context_bytes(self) -> int:
-        return sum(t.bytes for t in self.terms if t.name == "CUDA context")
+        return sum(t.bytes for t in self.terms if t.name in ("CUDA context", "HIP context"))
 
     def to_dict(self) -> dict:
         return {"card": self.card, "bytes": self.bytes, "low": self.low, "high": self.high,
                 "terms": [asdict(t) for t in self.terms]}
+
+
+_MPS_OTHER = ("not measured: what MPSGraph and Metal hold besides torch's heaps; users' out-of-memory messages show "
+              "from 480 KiB to 14.76 GB of it (research/mps/notes.md §7)")
 
 
 def _hopper(card) -> bool:
@@ -145,8 +149,13 @@ def outside(card, workload: Workload | None = None) -> Outside:
     work = workload or Workload()
     if work.kind not in ("train", "generate"):
         raise ValueError(f"workload kind {work.kind!r}: use 'train' or 'generate'")
-    hopper = _hopper(card)
+    vendor = getattr(card, "vendor", "nvidia")
+    if vendor == "apple":  # Metal's own and MPSGraph's allocations ("other allocations" in MPS's message)
+        return Outside(card.name, (Term("MPSGraph and Metal", 0, 0, None, _MPS_OTHER, measured=False),))
+    hopper = _hopper(card) and vendor == "nvidia"
     where = _H200 if hopper else f"{_H200}; assumed for the {card.name} (not measured on it)"
+    if vendor == "amd":
+        where = f"{_H200}; assumed for the {card.name}: no HIP, rocBLAS/hipBLASLt or RCCL figure was found"
     terms = []
     if work.context_bytes is not None:
         terms.append(Term("CUDA context", int(work.context_bytes), int(work.context_bytes), int(work.context_bytes),
@@ -158,10 +167,13 @@ def outside(card, workload: Workload | None = None) -> Outside:
     else:
         context = card.cuda_context_bytes  # the Hopper cards': the H200's 526.8 MiB after init (gpus.py)
         source = _H200 if hopper else "hardware/gpus.py (the card's context, as sourced there)"
-        terms.append(Term("CUDA context", context, context, context, source, measured=hopper))
+        name = "CUDA context"
+        if vendor == "amd":
+            name, source = "HIP context", "assumed: CUDA's typical context (no HIP context was measured; hardware/amd.py)"
+        terms.append(Term(name, context, context, context, source, measured=hopper))
     if work.matmul:
         # eager loading loads every cuBLAS kernel at cublasCreate: more than the lazy figure, how much unknown
-        terms.append(Term("cuBLAS/cuBLASLt", _CUBLAS, _CUBLAS, None if work.eager_loading else _CUBLAS,
+        terms.append(Term("rocBLAS/hipBLASLt" if vendor == "amd" else "cuBLAS/cuBLASLt", _CUBLAS, _CUBLAS, None if work.eager_loading else _CUBLAS,
                           where, measured=hopper and not work.eager_loading))
     if work.eager_loading:
         pass  # torch's own kernels (the step's, the forward's) were loaded with the context

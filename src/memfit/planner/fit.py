@@ -120,7 +120,8 @@ class _Search:
         if budget is None:
             if gpu is None:
                 raise MemfitError("fit needs a budget: pass budget='24GiB' or gpu='rtx-4090'")
-            self.budget = self.target.memory_bytes
+            # a Mac: the working set macOS gives its GPU (past it the step swaps: ``estimator/mps_fit.py``)
+            self.budget = self.target.working_set_bytes or self.target.memory_bytes
         else:
             self.budget = budget
         # on a GPU a budget is the process's share of the card, judged by the verdict as torch would

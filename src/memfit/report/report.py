@@ -17,6 +17,7 @@ __all__ = ["Report", "FITS", "EXPANDABLE", "OOM", "EXPANDABLE_CONF", "ERROR_SOUR
 
 # The verdict on a GPU (``estimator/verdict.py``): what torch's caching allocator does with the step.
 FITS, EXPANDABLE, OOM = "fits", "fits_with_expandable_segments", "out_of_memory"
+SWAP = "fits_by_swapping"  # a Mac: past the GPU's working set, under MPS's high watermark (hardware/mps.py)
 EXPANDABLE_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 # Where the margin of a tight fit comes from (``estimator.verdict.error_margin``).
 ERROR_SOURCE = ("90th percentile of the reserved-memory error over 42 H100 runs "
@@ -286,9 +287,19 @@ def target_line(report: Report) -> str:
     said = {"visible": f"the {report.gpu}, the GPU torch sees",
             "default": f"the {report.gpu}: no GPU visible, so memfit's default card (--gpu NAME for yours, "
                        "--device cpu for the CPU's semantics)"}.get(how, f"the {report.gpu}")
-    word = {FITS: "fits", EXPANDABLE: "fits only with expandable segments", OOM: "OUT OF MEMORY"}.get(report.verdict)
+    said += semantics_note(report.gpu)
+    word = {FITS: "fits", EXPANDABLE: "fits only with expandable segments", OOM: "OUT OF MEMORY",
+            SWAP: "fits only by swapping"}.get(report.verdict)
     if word is None or report.capacity_bytes is None:
         return f"on {said}"
+    if report.verdict == SWAP:
+        return (f"on {said}: {word}, {format_size(report.device_bytes)} is {format_size(report.missing_bytes or 0)} "
+                f"past its {format_size(report.capacity_bytes)} working set (slower while macOS swaps)")
+    if report.verdict in (FITS, OOM) and _vendor(report.gpu) == "apple":
+        room = f"{format_size(report.capacity_bytes)} working set"
+        if report.verdict == OOM:
+            return f"on {said}: {word}, {format_size(report.missing_bytes or 0)} past MPS's high watermark"
+        return f"on {said}: {word}, {format_size(report.device_bytes)} of its {room}"
     # the budget (what nvidia-smi would show) or the card; capacity + outside is the card's memory without one
     room = format_size(report.budget_bytes if report.budget_bytes is not None
                        else report.capacity_bytes + report.outside_total)
@@ -297,9 +308,48 @@ def target_line(report: Report) -> str:
     return f"on {said}: {word}, {format_size(report.device_bytes)} of its {room}"
 
 
+def _card(name):
+    from memfit.errors import MemfitError
+    from memfit.hardware.gpus import gpu
+
+    try:
+        return gpu(name) if name else None
+    except (MemfitError, TypeError):
+        return None
+
+
+def _vendor(name) -> str:
+    card = _card(name)
+    return "nvidia" if card is None else card.vendor
+
+
+def semantics_word(report: Report) -> str:
+    """Whose semantics a report's figures follow, in a word: cpu, cuda, rocm or mps."""
+    if report.device != "cuda":
+        return report.device
+    return {"amd": "rocm", "apple": "mps"}.get(_vendor(report.gpu), "cuda")
+
+
+def semantics_note(name) -> str:
+    """What the first line says of a card that is not NVIDIA's: whose rules the figures follow."""
+    card = _card(name)
+    vendor = "nvidia" if card is None else card.vendor
+    if vendor == "amd":
+        from memfit.hardware.amd import fused_attention
+
+        attention = ("AOTriton attention" if fused_attention(card) else
+                     "SDPA's math path: AOTriton is experimental on gfx1100 (TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1)")
+        workspace = format_size(card.blas_workspaces[0][1])
+        return f" (ROCm semantics: CUDA's caching allocator, hipBLASLt's {workspace} workspaces, {attention})"
+    if vendor == "apple":
+        return " (MPS semantics: Metal heaps under the working set macOS gives the GPU; never run on a Mac)"
+    return ""
+
+
 def verdict_line(report: Report) -> str:
     """One line saying what torch would do with the step on the card (``report.verdict``)."""
-
+    if _vendor(report.gpu) == "apple":
+        return _mac_line(report)
     limit = (f"{format_size(report.capacity_bytes)} the allocator may hold on the {report.gpu}"
              + (f" within a {format_size(report.budget_bytes)} budget" if report.budget_bytes is not None else ""))
     if report.verdict == OOM:
@@ -312,6 +362,23 @@ def verdict_line(report: Report) -> str:
         text += (f"; tight: {format_size(report.headroom_bytes)} left is less than the measured error "
                  f"({format_size(report.error_margin_bytes)})")
     return text + managed_line(report)
+
+
+def _mac_line(report: Report) -> str:
+    """The verdict on a Mac (``estimator/mps_fit.py``): the heaps against the working set and the high watermark."""
+    held = f"MPS's heaps hold {format_size(report.reserved_bytes)}"
+    room = (f"the {format_size(report.capacity_bytes)} working set macOS gives the {report.gpu}'s GPU"
+            + (f" (a {format_size(report.budget_bytes)} memory fraction)" if report.budget_bytes is not None else ""))
+    if report.verdict == OOM:
+        return (f"out of memory: {held} at the failure; the step needs {format_size(report.missing_bytes or 0)} more "
+                "than MPS's high watermark (PYTORCH_MPS_HIGH_WATERMARK_RATIO, default 1.7 x the working set)")
+    if report.verdict == SWAP:
+        return (f"fits only by swapping: {held}, {format_size(report.missing_bytes or 0)} past {room}: macOS swaps "
+                "what else is in RAM and the step slows; under the high watermark, so it does not fail")
+    text = f"fits: {held} of {room}"
+    if report.retries:
+        text += f"; MPS frees its cached buffers {report.retries} time(s) to stay under its watermarks"
+    return text
 
 
 def managed_line(report: Report) -> str:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.categories import GENERATE_PHASES, PHASES, Category
-from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, target_line, verdict_line
+from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, semantics_word, target_line, verdict_line
 from memfit.units import format_size
 
 __all__ = ["report_view", "verdict", "plan_view", "fit_view", "front_around"]
@@ -62,7 +62,7 @@ def report_view(report: Report, name: str, budget: int | None = None, recipe=Non
     title = (f"{name}: {what}, "
              f"{report.parameters / 1e9:.3f}B params"
              f"{STAGE if (report.world or {}).get('pp', 1) > 1 else ''} "
-             f"({report.method} on {report.device} semantics)")
+             f"({report.method} on {semantics_word(report)} semantics)")
     parts = [Text(target_line(report), style="bold"), Text(title, style="bold")]
     if report.world is not None:
         w = report.world

@@ -231,6 +231,7 @@ class FakeCuda:
         self.ledger = self.api.counters.ledger = ledger
         ledger.placer = self.placer
         ledger.cublas_workspace = self.card.cublas_workspace_bytes
+        ledger.follow(self.card)
 
     def default_on_card(self) -> bool:
         return is_cuda(torch.get_default_device())

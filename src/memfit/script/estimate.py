@@ -76,6 +76,10 @@ def estimate_script(path, argv=(), *, module: bool = False, gpu=None, device=Non
         raise MemfitError(f"rank must be one of the {gpus * nodes} ranks (0 to {gpus * nodes - 1}), got {rank!r}")
     budget = None if budget is None else parse_size(budget)
     card = card_target(device, gpu).gpu
+    if card is not None and card.vendor == "apple":
+        raise MemfitError(f"a script's estimate runs it as a CUDA program; on a Mac ({card.name}) it would run on "
+                          "torch's mps device, which the script runner does not fake yet: estimate the model by name "
+                          f"with --gpu {card.name}, or the script with --gpu for a CUDA or ROCm card")
     preload(what)
     return _Run(what, card, gpus=gpus, nodes=nodes, rank=rank, steps=steps, budget=budget).go()
 
@@ -89,7 +93,7 @@ class _Run:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from memfit.estimator.fake import ScalarReads, quiet_fake_log
-        from memfit.hardware.cuda import cuda_semantics
+        from memfit.hardware.cuda import card_semantics
         from memfit.profiling.profile import Enough, Profile
         from memfit.script.device import FakeCuda, cuda_hidden, forget_devices, swap_or_set
         from memfit.script.compiling import Compiling
@@ -128,7 +132,7 @@ class _Run:
             scope.enter_context(reads)
             scope.enter_context(values)
             if card is not None:
-                scope.enter_context(cuda_semantics())
+                scope.enter_context(card_semantics(card))
             try:
                 with prof:
                     watch = prof.watch
