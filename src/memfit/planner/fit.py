@@ -285,7 +285,8 @@ class _Search:
         if self.seq_len and self.source.config is not None and self.source.task != "image-classification":
             fixes.append(f"a shorter sequence than {self.seq_len}")
         if self.target is not None:
-            bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= needed), key=lambda g: g.memory_bytes)
+            bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= needed and g.vendor == self.target.vendor),
+                            key=lambda g: g.memory_bytes)
             if bigger:
                 fixes.append(f"a bigger card ({bigger[0].name}, {format_size(bigger[0].memory_bytes)})")
         recipe = self.recipe.replace(micro_batch_size=None).describe()

@@ -100,7 +100,8 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
     if engine.target is not None:
         from memfit.hardware.gpus import CATALOG
 
-        bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= smallest.device_bytes),
+        bigger = sorted((g for g in CATALOG.values() if g.memory_bytes >= smallest.device_bytes
+                         and g.vendor == engine.target.vendor),
                         key=lambda g: g.memory_bytes)
         if bigger:
             fixes.append(f"a bigger card ({bigger[0].name}, {format_size(bigger[0].memory_bytes)})")

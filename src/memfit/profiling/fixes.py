@@ -341,7 +341,9 @@ def _card(gpu, message: OomMessage | None, notes: list):
     if gpu is not None:
         return gpu if not isinstance(gpu, str) else lookup(gpu)
     capacity = message.capacity if message is not None else None
-    cards = list(CATALOG.values())
+    # the cards of the message's runtime: ROCm's says "HIP out of memory" (an RX 7900 XTX and an RTX 4090 have 24 GiB)
+    vendor = "amd" if message is not None and "HIP out of memory" in (message.message or "") else "nvidia"
+    cards = [card for card in CATALOG.values() if card.vendor == vendor]
     if capacity:
         best = min(cards, key=lambda c: abs(c.memory_bytes - capacity))
         if abs(best.memory_bytes - capacity) <= 0.02 * capacity:
