@@ -46,3 +46,35 @@ def test_a_mac_fits_fits_by_swapping_or_fails():
     assert verdict(14 * GiB, mac) == ("fits_by_swapping", 2 * GiB)  # past the working set, under 20.4 GiB
     assert verdict(21 * GiB, mac) == ("out_of_memory", 21 * GiB - mac.high)
     assert verdict(40 * GiB, limits(12 * GiB, high_ratio=0.0))[0] == "fits_by_swapping"  # no limit: it swaps
+
+
+def test_a_run_on_a_mac_its_fraction_its_refusal_and_its_out_of_memory(monkeypatch):
+    """``memfit train --device mps``'s device-specific pieces, the rest of the loop is the CPU's and CUDA's: a machine
+    without MPS refused in one line (exit 2), a budget as MPS's fraction of the working set (at most 2.0), MPS's
+    RuntimeError raised as torch.OutOfMemoryError so the loop's recovery applies. Never run on a Mac."""
+    import torch
+
+    from memfit.cli import main
+    from memfit.hardware.gpus import this_mac
+    from memfit.hardware.mps import memory_fraction, oom_as_torch, require_mps
+
+    if not torch.backends.mps.is_available():
+        with pytest.raises(MemfitError, match="no MPS device"):
+            require_mps()
+        assert main(["train", "gpt2", "--device", "mps", "--data", "x.bin", "--seq-len", "64"]) == 2
+    assert memory_fraction(24 * GiB, 16 * GiB) == 1.5
+    with pytest.raises(MemfitError, match="at most"):
+        memory_fraction(40 * GiB, 16 * GiB)
+    message = ("MPS backend out of memory (MPS allocated: 9.48 GiB, other allocations: 480.00 KiB, max allowed: "
+               "9.47 GiB). Tried to allocate 64.00 MiB on shared pool.")
+    with pytest.raises(torch.OutOfMemoryError, match="MPS backend out of memory"):
+        with oom_as_torch():
+            raise RuntimeError(message)
+    with pytest.raises(RuntimeError, match="something else"):
+        with oom_as_torch():
+            raise RuntimeError("something else")
+    # this Mac as MPS sees it: its RAM and Metal's own working set
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 11 * GiB, raising=False)
+    mac = this_mac()
+    assert mac.vendor == "apple" and mac.working_set_bytes == 11 * GiB and mac.name.startswith("mac-")

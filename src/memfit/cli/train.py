@@ -52,7 +52,8 @@ def build(train) -> None:
     run.add_argument("--seed", type=int, default=None, help="data order and initialisation (default 0)")
     _args.add_budget(train, help="memory the run may use, e.g. 24GiB: CPU a virtual cap, CUDA the process's "
                      "memory fraction")
-    _args.add_device(train, None, help="where to train (default: cuda if available)")
+    _args.section(train, "card").add_argument("--device", choices=("cpu", "cuda", "mps"), default=None,
+                                              help="where to train (default: cuda if available)")
     _args.add_gpu(train, help="on CUDA, the catalog card the estimates follow (default h100-sxm); its memory the "
                   "budget")
     checkpoints = _args.section(train, "checkpoints")
@@ -283,6 +284,10 @@ def run(args) -> int:
     if s["seq_len"] is None:
         raise MemfitError("pass --seq-len: the longest example the run takes, in tokens")
     device = s["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "mps":
+        from memfit.hardware.mps import require_mps
+
+        require_mps()
     rank = 0
     if under_torchrun():  # one process per GPU
         import os

@@ -52,9 +52,15 @@ class Hardware:
         from memfit.units import parse_size
 
         if self.device is not None:
-            if str(self.device).split(":")[0] not in ("cpu", "cuda"):
-                raise MemfitError(f"device {shown_device(self.device)} is not modelled: use device='cpu' or "
-                                  "device='cuda'")
+            if str(self.device).split(":")[0] not in ("cpu", "cuda", "mps"):
+                raise MemfitError(f"device {shown_device(self.device)} is not modelled: use device='cpu', 'cuda' "
+                                  "or 'mps'")
+            if str(self.device).startswith("mps"):  # this Mac, as MPS sees it: a card like any other (macs.py)
+                from memfit.hardware.gpus import this_mac
+
+                if self.gpu is None:
+                    object.__setattr__(self, "gpu", this_mac())
+                object.__setattr__(self, "device", "cuda")
             object.__setattr__(self, "device", str(self.device))
         if self.gpu is not None:
             if not isinstance(self.gpu, (str, GPU)):

@@ -308,8 +308,10 @@ def target(device=None, card=None) -> Target:
     import os
 
     kind = None if device is None else str(device).split(":")[0]
-    if kind not in (None, "cpu", "cuda"):
-        raise MemfitError(f"device {shown_device(device)} is not modelled: use device='cpu' or device='cuda'")
+    if kind not in (None, "cpu", "cuda", "mps"):
+        raise MemfitError(f"device {shown_device(device)} is not modelled: use device='cpu', 'cuda' or 'mps'")
+    if kind == "mps" and card is None:
+        return Target(this_mac(), "visible")
     if card is not None:
         if kind == "cpu":
             raise MemfitError("gpu and device='cpu' conflict: drop one")
@@ -323,6 +325,20 @@ def target(device=None, card=None) -> Target:
         return Target(None, "cpu")
     seen = visible_gpu()
     return Target(seen, "visible") if seen is not None else Target(CATALOG[DEFAULT_GPU], "default")
+
+
+def this_mac() -> GPU:
+    """The Mac memfit runs on, as MPS sees it: its RAM and Metal's own working set (``torch.mps``); one line where
+    there is no MPS device."""
+    import os
+
+    import torch
+
+    from memfit.hardware.mps import require_mps
+
+    require_mps()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return mac(f"mac{ram / 2**30:g}gb", working=torch.mps.recommended_max_memory())
 
 
 def shown_device(device) -> str:

@@ -18,7 +18,12 @@ at 57ba412 for 2.11):
   under the high watermark, macOS gives the GPU more of the shared RAM and swaps what else lived there: the run
   fits only by swapping, slower by how far it is past; past the high watermark it fails.
 
-Left out (not yet modelled): the replay of a step's allocations through these heaps (which heaps a step opens), the
+* **A run on a Mac** (``memfit train --device mps``): ``require_mps`` refuses a machine without MPS in one line; a budget
+  becomes ``torch.mps.set_per_process_memory_fraction(memory_fraction(budget, recommended))`` (the high watermark at
+  the budget); MPS's allocator raises its out-of-memory as a ``RuntimeError`` (``TORCH_CHECK``), which ``oom_as_torch``
+  turns into ``torch.OutOfMemoryError`` so the loop's recovery (a smaller micro-batch, the batch redone) applies.
+
+The replay of a step's allocations through these heaps is ``accounting/mps_heaps.py``. Left out here: the
 alignment Metal adds to each buffer (``heapBufferSizeAndAlignWithLength``: a device's answer, not torch's), the
 bucketed rounding upstream after 2.13, MPSGraph's own allocations ("other allocations" in its message), and the
 RAM macOS keeps for itself. Never run on a Mac: the rules are read from the source and the test cases computed by
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 
-__all__ = ["heap_size", "MpsLimits", "limits", "verdict", "MiB", "GiB"]
+__all__ = ["heap_size", "MpsLimits", "limits", "verdict", "MiB", "GiB", "require_mps", "memory_fraction", "oom_as_torch",
+           "is_mps_oom"]
 
 MiB, GiB = 1 << 20, 1 << 30
 MAX_SMALL_ALLOC = 1 * MiB  # kMaxSmallAlloc
@@ -88,3 +94,43 @@ def verdict(held: int, mac: MpsLimits) -> tuple[str, int]:
     if held > mac.recommended:
         return "fits_by_swapping", held - mac.recommended
     return "fits", 0
+
+
+MPS_OOM = "MPS backend out of memory"
+
+
+def require_mps() -> None:
+    """Refuse, in one line, a run on ``mps`` where torch has no MPS device."""
+    import torch
+
+    if not torch.backends.mps.is_available():
+        raise MemfitError("--device mps: this machine has no MPS device (torch.backends.mps.is_available() is False): "
+                          "train on an Apple silicon Mac with macOS 14 or later, or use --device cpu or cuda")
+
+
+def memory_fraction(budget: int, recommended: int) -> float:
+    """The ratio ``torch.mps.set_per_process_memory_fraction`` takes for a ``budget`` of bytes on a Mac whose Metal
+    working set is ``recommended`` (``torch.mps.recommended_max_memory()``): at most 2.0, as torch allows."""
+    ratio = budget / recommended
+    if not 0 < ratio <= HIGH_RATIO_MOST:
+        raise MemfitError(f"a budget of {budget} bytes is {ratio:.2f} x this Mac's {recommended}-byte working set; MPS "
+                          f"allows 0-{HIGH_RATIO_MOST} x: give at most {int(HIGH_RATIO_MOST * recommended)} bytes")
+    return ratio
+
+
+def is_mps_oom(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and MPS_OOM in str(err)
+
+
+class oom_as_torch:
+    """Inside, MPS's out-of-memory ``RuntimeError`` is raised as ``torch.OutOfMemoryError`` (its message kept)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        import torch
+
+        if err is not None and not isinstance(err, torch.OutOfMemoryError) and is_mps_oom(err):
+            raise torch.OutOfMemoryError(str(err)) from err
+        return False

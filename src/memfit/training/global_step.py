@@ -15,6 +15,7 @@ import gc
 import torch
 
 from memfit.errors import MemfitError
+from memfit.hardware.mps import oom_as_torch
 from memfit.techniques.step import label_counts
 from memfit.training.batching import micro_batches
 from memfit.training.lockstep import HOPELESS, PeerOutOfMemory, even_micro_batches, split_by_tokens
@@ -67,7 +68,8 @@ def one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, devi
             counts = label_counts(step_fn.model, micro) or [m["input_ids"].shape[0] for m in micro]
             weights = ranks.weights(counts, dummies)
         try:
-            loss = _backward(step_fn, micro, vb, index, weights, lock.micro if lock is not None else None)
+            with oom_as_torch():  # MPS's is a RuntimeError
+                loss = _backward(step_fn, micro, vb, index, weights, lock.micro if lock is not None else None)
             break
         except torch.OutOfMemoryError as err:
             peer = isinstance(err, PeerOutOfMemory)
@@ -101,7 +103,8 @@ def one_step(step_fn, reader, ids, lengths, micro_tokens, scale, vb, index, devi
         if vb is not None:
             vb.at(index, 0, "optimizer")
         try:
-            step_fn.update()
+            with oom_as_torch():
+                step_fn.update()
             gave_up = False
             break
         except torch.OutOfMemoryError as err:

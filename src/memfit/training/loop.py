@@ -307,6 +307,10 @@ def train(model, data, *, recipe: Recipe | None = None, budget=None, global_batc
         resident = sum(t.untyped_storage().nbytes() for t in {p.untyped_storage().data_ptr(): p for p in
                        map(_local, list(model.parameters()) + list(model.buffers()))}.values())
         vb = VirtualBudget(cap, resident=resident, inject=inject)
+    elif cap is not None and device.type == "mps":  # the high watermark at the budget (hardware/mps.py)
+        from memfit.hardware.mps import memory_fraction
+
+        torch.mps.set_per_process_memory_fraction(memory_fraction(cap, torch.mps.recommended_max_memory()))
     elif cap is not None:
         from memfit.estimator.verdict import limits, run_outside
 
@@ -419,6 +423,10 @@ def _memory(vb, device) -> tuple:
         return vb.total, vb.peak
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    if device.type == "mps":  # torch.mps has no peak before 2.13's torch.accelerator counters: now's, sampled
+        now = torch.mps.current_allocated_memory()
+        peak = torch.accelerator.max_memory_allocated() if hasattr(torch.accelerator, "max_memory_allocated") else now
+        return now, max(now, peak)
     return None, None
 
 
