@@ -330,9 +330,10 @@ def _fused_attention():
 
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
+    fused = _FUSED.get()  # read here, not in the function: dynamo's fullgraph cannot trace a ContextVar's get
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        kernel = cuda_attention_kernel(query, key, attn_mask, enable_gqa, value) if _FUSED.get() else "math"
+        kernel = cuda_attention_kernel(query, key, attn_mask, enable_gqa, value) if fused else "math"
         if kernel == "math":
             with sdpa_kernel(SDPBackend.MATH):
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,

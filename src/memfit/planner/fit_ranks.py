@@ -42,7 +42,7 @@ def fit_across(model, batch, hardware, recipe, precision, optimizer, seq_len, lo
     if batch is not None:
         raise MemfitError("fit across GPUs grows a catalog or config model's batch: drop batch= (or gpus=)")
     target = resolve_target("cuda", hardware.gpu or DEFAULT_GPU)
-    budget_bytes = target.memory_bytes if hardware.budget is None else hardware.budget
+    budget_bytes = (target.working_set_bytes or target.memory_bytes) if hardware.budget is None else hardware.budget
     source = resolve(model)
     recipe, _ = checkpoint_recipe(source, recipe)
     if seq_len is None and source.config is not None:

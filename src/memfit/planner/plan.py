@@ -126,7 +126,7 @@ def plan(model, batch=None, *, hardware: Hardware | None = None, data: Data | No
     if budget is None:
         if target is None or gpu is None:
             raise MemfitError("plan needs a budget: pass budget='24GiB' or a gpu='rtx-4090'")
-        budget_bytes = target.memory_bytes
+        budget_bytes = target.working_set_bytes or target.memory_bytes  # a Mac: what keeps it out of swap
     else:
         budget_bytes = budget  # bytes: Hardware read the size
     if target is not None:  # a budget over the card is refused now, not after the search's traces
