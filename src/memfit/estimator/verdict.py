@@ -136,6 +136,12 @@ def limits(gpu, budget: int | None, outside: int | None = None) -> tuple[int, in
     process holds outside the allocator (default: a training process's, ``gpu.outside_bytes``)."""
     outside = gpu.outside_bytes if outside is None else outside
     physical = gpu.memory_bytes - outside
+    if getattr(gpu, "vendor", "nvidia") == "apple":  # a Mac: its working set, or the memory fraction of a budget
+        physical = gpu.working_set_bytes
+        if budget is not None and (not isinstance(budget, int) or budget > 2 * physical):
+            raise MemfitError(f"budget {budget!r} is not a size MPS allows the {gpu.name} (at most 2 x its "
+                              f"{format_size(physical)} working set)")
+        return (physical, None) if budget is None else (min(physical, budget), budget)
     if budget is None:
         return physical, None
     if not isinstance(budget, int) or isinstance(budget, bool):

@@ -68,7 +68,7 @@ def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World
                                    data=Data(batch_size=micro * accum * world.size, seq_len=seq_len), loss_fn=loss_fn)
             if progress is not None:
                 progress(len(seen), len(seen) + 1)
-        return seen[micro].verdict != OOM
+        return seen[micro].verdict not in (OOM, "fits_by_swapping")
 
     if not check(1):
         one = seen[1]

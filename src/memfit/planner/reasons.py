@@ -85,6 +85,10 @@ def _nothing_fits(engine, checked, budget: int, allowed: set[str]) -> NothingFit
     def needed(report):  # out of memory on a GPU: what it holds at the limit and what is missing
         return report.device_bytes + (report.missing_bytes or 0)
 
+    if not checked:  # every candidate predicted to fit needed more in full (a Mac's heaps: ``estimator/mps_fit.py``)
+        return NothingFits(f"nothing fits {format_size(budget)}: each recipe predicted to fit needed more when "
+                           "estimated in full; try a shorter sequence, --allow lora,qlora,adamw8bit, or more memory",
+                           None)
     best, full = min(checked, key=lambda pair: needed(pair[1]))
     reserved = None if full.reserved_bytes is None else full.reserved_bytes + (full.missing_bytes or 0)
     smallest = Plan(best.recipe, full.peak_bytes, reserved, needed(full), best.step_seconds,

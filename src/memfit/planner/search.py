@@ -112,7 +112,7 @@ def _largest_fitting(trace, fields: dict, sizes: list[int]):
     from memfit.estimator.verdict import OOM
 
     def fits(result):
-        return result[1].verdict != OOM
+        return result[1].verdict not in (OOM, "fits_by_swapping")  # a Mac's swapping step does not fit
 
     first = trace(fields, sizes[0])
     if fits(first):

@@ -108,5 +108,8 @@ TECHNIQUE = Technique(
     order=35, apply=_apply, trace="graph",
     # on a GPU only (on the CPU there is no host to offload to); with selective checkpointing
     # little is saved outside the recomputed ops, so the pair is not searched
-    search=lambda ctx: [{"offload_activations": v} for v in ((False, True) if ctx.gpu is not None else (False,))],
+    # on a Mac the host is the same unified memory: offloading to it saves nothing
+    search=lambda ctx: [{"offload_activations": v} for v in
+                        ((False, True) if ctx.gpu is not None and getattr(ctx.gpu, "vendor", "") != "apple"
+                         else (False,))],
     searchable=lambda r: not (r.offload_activations and r.checkpointing == "selective"))
