@@ -50,7 +50,7 @@ def test_hardware_reads_sizes_and_names_its_card():
     (lambda: Hardware(gpu="no-such-card"), "no-such-card"),
     (lambda: Hardware(gpu=3), "gpu must be a catalog name"),
     (lambda: Hardware(gpu=GPU_NAME, device="cpu"), "conflict: drop one"),
-    (lambda: Hardware(device="tpu"), "use device='cpu' or device='cuda'"),
+    (lambda: Hardware(device="tpu"), "use device='cpu', 'cuda' or 'mps'"),
     (lambda: Hardware(gpus=0), "gpus must be an integer from 1"),
     (lambda: Hardware(nodes=2), "needs gpus="),
     # the same checks of the keywords they gather, where 0 is a value given (and wrong), not left out
