@@ -35,6 +35,7 @@ class CudaSemantics:
 
     # records of storages in host memory on a trace whose tensors all stand for the GPU's (``on_host``)
     host: frozenset = frozenset()
+    pinned: frozenset = frozenset()
     # (library, bytes) of the card's BLAS workspaces (``GPU.blas_workspaces``); () = one cuBLAS one of cublas_workspace
     workspaces: tuple = ()
     convolution_workspaces = True  # cuDNN's (MIOpen's on ROCm, taken at cuDNN's rule); a Mac's are MPSGraph's own
@@ -44,7 +45,6 @@ class CudaSemantics:
         it is a Mac (MPS allocates neither from torch's heaps)."""
         self.workspaces = card.blas_workspaces
         self.convolution_workspaces = card.vendor != "apple"
-    pinned: frozenset = frozenset()
 
     @contextlib.contextmanager
     def on_host(self, pinned: bool = False):
@@ -85,9 +85,9 @@ class CudaSemantics:
         backward = self.phase == "backward" or torch._C._current_autograd_node() is not None
         thread = "backward" if backward else "forward"
         kinds = self.workspaces or (("cuBLAS", self.cublas_workspace),)
-        vector = func.overloadpacket in _VECTOR_OPS or any(
-            isinstance(a, torch.Tensor) and a.dtype in (torch.float64, torch.complex64, torch.complex128) for a in args)
-        library, nbytes = kinds[1] if vector and len(kinds) > 1 else kinds[0]
+        vector = len(kinds) > 1 and (func.overloadpacket in _VECTOR_OPS or any(
+            isinstance(a, torch.Tensor) and a.dtype in (torch.float64, torch.complex64, torch.complex128) for a in args))
+        library, nbytes = kinds[1] if vector else kinds[0]
         if not nbytes:
             return
         self.libraries.add("cublas")

@@ -65,8 +65,9 @@ def gpus(args) -> int:
     # units in two-line headers so the table fits 80 columns; bf16 "-": the card has no bf16
     table = Table(title="GPU catalog: NVIDIA (CUDA), AMD (ROCm), Macs (MPS: memory is RAM)",
                   title_justify="left")
-    for column in ("name", "memory", "compute", "bf16 dense\nTFLOPS", "memory\nTB/s", "host link\n(x16)", "host\nGB/s"):
-        table.add_column(column, justify="left" if column in ("name", "host link\n(x16)") else "right", no_wrap=column == "name")
+    link = "host link\n(x16)"
+    for column in ("name", "memory", "compute", "bf16 dense\nTFLOPS", "memory\nTB/s", link, "host\nGB/s"):
+        table.add_column(column, justify="left" if column in ("name", link) else "right", no_wrap=column == "name")
     for g in CATALOG.values():
         compute = {"nvidia": "%d.%d" % g.compute_capability, "amd": g.arch, "apple": "MPS"}[g.vendor]
         table.add_row(g.name, f"{g.memory_bytes / 2**30:.1f} GiB", compute,

@@ -14,10 +14,8 @@ marked assumed by ``hardware/outside.py``). The error margin is CUDA's measured 
 from __future__ import annotations
 
 from memfit.accounting.mps_heaps import replay_mps
-from memfit.errors import MemfitError
-from memfit.hardware.mps import limits
+from memfit.hardware.mps import limits, memory_fraction
 from memfit.report.report import FITS, OOM, SWAP
-from memfit.units import format_size
 
 __all__ = ["mps_fit"]
 
@@ -28,12 +26,8 @@ def mps_fit(ledger, mac, budget: int | None = None) -> dict:
     working = mac.working_set_bytes
     watermarks = limits(working)
     high = watermarks.high
-    if budget is not None:
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-            raise MemfitError(f"budget must be a positive number of bytes, got {budget!r}: a size like '24GiB'")
-        if budget > 2 * working:
-            raise MemfitError(f"budget {format_size(budget)} is more than MPS allows the {mac.name} (2 x its "
-                              f"{format_size(working)} working set): give at most {format_size(2 * working)}")
+    if budget is not None:  # set_per_process_memory_fraction(budget / working set): the high watermark at the budget
+        memory_fraction(budget, working)
         high = budget
     unlimited, _ = replay_mps(ledger, None, watermarks.low)
     stats, oom = replay_mps(ledger, high, watermarks.low) if unlimited.peak_held > min(high, working) else (unlimited, None)

@@ -55,10 +55,11 @@ from dataclasses import dataclass
 
 from memfit.accounting.cuda_allocator import AllocatorStats, CachingAllocator, SimulatedOutOfMemory
 from memfit.errors import MemfitError
-from memfit.report.report import EXPANDABLE, EXPANDABLE_CONF, FITS, OOM
+from memfit.report.report import EXPANDABLE, EXPANDABLE_CONF, FITS, OOM, SWAP, runs
 from memfit.units import format_size
 
-__all__ = ["CudaFit", "cuda_fit", "fit_reserved", "error_margin", "FITS", "EXPANDABLE", "OOM", "EXPANDABLE_CONF"]
+__all__ = ["CudaFit", "cuda_fit", "fit_reserved", "error_margin", "FITS", "EXPANDABLE", "OOM", "SWAP", "EXPANDABLE_CONF",
+           "runs"]
 
 
 MiB = 1 << 20
@@ -137,10 +138,11 @@ def limits(gpu, budget: int | None, outside: int | None = None) -> tuple[int, in
     outside = gpu.outside_bytes if outside is None else outside
     physical = gpu.memory_bytes - outside
     if getattr(gpu, "vendor", "nvidia") == "apple":  # a Mac: its working set, or the memory fraction of a budget
+        from memfit.hardware.mps import memory_fraction
+
         physical = gpu.working_set_bytes
-        if budget is not None and (not isinstance(budget, int) or budget > 2 * physical):
-            raise MemfitError(f"budget {budget!r} is not a size MPS allows the {gpu.name} (at most 2 x its "
-                              f"{format_size(physical)} working set)")
+        if budget is not None:
+            memory_fraction(budget, physical)
         return (physical, None) if budget is None else (min(physical, budget), budget)
     if budget is None:
         return physical, None

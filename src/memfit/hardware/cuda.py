@@ -81,7 +81,6 @@ from memfit.scoped import patched
 __all__ = ["cuda_semantics", "cuda_attention_kernel", "cpu_only_autocast_ops", "active", "conv_workspaces"]
 
 _ACTIVE = contextvars.ContextVar("memfit_cuda_semantics", default=False)
-_FUSED = contextvars.ContextVar("memfit_fused_attention", default=True)
 
 # torch's CUDA autocast, aten/src/ATen/autocast_mode.cpp (AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE)
 FP32_OPS = (
@@ -325,12 +324,11 @@ def _efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, sca
 
 
 @contextlib.contextmanager
-def _fused_attention():
+def _fused_attention(fused: bool = True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
-    fused = _FUSED.get()  # read here, not in the function: dynamo's fullgraph cannot trace a ContextVar's get
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         kernel = cuda_attention_kernel(query, key, attn_mask, enable_gqa, value) if fused else "math"
@@ -357,13 +355,12 @@ def cuda_semantics(fused_attention: bool = True):
     it makes (the ``AutocastCPU`` and ``dropout`` registrations, the SDPA function) is undone on exit.
     ``fused_attention`` False: the card has no flash / memory-efficient kernel (ROCm's RDNA3: ``amd.py``),
     so SDPA runs the math path."""
-    token, fused = _ACTIVE.set(True), _FUSED.set(fused_attention)
+    token = _ACTIVE.set(True)
     try:
-        with _autocast_policy(), _dropout_policy(), _fused_attention():
+        with _autocast_policy(), _dropout_policy(), _fused_attention(fused_attention):
             yield
     finally:
         _ACTIVE.reset(token)
-        _FUSED.reset(fused)
 
 
 @contextlib.contextmanager
@@ -373,12 +370,8 @@ def mps_semantics():
     backward: ``_scaled_dot_product_attention_math``, the weights kept), dropout unfused (``is_fused_kernel_acceptable``
     is CUDA/XPU only: the mask kept in the input's dtype, as on the CPU), and the per-tensor optimizer loop (MPS is
     not among foreach's devices: ``cuda.active()`` stays False)."""
-    fused = _FUSED.set(False)
-    try:
-        with _autocast_policy(), _fused_attention():
-            yield
-    finally:
-        _FUSED.reset(fused)
+    with _autocast_policy(), _fused_attention(fused=False):
+        yield
 
 
 def card_semantics(card):

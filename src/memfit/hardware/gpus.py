@@ -291,14 +291,14 @@ def visible_gpu() -> GPU | None:
     except MemfitError:
         pass
     cc = (props.major, props.minor)
-    near = min(CATALOG.values(), key=lambda card: (abs(card.compute_capability[0] - cc[0]) * 10
-                                                    + abs(card.compute_capability[1] - cc[1]),
-                                                    abs(card.memory_bytes - props.total_memory)))
-    context = near.cuda_context_bytes
+    vendor = "amd" if torch.version.hip else "nvidia"  # a ROCm build: the nearest AMD card, with ROCm's workspaces
+    near = min((card for card in CATALOG.values() if card.vendor == vendor),
+               key=lambda card: (abs(card.compute_capability[0] - cc[0]) * 10 + abs(card.compute_capability[1] - cc[1]),
+                                 abs(card.memory_bytes - props.total_memory)))
+    own = {} if vendor == "amd" else dict(cublas_workspace_bytes=_cublas_workspace(cc), bf16=cc >= (8, 0),
+                                          fp8=cc >= (8, 9))
     return dataclasses.replace(near, name=_compact(props.name) or "cuda", full_name=props.name,
-                               memory_bytes=int(props.total_memory), compute_capability=cc,
-                               cublas_workspace_bytes=_cublas_workspace(cc), bf16=cc >= (8, 0), fp8=cc >= (8, 9),
-                               cuda_context_bytes=context)
+                               memory_bytes=int(props.total_memory), compute_capability=cc, **own)
 
 
 def target(device=None, card=None) -> Target:

@@ -111,10 +111,15 @@ def require_mps() -> None:
 def memory_fraction(budget: int, recommended: int) -> float:
     """The ratio ``torch.mps.set_per_process_memory_fraction`` takes for a ``budget`` of bytes on a Mac whose Metal
     working set is ``recommended`` (``torch.mps.recommended_max_memory()``): at most 2.0, as torch allows."""
+    from memfit.units import format_size
+
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise MemfitError(f"budget must be a number of bytes, got {budget!r}: pass an int or a size like '24GiB'")
     ratio = budget / recommended
     if not 0 < ratio <= HIGH_RATIO_MOST:
-        raise MemfitError(f"a budget of {budget} bytes is {ratio:.2f} x this Mac's {recommended}-byte working set; MPS "
-                          f"allows 0-{HIGH_RATIO_MOST} x: give at most {int(HIGH_RATIO_MOST * recommended)} bytes")
+        raise MemfitError(f"a budget of {format_size(budget)} is {ratio:.2f} x the Mac's {format_size(recommended)} "
+                          f"working set; MPS allows up to {HIGH_RATIO_MOST} x: give at most "
+                          f"{format_size(int(HIGH_RATIO_MOST * recommended))}")
     return ratio
 
 

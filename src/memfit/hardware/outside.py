@@ -173,8 +173,8 @@ def outside(card, workload: Workload | None = None) -> Outside:
         terms.append(Term(name, context, context, context, source, measured=hopper))
     if work.matmul:
         # eager loading loads every cuBLAS kernel at cublasCreate: more than the lazy figure, how much unknown
-        terms.append(Term("rocBLAS/hipBLASLt" if vendor == "amd" else "cuBLAS/cuBLASLt", _CUBLAS, _CUBLAS, None if work.eager_loading else _CUBLAS,
-                          where, measured=hopper and not work.eager_loading))
+        terms.append(Term("rocBLAS/hipBLASLt" if vendor == "amd" else "cuBLAS/cuBLASLt", _CUBLAS, _CUBLAS,
+                          None if work.eager_loading else _CUBLAS, where, measured=hopper and not work.eager_loading))
     if work.eager_loading:
         pass  # torch's own kernels (the step's, the forward's) were loaded with the context
     elif work.kind == "train":

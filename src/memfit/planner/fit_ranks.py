@@ -12,7 +12,7 @@ import time
 from memfit.errors import MemfitError
 from memfit.estimator.checkpoint import checkpoint_recipe
 from memfit.estimator.inputs import Data, Hardware
-from memfit.estimator.verdict import OOM
+from memfit.estimator.verdict import runs
 from memfit.hardware.cluster import World
 from memfit.planner.fit_result import Fit, NoBatchFits
 from memfit.techniques.recipe import Recipe, recipe_from
@@ -68,7 +68,7 @@ def fit_ranks(source, *, target, budget_bytes: int, recipe: Recipe, world: World
                                    data=Data(batch_size=micro * accum * world.size, seq_len=seq_len), loss_fn=loss_fn)
             if progress is not None:
                 progress(len(seen), len(seen) + 1)
-        return seen[micro].verdict not in (OOM, "fits_by_swapping")
+        return runs(seen[micro].verdict)
 
     if not check(1):
         one = seen[1]

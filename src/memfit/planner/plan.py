@@ -381,10 +381,9 @@ def _margin(nbytes: int, target) -> int:
 def _fits(report, budget: int) -> bool:
     """By the verdict on a GPU (``fit.py``), by the peak on the CPU."""
     if report.verdict is not None:
-        from memfit.estimator.verdict import OOM
-        from memfit.report.report import SWAP
+        from memfit.estimator.verdict import runs
 
-        return report.verdict not in (OOM, SWAP)  # a Mac's swapping step does not fit: the plan keeps out of swap
+        return runs(report.verdict)
     return report.device_bytes <= budget
 
 

@@ -109,10 +109,10 @@ def _shallow_depths(source) -> tuple | None:
 
 def _largest_fitting(trace, fields: dict, sizes: list[int]):
     """(recipe, report, replay) at the largest micro-batch of ``sizes`` (descending) that fits, or None."""
-    from memfit.estimator.verdict import OOM
+    from memfit.estimator.verdict import runs
 
     def fits(result):
-        return result[1].verdict not in (OOM, "fits_by_swapping")  # a Mac's swapping step does not fit
+        return runs(result[1].verdict)
 
     first = trace(fields, sizes[0])
     if fits(first):

@@ -18,6 +18,12 @@ __all__ = ["Report", "FITS", "EXPANDABLE", "OOM", "EXPANDABLE_CONF", "ERROR_SOUR
 # The verdict on a GPU (``estimator/verdict.py``): what torch's caching allocator does with the step.
 FITS, EXPANDABLE, OOM = "fits", "fits_with_expandable_segments", "out_of_memory"
 SWAP = "fits_by_swapping"  # a Mac: past the GPU's working set, under MPS's high watermark (hardware/mps.py)
+
+
+def runs(verdict: str | None) -> bool:
+    """Whether a step with this verdict runs as a search should count it: not out of memory, and (on a Mac) not by
+    swapping, so a plan or a fit keeps the run out of swap."""
+    return verdict not in (OOM, SWAP)
 EXPANDABLE_CONF = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 # Where the margin of a tight fit comes from (``estimator.verdict.error_margin``).
 ERROR_SOURCE = ("90th percentile of the reserved-memory error over 42 H100 runs "
