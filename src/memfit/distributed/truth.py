@@ -87,30 +87,64 @@ def _settled(collective):
 
     import torch
 
-    def count(tensor):
-        return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    use_count = torch._C._storage_Use_Count
 
     def call(*args, **kwargs):
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         tensors += [t for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple)) for t in a
                     if isinstance(t, torch.Tensor)]
-        before = [count(t) for t in tensors]
-        # gloo's worker also holds the op's at::Tensors themselves (no new storage reference, so the storage counts
-        # cannot see them) until just after it marks the work done: a temporary the caller reduced and dropped at once
-        # (DeepSpeed's flattened buckets) was freed on the worker's thread, late (a rank 68 KB high in one run of
-        # several under load). Where the case asks (DeepSpeed's), the tensors' own use counts settle too.
-        held = [t._use_count() for t in tensors] if _TENSOR_COUNTS[0] else []
+        storages = [t.untyped_storage() for t in tensors]  # held through the wait: each count one higher throughout
+        cdata = [s._cdata for s in storages]
+        before = [use_count(c) for c in cdata]
+        # gloo's worker also holds the op's at::Tensors themselves (no new storage reference) until just after it
+        # marks the work done: a temporary the caller reduced and dropped at once (DeepSpeed's flattened buckets) was
+        # then freed on the worker's thread, where the profiler records no free (the truth a bucket high for the rest
+        # of the run: 68 to 236 KB on one rank in about 1 of 5 loaded runs). Such a hold shows in the tensor's own
+        # use count where the holder is a plain at::Tensor, and in its Python object's count where it is an IValue
+        # (the work's future: torch 2.13 keeps the Python object alive for it; the use count stays 1).
+        held = _counts(tensors)
         # an asynchronous call (DeepSpeed's stage-3 gathers) runs to its end here: its handle holds the tensors, so
         # their counts could not settle while the caller keeps it (an estimate's collectives complete at once too)
         asynchronous = kwargs.pop("async_op", False)
         out = collective(*args, **kwargs)
         deadline = time.monotonic() + 5
-        while (any(count(t) > b for t, b in zip(tensors, before))
-               or any(t._use_count() > h for t, h in zip(tensors, held))) and time.monotonic() < deadline:
+        while _busy(cdata, before, tensors, held) and time.monotonic() < deadline:
             time.sleep(0)
         return _Done() if asynchronous else out
 
     return call
+
+
+def _counts(tensors) -> list:
+    """Each tensor's own use count and its Python object's reference count, as ``_busy`` reads them."""
+    import sys
+
+    found, i = [], 0
+    while i < len(tensors):
+        found.append(tensors[i]._use_count())
+        found.append(sys.getrefcount(tensors[i]))
+        i += 1
+    return found
+
+
+def _busy(cdata, before, tensors, held) -> bool:
+    """Whether gloo's worker still holds a storage (``cdata``'s counts above ``before``) or a tensor (its counts
+    above ``held``, from ``_counts``), making no object the garbage collector tracks while it looks."""
+    import sys
+
+    import torch
+
+    use_count, i = torch._C._storage_Use_Count, 0
+    while i < len(cdata):
+        if use_count(cdata[i]) > before[i]:
+            return True
+        i += 1
+    i = 0
+    while i < len(tensors):
+        if tensors[i]._use_count() > held[2 * i] or sys.getrefcount(tensors[i]) > held[2 * i + 1]:
+            return True
+        i += 1
+    return False
 
 
 class _Done:
@@ -123,7 +157,6 @@ class _Done:
         return True
 
 
-_TENSOR_COUNTS = [False]  # settle on the tensors' own use counts too (``_settled``): the case's (DeepSpeed's)
 
 
 def _settled_wait(wait):
@@ -286,9 +319,6 @@ def _run(case: dict, store=None) -> dict:
                                 world_size=int(os.environ["WORLD_SIZE"]))
     rank, size = dist.get_rank(), dist.get_world_size()
     recipe = Recipe.from_dict(case.get("recipe", {}))
-    from memfit.techniques.zero_config import STAGES
-
-    _TENSOR_COUNTS[0] = recipe.parallel in STAGES
     source = resolve(case["model"])
     # tensor- and context-parallel peers and pipeline stages read the same rows; the data-parallel ranks split them
     from memfit.hardware.cluster import Layout, World
