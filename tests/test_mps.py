@@ -78,3 +78,56 @@ def test_a_run_on_a_mac_its_fraction_its_refusal_and_its_out_of_memory(monkeypat
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 11 * GiB, raising=False)
     mac = this_mac()
     assert mac.vendor == "apple" and mac.working_set_bytes == 11 * GiB and mac.name.startswith("mac-")
+
+
+def test_a_profile_on_a_mac_samples_what_mps_says(monkeypatch, capsys, tmp_path):
+    """``memfit profile --device mps``'s own pieces (``profiling/mps_memory.py``): torch.mps's current and driver
+    figures sampled after every op the watch sees, their highest kept (no peak API before 2.13); 2.13's
+    torch.accelerator peaks read where MPS keeps them; a machine without MPS refused in one line. torch.mps is
+    stood in for (a CPU machine has none); the ops are a real loop's. Never run on a Mac."""
+    import itertools
+
+    import torch
+
+    from memfit.cli import main
+    from memfit.profiling import mps_memory
+    from memfit.profiling.profile import profile
+
+    if not torch.backends.mps.is_available():
+        script = tmp_path / "train.py"
+        script.write_text("print('never run')\n")
+        assert main(["profile", "--device", "mps", str(script)]) == 2
+        err = capsys.readouterr().err
+        assert "no MPS device" in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr("memfit.hardware.mps.require_mps", lambda: None)
+    with pytest.raises(MemfitError, match="torch.mps.set_per_process_memory_fraction"):
+        profile(device="mps", budget="1GiB")
+    figures = itertools.cycle([3 * MiB, 7 * MiB, 5 * MiB])  # the highest, 7 MiB, comes second of every three
+    calls = []
+
+    def current():
+        calls.append(1)
+        return next(figures)
+
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", current)
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 64 * MiB + len(calls))
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 11 * GiB)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with profile(device="mps") as prof:
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    settings = prof.report.settings
+    assert prof.steps == 2 and settings["mps_samples"] == len(calls) > 10  # after every op, and once at the start
+    assert prof.report.peak_bytes == settings["sampled_peak_current_allocated_memory"] == 7 * MiB
+    assert settings["sampled_peak_driver_allocated_memory"] == 64 * MiB + len(calls)
+    assert settings["recommended_max_memory"] == 11 * GiB and "lower bound" in " ".join(prof.report.notes)
+    # where torch keeps MPS's peaks (2.13's device stats), they are the report's peak, as on CUDA
+    stats = type("Accelerator", (), {"reset_peak_memory_stats": staticmethod(lambda: None),
+                                     "max_memory_allocated": staticmethod(lambda: 9 * MiB),
+                                     "max_memory_reserved": staticmethod(lambda: 96 * MiB)})
+    sampler = mps_memory.MpsSampler(accelerator=stats)
+    sampler.start()
+    assert sampler.fields()["reserved_bytes"] == 96 * MiB and sampler.peak(1)[0] == 9 * MiB

@@ -86,6 +86,36 @@ def test_a_mac_answers_in_three_words():
         mps_fit(_Log(("a", "w", GiB)), mac, budget=64 * GiB)
 
 
+def test_the_watermark_ratios_of_the_environment_decide_the_verdict(monkeypatch, capsys):
+    """PYTORCH_MPS_HIGH/LOW_WATERMARK_RATIO as a user sets them for the run (MPSAllocator.mm lines 28-38, read with
+    strtod): a lower high ratio fails what the default lets swap, 0.0 never fails; a ratio torch refuses, or one
+    strtod would read as 0.0 (no limit), is one line, exit 2, before any tracing."""
+    from memfit.cli import main
+    from memfit.hardware.mps import environment_ratios
+
+    mac = gpu("m1-8gb")  # working set 5.33 GiB, high watermark 9.07 GiB by default
+    step = _Log(("a", "w", 6 * GiB), ("a", "v", GiB))
+    assert mps_fit(step, mac).verdict == SWAP
+    monkeypatch.setenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "1.2")
+    monkeypatch.setenv("PYTORCH_MPS_LOW_WATERMARK_RATIO", "1.0")
+    assert environment_ratios() == (1.2, 1.0)
+    tight = mps_fit(step, mac)
+    assert tight.verdict == OOM and tight.missing_bytes == 7 * GiB - int(1.2 * mac.working_set_bytes)
+    monkeypatch.setenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "0.0")
+    assert mps_fit(_Log(("a", "w", 30 * GiB)), mac).verdict == SWAP  # no limit: it swaps, never fails
+    for high, low, says in (("2.5", None, "outside 0.0-2.0"), ("", None, "not a number: torch would read it as 0.0"),
+                            ("1.0", None, "LOW_WATERMARK_RATIO=1.4 (its default) is above the high ratio 1.0"),
+                            ("1.7", "x", "LOW_WATERMARK_RATIO='x' is not a number")):
+        monkeypatch.setenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", high)
+        if low is None:
+            monkeypatch.delenv("PYTORCH_MPS_LOW_WATERMARK_RATIO", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_MPS_LOW_WATERMARK_RATIO", low)
+        assert main(["estimate", "gpt2", "--gpu", "m3-max-36gb"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_mac_names_sizes_and_bad_ones():
     assert gpu("Apple M2 Ultra 192GB").name == "m2-ultra-192gb" and gpu("mac-48gb").memory_bytes == 48 * GiB
     for bad, says in (("m3-max-7gb", "36GB, 48GB, 64GB"), ("mac-2gb", "at least 8GB")):

@@ -157,8 +157,8 @@ def add_budget(parser, help: str = "bytes available, e.g. 24GiB, 24GB, 80G (defa
     section(parser, "card").add_argument("--budget", type=size, default=None, metavar="SIZE", help=help)
 
 
-def add_device(parser, default: str | None, help: str) -> None:
-    section(parser, "card").add_argument("--device", choices=("cpu", "cuda"), default=default, help=help)
+def add_device(parser, default: str | None, help: str, choices=("cpu", "cuda")) -> None:
+    section(parser, "card").add_argument("--device", choices=choices, default=default, help=help)
 
 
 def add_seq_len(parser) -> None:

@@ -123,7 +123,12 @@ def resolve_target(device, gpu):
         raise MemfitError(f"device {device!r} is not modelled: use device='cpu' or device='cuda'")
     if gpu is None:
         return lookup(DEFAULT_GPU) if kind == "cuda" else None
-    return gpu if isinstance(gpu, GPU) else lookup(gpu)
+    card = gpu if isinstance(gpu, GPU) else lookup(gpu)
+    if card.vendor == "apple":  # the watermark ratios this environment sets, refused before any tracing
+        from memfit.hardware.mps import environment_limits
+
+        environment_limits(card.working_set_bytes)
+    return card
 
 
 def budget_bytes(budget, target):

@@ -14,7 +14,7 @@ marked assumed by ``hardware/outside.py``). The error margin is CUDA's measured 
 from __future__ import annotations
 
 from memfit.accounting.mps_heaps import replay_mps
-from memfit.hardware.mps import limits, memory_fraction
+from memfit.hardware.mps import environment_limits, memory_fraction
 from memfit.report.report import FITS, OOM, SWAP
 
 __all__ = ["mps_fit"]
@@ -24,14 +24,15 @@ def mps_fit(ledger, mac, budget: int | None = None) -> dict:
     """The fields of the ``CudaFit`` (``estimator/verdict.py`` makes it) of ``ledger`` on ``mac``, on a Mac's terms:
     ``reserved`` is the heaps held, ``capacity_bytes`` the working set (or a smaller budget)."""
     working = mac.working_set_bytes
-    watermarks = limits(working)
+    watermarks = environment_limits(working)  # PYTORCH_MPS_*_WATERMARK_RATIO as this process's environment sets them
     high = watermarks.high
     if budget is not None:  # set_per_process_memory_fraction(budget / working set): the high watermark at the budget
         memory_fraction(budget, working)
         high = budget
     unlimited, _ = replay_mps(ledger, None, watermarks.low)
-    stats, oom = replay_mps(ledger, high, watermarks.low) if unlimited.peak_held > min(high, working) else (unlimited, None)
-    capacity = min(working, high)
+    limited = high is not None and unlimited.peak_held > min(high, working)  # high None: the ratio 0.0, no limit
+    stats, oom = replay_mps(ledger, high, watermarks.low) if limited else (unlimited, None)
+    capacity = working if high is None else min(working, high)
     if oom is not None:
         verdict, missing, held = OOM, unlimited.peak_held - high, oom.held
     elif stats.peak_held > working:

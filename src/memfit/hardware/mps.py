@@ -32,12 +32,13 @@ hand from it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 
 __all__ = ["heap_size", "MpsLimits", "limits", "verdict", "MiB", "GiB", "require_mps", "memory_fraction", "oom_as_torch",
-           "is_mps_oom"]
+           "is_mps_oom", "environment_ratios", "environment_limits", "HIGH_ENV", "LOW_ENV"]
 
 MiB, GiB = 1 << 20, 1 << 30
 MAX_SMALL_ALLOC = 1 * MiB  # kMaxSmallAlloc
@@ -48,6 +49,7 @@ LARGE_HEAP = 32 * MiB  # kLargeHeap
 XLARGE_HEAP_UNIFIED = 1024 * MiB  # kXLargeHeap (2.13; kXLargeHeapU in 2.11)
 XLARGE_HEAP_DISCRETE = 128 * MiB  # kXLargeHeapD (2.11 only: 2.13 refuses a Mac without unified memory)
 HIGH_RATIO, HIGH_RATIO_MOST, LOW_RATIO = 1.7, 2.0, 1.4  # default_high_watermark_ratio, its upper bound, the low one
+HIGH_ENV, LOW_ENV = "PYTORCH_MPS_HIGH_WATERMARK_RATIO", "PYTORCH_MPS_LOW_WATERMARK_RATIO"
 
 
 def heap_size(size: int, *, unified: bool = True, pressure: bool = False) -> int:
@@ -80,10 +82,36 @@ def limits(recommended: int, high_ratio: float = HIGH_RATIO, low_ratio: float = 
         raise MemfitError(f"PYTORCH_MPS_HIGH_WATERMARK_RATIO={high_ratio} is outside 0.0-2.0 (torch refuses it): "
                           "use 1.7 (its default), up to 2.0, or 0.0 for no limit")
     if not 0.0 <= low_ratio <= (high_ratio or HIGH_RATIO_MOST):
-        raise MemfitError(f"PYTORCH_MPS_LOW_WATERMARK_RATIO={low_ratio} must be from 0.0 to the high ratio "
-                          f"({high_ratio or HIGH_RATIO_MOST}): torch refuses it otherwise")
+        raise MemfitError(f"PYTORCH_MPS_LOW_WATERMARK_RATIO={low_ratio}{' (its default)' if low_ratio == LOW_RATIO else ''}"
+                          f" is above the high ratio {high_ratio or HIGH_RATIO_MOST}, and torch refuses that at start-up "
+                          f"(\"invalid low watermark ratio\"): set PYTORCH_MPS_LOW_WATERMARK_RATIO to at most "
+                          f"{high_ratio or HIGH_RATIO_MOST} too")
     return MpsLimits(recommended, int(high_ratio * recommended) if high_ratio else None,
                      int(low_ratio * recommended) if low_ratio else None)
+
+
+def environment_ratios(environ=None) -> tuple[float, float]:
+    """(high, low): the watermark ratios MPS reads at start-up (``init_allocator``), from the environment memfit runs
+    in, where a user sets them as for the run; each unset one its default. A value that is not a plain number is
+    refused: torch's ``strtod`` reads it (and an empty one) as 0.0, which for the high watermark is no limit at all."""
+    environ = os.environ if environ is None else environ
+    found = []
+    for name, default, zero in ((HIGH_ENV, HIGH_RATIO, "no limit at all"), (LOW_ENV, LOW_RATIO, "no garbage collection")):
+        text = environ.get(name)
+        if text is None:
+            found.append(default)
+            continue
+        try:
+            found.append(float(text))
+        except ValueError:
+            raise MemfitError(f"{name}={text!r} is not a number: torch would read it as 0.0 ({zero}); set a ratio "
+                              f"such as {default} (its default) or unset it") from None
+    return found[0], found[1]
+
+
+def environment_limits(recommended: int, environ=None) -> MpsLimits:
+    """``limits`` with the ratios of ``environment_ratios``: what this process's environment gives a Mac."""
+    return limits(recommended, *environment_ratios(environ))
 
 
 def verdict(held: int, mac: MpsLimits) -> tuple[str, int]:
@@ -105,7 +133,7 @@ def require_mps() -> None:
 
     if not torch.backends.mps.is_available():
         raise MemfitError("--device mps: this machine has no MPS device (torch.backends.mps.is_available() is False): "
-                          "train on an Apple silicon Mac with macOS 14 or later, or use --device cpu or cuda")
+                          "run it on an Apple silicon Mac with macOS 14 or later, or use --device cpu or cuda")
 
 
 def memory_fraction(budget: int, recommended: int) -> float:

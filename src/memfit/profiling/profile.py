@@ -91,13 +91,17 @@ class Profile:
     def __init__(self, *, model=None, device=None, max_steps: int | None = None, budget=None,
                  record_history: bool | None = None, fake: bool = False):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type not in ("cpu", "cuda"):
-            raise MemfitError(f"memfit profile watches cpu or cuda memory, not {self.device.type!r}")
+        if self.device.type not in ("cpu", "cuda", "mps"):
+            raise MemfitError(f"memfit profile watches cpu, cuda or mps memory, not {self.device.type!r}")
+        if self.device.type == "mps" and not fake:
+            from memfit.hardware.mps import require_mps
+
+            require_mps()
         self.max_steps = max_steps
         self.budget = None if budget is None else parse_size(budget)
         if self.budget is not None and self.device.type != "cpu":
             raise MemfitError("budget= is the CPU's virtual budget; on a GPU cap the process with "
-                              "torch.cuda.set_per_process_memory_fraction")
+                              f"torch.{self.device.type}.set_per_process_memory_fraction")
         self.record_history = self.device.type == "cuda" if record_history is None else record_history
         self._model = model
         # the block runs on fake tensors (``memfit.estimate_script``): every storage it makes counts (a fake
@@ -109,6 +113,7 @@ class Profile:
         self.forwards_without_backward: list[dict] = []
         self.inputs: list[dict] = []
         self.snapshot = None
+        self.sampler = None  # on MPS: what torch.mps says, sampled after every op (``mps_memory.py``)
         self.entry_bytes = 0  # bytes of the tensors alive when the block began (in the report's figures)
         self._in_step = 0
         self._called = False  # a module ran since the last step ended
@@ -130,6 +135,11 @@ class Profile:
                 scope.enter_context(VirtualBudget(self.budget, resident=resident))
             if self.device.type == "cuda":  # the report's peak is the allocator's own, from here on
                 torch.cuda.reset_peak_memory_stats(self.device)
+            if self.device.type == "mps" and not self.fake:
+                from memfit.profiling.mps_memory import MpsSampler
+
+                self.sampler = watch.sampler = MpsSampler()
+                self.sampler.start()
             if self.record_history:
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000)
                 scope.callback(torch.cuda.memory._record_memory_history, enabled=None)
@@ -356,6 +366,8 @@ class Profile:
         extra = {}
         if self.device.type == "cuda":
             extra = _cuda_fields(self.snapshot, self.watch)
+        elif self.sampler is not None:
+            extra = self.sampler.fields()
         settings = {"steps": self.steps, "workload": "train" if self.steps else "forward",
                     "inputs": self.inputs, "budget": self.budget}
         settings.update(extra.pop("settings", {}))
@@ -366,8 +378,13 @@ class Profile:
             settings["ledger_peak_bytes"] = result.peak_bytes
             notes.append("peak: the caching allocator's max_memory_allocated (blocks rounded up); categories, phases "
                          f"and steps are tensor bytes (their peak {format_size(result.peak_bytes)})")
+        peak = settings["max_memory_allocated"] if self.device.type == "cuda" else result.peak_bytes
+        if self.sampler is not None:
+            settings["ledger_peak_bytes"] = result.peak_bytes
+            peak, said = self.sampler.peak(result.peak_bytes)
+            notes.append(said)
         return Report(
-            peak_bytes=settings["max_memory_allocated"] if self.device.type == "cuda" else result.peak_bytes,
+            peak_bytes=peak,
             by_category=result.by_category,
             **fold_peaks(result.phase_peaks, steps),
             modules=result.modules,
@@ -404,7 +421,7 @@ def profile(*, model=None, device=None, max_steps: int | None = None, budget=Non
     """Watch the memory of the code inside ``with memfit.profile() as prof:``; ``prof.report`` after.
 
     model      the model, if the first top-level module with parameters that runs is not it.
-    device     "cpu" or "cuda" (default: cuda when available): whose tensors are counted.
+    device     "cpu", "cuda" or "mps" (default: cuda when available): whose tensors are counted.
     max_steps  end the block (quietly) after this many optimizer steps: ``Enough`` is raised from the
                step, so the rest of the loop does not run.
     budget     CPU only: a virtual cap (``"300MiB"``) past which allocations raise

@@ -41,6 +41,7 @@ class Watch(Ledger):
         self.begin("forward", 0)
         self._library = library_roots()
         self._user_cache: dict[str, bool] = {}
+        self.sampler = None  # on MPS: sampled after every op (``mps_memory.MpsSampler``)
 
     @property
     def owner(self):
@@ -94,4 +95,7 @@ class Watch(Ledger):
         owner = self._owner()
         if self.phase != "backward" and owner._in_step == 0 and torch._C._current_autograd_node() is not None:
             owner._backward_began()
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.sampler is not None:
+            self.sampler.sample()
+        return out

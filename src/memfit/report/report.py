@@ -7,6 +7,7 @@ places they become text.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from html import escape
 
@@ -377,7 +378,7 @@ def _mac_line(report: Report) -> str:
             + (f" (a {format_size(report.budget_bytes)} memory fraction)" if report.budget_bytes is not None else ""))
     if report.verdict == OOM:
         return (f"out of memory: {held} at the failure; the step needs {format_size(report.missing_bytes or 0)} more "
-                "than MPS's high watermark (PYTORCH_MPS_HIGH_WATERMARK_RATIO, default 1.7 x the working set)")
+                f"than MPS's high watermark ({_high_watermark(report)})")
     if report.verdict == SWAP:
         return (f"fits only by swapping: {held}, {format_size(report.missing_bytes or 0)} past {room}: macOS swaps "
                 "what else is in RAM and the step slows; under the high watermark, so it does not fail")
@@ -385,6 +386,17 @@ def _mac_line(report: Report) -> str:
     if report.retries:
         text += f"; MPS frees its cached buffers {report.retries} time(s) to stay under its watermarks"
     return text
+
+
+def _high_watermark(report: Report) -> str:
+    """What set the high watermark of a Mac's out-of-memory verdict: a budget's memory fraction, or the ratio."""
+    from memfit.hardware.mps import HIGH_ENV, HIGH_RATIO, environment_ratios
+
+    if report.budget_bytes is not None:
+        return f"the budget's {format_size(report.budget_bytes)}: torch.mps.set_per_process_memory_fraction"
+    ratio = environment_ratios()[0]
+    said = "its default" if ratio == HIGH_RATIO and HIGH_ENV not in os.environ else f"{HIGH_ENV} here"
+    return f"{ratio:g} x the working set, {said}"
 
 
 def managed_line(report: Report) -> str:
