@@ -29,7 +29,9 @@ Leaks: memory that grows step after step, by allocation site (``sites.py``, wher
 
 On CUDA the allocator's history (``torch.cuda.memory._record_memory_history``) is recorded beside
 the ledger: the raw snapshot (which PyTorch's memory_viz page opens) and the reserved bytes over time
-(``cuda_snapshot.py``); ``max_memory_allocated`` and ``max_memory_reserved`` are in ``settings``.
+(``cuda_snapshot.py``); ``max_memory_allocated`` and ``max_memory_reserved`` are in ``settings``. On a Mac
+(``device="mps"``) torch.mps's current and driver figures are sampled after every op (``mps_memory.py``): MPS
+keeps no peak before torch 2.13.
 
 Why by hand: torch.profiler's memory timeline and the CUDA snapshot record allocations with stacks,
 but neither knows a parameter from an activation, a phase or an optimizer step, nor runs on CPU
