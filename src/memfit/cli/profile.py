@@ -26,8 +26,8 @@ def build(parser) -> None:
                         help="run a module (as python -m does) instead of a script file")
     script.add_argument("--steps", type=int, default=10, metavar="N",
                         help="optimizer steps to watch, then stop the script (default 10; 0: run it to its end)")
-    _args.add_device(parser, None, help="whose tensors to count (default: cuda when available, else cpu; mps on a "
-                                        "Mac: torch.mps's figures sampled after every op)", choices=("cpu", "cuda", "mps"))
+    _args.add_device(parser, None, help="whose tensors to count (default: cuda when available, else cpu; or mps)",
+                     choices=("cpu", "cuda", "mps"))
     _args.add_budget(parser, help="CPU only: a virtual cap, e.g. 300MiB: allocations past it raise "
                                   "torch.OutOfMemoryError")
     output = _args.section(parser, "output")
