@@ -107,4 +107,5 @@ def test_a_rocm_message_is_read_as_cudas():
     whole = ("torch.OutOfMemoryError: HIP out of memory. Tried to allocate 16.00 GiB. GPU 0 has a total capacity of "
              "15.24 GiB of which 15.09 GiB is free. Of the allocated memory 0 bytes is allocated by PyTorch, and 0 bytes "
              "is reserved by PyTorch but unallocated.")
-    assert parse_oom(whole).requested == 16 * 2**30 and "16.00 GiB request" in diagnose(whole).summary
+    assert parse_oom(whole).requested == 16 * 2**30
+    assert "16.00 GiB request alone is more than the whole 15.24 GiB card" in diagnose(whole).summary

@@ -108,6 +108,10 @@ def message_cause(message: OomMessage) -> tuple[str, str, Fix | None]:
                                  f"(fragmented), more than the {format_size(lacked)} the "
                                  f"{format_size(message.requested)} request lacked"), \
             fragmentation_fix(fragmented, fits=fragmented + room >= message.requested)
+    if message.requested > message.capacity:  # no setting, no freeing helps: what asked for it must shrink
+        return "unknown", (f"the {format_size(message.requested)} request alone is more than the whole "
+                           f"{format_size(message.capacity)} card: no setting or freeing helps, only a smaller "
+                           "step"), None
     cap = "" if message.allowed is None else f" under the process's cap of {format_size(message.allowed)}"
     return "unknown", (f"the {format_size(message.requested)} request found {format_size(room)} free{cap} of "
                        f"{format_size(message.capacity)}; the message alone does not say what holds the rest"), None
