@@ -14,8 +14,8 @@ marked assumed by ``hardware/outside.py``). The error margin is CUDA's measured 
 from __future__ import annotations
 
 from memfit.accounting.mps_heaps import replay_mps
-from memfit.hardware.mps import environment_limits, memory_fraction
-from memfit.report.report import FITS, OOM, SWAP
+from memfit.hardware.mps import MpsLimits, environment_limits, memory_fraction, verdict
+from memfit.report.report import OOM
 
 __all__ = ["mps_fit"]
 
@@ -33,12 +33,11 @@ def mps_fit(ledger, mac, budget: int | None = None) -> dict:
     limited = high is not None and unlimited.peak_held > min(high, working)  # high None: the ratio 0.0, no limit
     stats, oom = replay_mps(ledger, high, watermarks.low) if limited else (unlimited, None)
     capacity = working if high is None else min(working, high)
-    if oom is not None:
-        verdict, missing, held = OOM, unlimited.peak_held - high, oom.held
-    elif stats.peak_held > working:
-        verdict, missing, held = SWAP, stats.peak_held - working, stats.peak_held
-    else:
-        verdict, missing, held = FITS, None, stats.peak_held
+    if oom is not None:  # the replay under the limit failed, after freeing every cache
+        word, missing, held = OOM, unlimited.peak_held - high, oom.held
+    else:  # it ran: within the working set, or past it (swapping)
+        word, past = verdict(stats.peak_held, MpsLimits(working, high, watermarks.low))
+        missing, held = past or None, stats.peak_held
     allocated = unlimited.peak_allocated if oom is not None else stats.peak_allocated
-    return dict(verdict=verdict, gpu=mac.name, capacity_bytes=capacity, budget_bytes=budget, allocated=allocated,
+    return dict(verdict=word, gpu=mac.name, capacity_bytes=capacity, budget_bytes=budget, allocated=allocated,
                 reserved=held, retries=stats.cache_releases, missing_bytes=missing, replayed=True, unlimited=None)

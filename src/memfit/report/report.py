@@ -381,7 +381,7 @@ def _mac_line(report: Report) -> str:
                 f"than MPS's high watermark ({_high_watermark(report)})")
     if report.verdict == SWAP:
         return (f"fits only by swapping: {held}, {format_size(report.missing_bytes or 0)} past {room}: macOS swaps "
-                "what else is in RAM and the step slows; under the high watermark, so it does not fail")
+                f"what else is in RAM and the step slows; {_no_failure(report)}, so it does not fail")
     text = f"fits: {held} of {room}"
     if report.retries:
         text += f"; MPS frees its cached buffers {report.retries} time(s) to stay under its watermarks"
@@ -397,6 +397,14 @@ def _high_watermark(report: Report) -> str:
     ratio = environment_ratios()[0]
     said = "its default" if ratio == HIGH_RATIO and HIGH_ENV not in os.environ else f"{HIGH_ENV} here"
     return f"{ratio:g} x the working set, {said}"
+
+
+def _no_failure(report: Report) -> str:
+    """Why a swapping Mac does not fail: under the high watermark, or none is set (the ratio 0.0)."""
+    from memfit.hardware.mps import HIGH_ENV, environment_ratios
+
+    unlimited = report.budget_bytes is None and environment_ratios()[0] == 0.0
+    return f"no high watermark ({HIGH_ENV}=0.0)" if unlimited else "under the high watermark"
 
 
 def managed_line(report: Report) -> str:
