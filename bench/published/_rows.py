@@ -45,7 +45,7 @@ ROWS = [
          quote="| Llama 3.1 8B | Full finetune | 1x 4090 | 18.9 GiB | 1650 |",
          recipe=dict(precision="bf16", checkpointing="blocks", optimizer="paged_adamw8bit",
                      optimizer_in_backward=True, compile="layers"),
-         loss=dict(kind="torchtune", chunks=8), headline=True,
+         loss=dict(kind="torchtune", chunks=8, recipe="full_finetune_single_device"), headline=True,
          note="8B_full_single_device.yaml: bitsandbytes.optim.PagedAdamW8bit, optimizer_in_bwd True, "
               "activation checkpointing, CEWithChunkedOutputLoss, dtype bf16. Paged state lives in "
               "cudaMallocManaged memory, outside torch's allocator: not in the active figure."),
@@ -53,14 +53,14 @@ ROWS = [
          quote="| Llama 3.1 8B | LoRA | 1x 4090 |  16.2 GiB | 3083 |",
          recipe=dict(_TT_LORA_BASE, lora="lora:8", lora_targets="q_proj,v_proj", lora_alpha=16,
                      lora_dropout=0.0),
-         loss=dict(kind="torchtune", chunks=8),
+         loss=dict(kind="torchtune", chunks=8, recipe="lora_finetune_single_device"),
          note="8B_lora_single_device.yaml: lora_attn_modules [q_proj, v_proj], no MLP/output LoRA, rank 8, "
               "alpha 16, dropout 0.0; torch.optim.AdamW fused: True; checkpointing; chunked CE; bf16."),
     dict(_TT_31, id="tt-8b-qlora-4090", value=7.4,
          quote="| Llama 3.1 8B | QLoRA | 1x 4090 | 7.4 GiB | 2413  |",
          recipe=dict(_TT_LORA_BASE, lora="qlora:8", lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
                      "down_proj", lora_alpha=16, lora_dropout=0.0),
-         loss=dict(kind="torchtune", chunks=8),
+         loss=dict(kind="torchtune", chunks=8, recipe="lora_finetune_single_device"),
          note="8B_qlora_single_device.yaml: LoRA on q,k,v,output_proj and the MLP (every linear but the "
               "head), rank 8, alpha 16; those linears in torchao NF4 (block 64, scalers double-quantised), "
               "memfit's qlora is bitsandbytes NF4 double-quantised on the same layers; fused AdamW."),
@@ -79,8 +79,9 @@ _FULL_NOTE = ("Full fine-tune of Llama-3.2-3B in pure bf16 with torch.optim.Adam
               "implementation is not stated; fused is inferred: the '+ Activation Checkpointing' row "
               "(24.9 GiB) leaves no room for foreach's parameter-sized step temporary (weights, grads and "
               "two bf16 moments are 23.9 GiB).")
-_CC = dict(kind="torchtune", chunks=8)
-_PLAIN = dict(kind="torchtune", chunks=0)
+_CC = dict(kind="torchtune", chunks=8, recipe="full_finetune_single_device")
+_PLAIN = dict(kind="torchtune", chunks=0, recipe="full_finetune_single_device")
+_CC_LORA = dict(_CC, recipe="lora_finetune_single_device")
 _LORA3B = dict(lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", lora_alpha=128, lora_dropout=0.0,
                lora_dtype="bf16")
 _LORA3B_NOTE = ("3B_{k}_single_device.yaml at 1814feb17: lora_attn_modules [q_proj, v_proj, output_proj], "
@@ -103,7 +104,11 @@ ROWS += [
               "output: self.output(h).float(), modules/transformer.py at 1814feb17)."),
     dict(_FLAGS, id="tt-3b-compile", value=51.0, quote="| [+ Compile](...) | 51.0 | -14.93% | 8998 | +27.18% |",
          recipe=dict(_FULL, compile="layers"), loss=_PLAIN,
-         note=_FULL_NOTE + " torchtune compiles each transformer layer and the loss."),
+         note=_FULL_NOTE + " torchtune compiles each transformer layer (training.compile_model). The loss stays eager: "
+              "full_finetune_single_device.py line 292 calls training.compile_loss(self._loss_fn) without keeping "
+              "what it returns (torch.compile(loss) for a loss other than the chunked one), so its "
+              "nn.CrossEntropyLoss keeps the eager cross-entropy's fp32 log-probabilities and gradients (3.9 GiB more "
+              "at the peak than a compiled one)."),
     dict(_FLAGS, id="tt-3b-chunked", value=42.9, quote="| [+ Chunked Cross Entropy](...) | 42.9 | -15.83% | 9174 | +1.96% |",
          recipe=dict(_FULL, compile="layers"), loss=_CC,
          note=_FULL_NOTE + " CEWithChunkedOutputLoss: 8 bf16 logit chunks, each upcast to fp32 in its CE."),
@@ -126,11 +131,11 @@ ROWS += [
               "the table drops 4.2 GiB."),
     dict(_FLAGS, id="tt-3b-lora", value=8.5, quote="| [LoRA](...) | 8.5 | -51.61% | 8210 | +17.96% |",
          recipe=dict(precision="bf16", optimizer="adamw", optimizer_impl="fused", compile="layers", checkpointing="blocks",
-                     offload_activations=True, lora="lora:64", **_LORA3B), loss=_CC,
+                     offload_activations=True, lora="lora:64", **_LORA3B), loss=_CC_LORA,
          note=_LORA3B_NOTE.format(k="lora")),
     dict(_FLAGS, id="tt-3b-qlora", value=4.6, quote="| [QLoRA](...) | 4.6 | -45.71% | 8035 | -2.13% |",
          recipe=dict(precision="bf16", optimizer="adamw", optimizer_impl="fused", compile="layers", checkpointing="blocks",
-                     offload_activations=True, lora="qlora:64", **_LORA3B), loss=_CC,
+                     offload_activations=True, lora="qlora:64", **_LORA3B), loss=_CC_LORA,
          note=_LORA3B_NOTE.format(k="qlora") + " NF4 (torchao) on every linear but the head: k_proj, not "
               "LoRA'd, is FrozenNF4Linear under quantize_base (torchtune/models/llama3_2/_component_builders.py "
               "lines 353-368 at 1814feb17), as memfit's qlora (quantize_targets all-linear) does; memfit's NF4 is "

@@ -90,7 +90,17 @@ def _same(tensor):
     return tensor
 
 
-def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = False):
+# Whether a torchtune recipe (at 1814feb17) keeps what ``training.compile_loss`` returns. compile_loss
+# (torchtune/training/_compile.py) compiles the chunked loss in place (``loss.compute_cross_entropy =
+# torch.compile(...)``) but returns ``torch.compile(loss)`` for any other loss, and
+# recipes/full_finetune_single_device.py line 292 calls ``training.compile_loss(self._loss_fn)`` without
+# assigning it: with ``compile=True`` its plain ``nn.CrossEntropyLoss`` runs eager (still so on torchtune's main).
+# lora_finetune_single_device.py line 296 assigns it.
+KEEPS_COMPILED_LOSS = {"full_finetune_single_device": False, "lora_finetune_single_device": True}
+
+
+def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = False,
+                   recipe: str = "lora_finetune_single_device"):
     """torchtune's recipe loss: labels shifted by one with an ignored last position. ``chunks`` 0:
     ``nn.CrossEntropyLoss`` on the logits, which ``TransformerDecoder.forward`` upcast to fp32
     (``self.output(h).float()``, torchtune/modules/transformer.py at 1814feb17; the recipe then drops
@@ -99,7 +109,7 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
     decoder's output projection per sequence chunk (all chunks kept), each chunk upcast to fp32 in
     its own cross-entropy (torchtune/modules/loss/ce_chunked_output_loss.py). ``compiled``:
     ``training.compile_loss`` (with compile=layers): the chunk's upcast and cross-entropy compiled,
-    or the whole ``nn.CrossEntropyLoss``. ``head_on_device`` (the recipe offloads activations): the
+    or the whole ``nn.CrossEntropyLoss`` where ``recipe`` keeps it (``KEEPS_COMPILED_LOSS``). ``head_on_device`` (the recipe offloads activations): the
     output projection runs under identity saved-tensor hooks, torchtune's ``NoOpManager``, which
     ``get_act_offloading_ctx_manager`` registers around ``model.output`` so the head's saved tensors
     are not offloaded (torchtune/training/_activation_offloading.py, 1814feb17, lines 397-419)."""
@@ -107,7 +117,9 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
     if compiled:
         from memfit.techniques.compile import compiled as compile_piece
 
-        chunk_ce, plain_ce = compile_piece(_chunk_ce), compile_piece(_plain_ce)
+        chunk_ce = compile_piece(_chunk_ce)
+        if KEEPS_COMPILED_LOSS[recipe]:
+            plain_ce = compile_piece(_plain_ce)
 
     def loss_fn(model, batch):
         base, lm_head = _lm_parts(model)
@@ -189,7 +201,7 @@ def _softmax_keeps_input(x, dim=None, _stacklevel=3, dtype=None):
 
 
 LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("compiled", False),
-                                                  spec.get("head_on_device", False)),
+                                                  spec.get("head_on_device", False), spec["recipe"]),
           "litgpt": lambda spec: litgpt_loss(spec["chunk_tokens"])}
 
 
