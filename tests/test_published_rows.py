@@ -33,7 +33,23 @@ def test_rows_are_quoted_and_mapped():
         assert set(row["recipe"]) <= known, row["id"]
         assert row["source"].startswith("https://github.com/") and len(row["commit"]) == 40, row["id"]
         assert row["note"], row["id"]
+        if row.get("loss", {}).get("kind") == "torchtune":  # which recipe decides whether its loss was compiled
+            assert row["loss"]["recipe"] in published.KEEPS_COMPILED_LOSS, row["id"]
     assert len(ROWS) >= 25
+
+
+def test_a_recipe_that_drops_compile_loss_keeps_the_plain_loss_eager(monkeypatch):
+    """full_finetune_single_device at 1814feb17 drops what compile_loss returns: its plain cross-entropy runs eager,
+    the chunked one is compiled in place; the LoRA recipe keeps both."""
+    from memfit.techniques import compile as compile_module
+
+    wrapped = []
+    monkeypatch.setattr(compile_module, "compiled", lambda fn: wrapped.append(fn.__name__) or fn)
+    published.torchtune_loss(0, compiled=True, recipe="full_finetune_single_device")
+    assert wrapped == ["_chunk_ce"]
+    wrapped.clear()
+    published.torchtune_loss(0, compiled=True, recipe="lora_finetune_single_device")
+    assert wrapped == ["_chunk_ce", "_plain_ce"]
 
 
 def _tiny():
