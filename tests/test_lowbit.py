@@ -96,3 +96,24 @@ def test_low_bit_optimizers_change_the_math_and_take_no_impl():
     assert not Recipe(optimizer="ao_adamw_fp8").is_exact
     with pytest.raises(memfit.MemfitError, match="optimizer_impl=fused and optimizer=ao_adamw8bit"):
         Recipe(optimizer="ao_adamw8bit", optimizer_impl="fused")
+
+
+def test_in_backward_steps_torchaos_optimizer_and_keeps_its_lr_a_tensor():
+    """optimizer_in_backward hands its group's hyperparameters (a scheduler's lr) to each parameter's own optimizer;
+    torchao refuses a float lr ("lr was changed to a non-Tensor object"), so a tensor lr is filled in place. The
+    estimate runs and the allocator agrees."""
+    recipe = Recipe(optimizer="ao_adamw8bit", optimizer_in_backward=True)
+    report = memfit.estimate(_factory, _batch(), loss_fn=_loss, recipe=recipe)
+    assert report.peak_bytes == true_peak(_factory, _batch(), loss_fn=_loss, recipe=recipe)
+
+    from memfit.techniques._lowbit import lowbit_optimizer
+    from memfit.techniques.optimizer_in_backward import InBackward
+
+    model = _factory()
+    wrapper = InBackward(model.parameters(), lambda params: lowbit_optimizer("ao_adamw8bit", params, lr=1e-4))
+    wrapper.param_groups[0]["lr"] = 5e-5  # what an LR scheduler writes
+    _loss(model, _batch()).backward()
+    for inner in wrapper.optimizers.values():
+        lr = inner.param_groups[0]["lr"]
+        assert isinstance(lr, torch.Tensor) and lr.item() == pytest.approx(5e-5)
+    assert all(len(inner.state) for inner in wrapper.optimizers.values())  # every parameter stepped

@@ -50,7 +50,13 @@ class InBackward(torch.optim.Optimizer):
             (g for g in groups if any(p is param for p in g["params"])), None)
         if outer is not None:
             for group in opt.param_groups:
-                group.update({k: v for k, v in outer.items() if k in group and k != "params"})
+                for key, value in outer.items():
+                    if key == "params" or key not in group:
+                        continue
+                    if isinstance(group[key], torch.Tensor) and not isinstance(value, torch.Tensor):
+                        group[key].fill_(value)  # torchao keeps lr a tensor (for its compiled step), refuses a float
+                    else:
+                        group[key] = value
         opt.step()
         opt.zero_grad(set_to_none=True)
 
