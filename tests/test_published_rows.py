@@ -116,3 +116,26 @@ def test_litgpt_estimate_matches_the_allocator(config, quantize):
     truth = true_peak(factory, batch, loss_fn=published.litgpt_loss(16), recipe=recipe)
     assert abs(report.peak_bytes - truth) <= 4 * 2 * 2 + 16, (report.peak_bytes, truth)  # AdamW's step counters
     assert report.trainable == 2 * (16 * 64 + 128 * 8)  # lora_A (2r x d) and lora_B (q + v widths x r) per block
+
+
+def test_a_replayed_torchao_step_adds_the_measured_update_buffer():
+    """bench/published/torchao_step.py: under torch 2.5.1 + torchao 0.6.1 the compiled 8-bit step holds an fp32 buffer
+    of the parameter's shape beside the two moments (measured, in bench/results/torchao-step-cpu.json); replaying it
+    raises the step's peak by 4 bytes a value of the largest quantised parameter."""
+    pytest.importorskip("torchao")
+    from bench.published.torchao_step import measured, replayed
+
+    assert measured("torch 2.5.1, torchao 0.6.1")["peak_bytes_per_value"] == pytest.approx(12, abs=0.05)
+    assert measured("torch 2.13.0, torchao 0.18.0")["peak_bytes_per_value"] == pytest.approx(8, abs=0.05)
+
+    def factory():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 512, bias=False))
+
+    batch = {"x": torch.randn(8, 64)}
+    loss = lambda model, b: model(b["x"]).square().mean()  # noqa: E731
+    recipe = memfit.Recipe(optimizer="ao_adamw8bit")
+    today = memfit.estimate(factory, batch, loss_fn=loss, recipe=recipe)
+    with replayed("torch 2.5.1, torchao 0.6.1"):
+        then = memfit.estimate(factory, batch, loss_fn=loss, recipe=recipe)
+    assert then.phase_peaks["optimizer"] - today.phase_peaks["optimizer"] == 4 * 256 * 512

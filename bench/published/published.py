@@ -30,7 +30,9 @@ the refusal, and left out of the medians.
 Written by hand (no library compares an estimator with published tables). The two loss functions
 below restate what torchtune's recipes and LitGPT's ``finetune/lora.py`` compute, because the
 Hugging Face ``model(**batch).loss`` upcasts the whole logits to fp32 and they do not; for the 2022
-Hugging Face rows, torch 1.10's softmax autograd (it saved its input) is restated the same way.
+Hugging Face rows, torch 1.10's softmax autograd (it saved its input) is restated the same way, and for
+torchtune's 8-bit AdamW row the compiled torchao step as torch 2.5.1 and torchao 0.6.1 ran it (measured on
+the CPU allocator under those versions: ``torchao_step.py``).
 """
 
 from __future__ import annotations
@@ -281,6 +283,10 @@ def estimate_row(row) -> dict:
         from unittest import mock
 
         patch = mock.patch.object(F, "softmax", _softmax_keeps_input)
+    elif row.get("torchao_step"):  # the run's torch and torchao compiled the 8-bit step otherwise (torchao_step.py)
+        from bench.published.torchao_step import replayed
+
+        patch = replayed(row["torchao_step"])
     else:
         patch = contextlib.nullcontext()
     start = time.perf_counter()
@@ -397,22 +403,25 @@ def _commit() -> str:
 
 #: a row not diagnosed -> the other readings of its source, each (label, Recipe fields changed): run by
 #: ``--variants`` to show which reading none of them is (README, "Why rows miss")
+# each: (label, recipe fields changed, row keys changed)
 VARIANTS = {"tt-3b-adamw8bit": [
-    ("torchao AdamW8bit", {"optimizer": "ao_adamw8bit"}),
-    ("bitsandbytes PagedAdamW8bit (the config's default)", {"optimizer": "paged_adamw8bit"}),
-    ("AdamW8bit, no optimizer-in-backward", {"optimizer_in_backward": False}),
-    ("PagedAdamW8bit, no optimizer-in-backward", {"optimizer": "paged_adamw8bit", "optimizer_in_backward": False})]}
+    ("torchao AdamW8bit, today's step (torch 2.13)", {}, {"torchao_step": None}),
+    ("bitsandbytes AdamW8bit (unpaged)", {"optimizer": "adamw8bit"}, {"torchao_step": None}),
+    ("bitsandbytes PagedAdamW8bit (the config's default)", {"optimizer": "paged_adamw8bit"}, {"torchao_step": None}),
+    ("torchao AdamW8bit (2.5.1 step), no optimizer-in-backward", {"optimizer_in_backward": False}, {}),
+    ("PagedAdamW8bit, no optimizer-in-backward", {"optimizer": "paged_adamw8bit", "optimizer_in_backward": False},
+     {"torchao_step": None})]}
 
 
 def variants() -> list[dict]:
     by_id, out = {r["id"]: r for r in ROWS}, []
     for row_id, changes in VARIANTS.items():
-        for label, fields_changed in [("as mapped", {})] + changes:
-            row = dict(by_id[row_id], recipe=dict(by_id[row_id]["recipe"], **fields_changed))
+        for label, recipe_changed, row_changed in [("as mapped", {}, {})] + changes:
+            row = dict(by_id[row_id], recipe=dict(by_id[row_id]["recipe"], **recipe_changed), **row_changed)
             result = estimate_row(row)
             out.append({"id": row_id, "variant": label, "recipe": result["recipe"], "error": result["error"],
                         "estimate_bytes": result["estimate_bytes"], "published_bytes": result["published_bytes"]})
-            print(f"{row_id:18} {label:52} {result['error']:+.1%}", flush=True)
+            print(f"{row_id:18} {label:60} {result['error']:+.1%}", flush=True)
     return out
 
 
