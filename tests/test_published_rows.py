@@ -139,3 +139,51 @@ def test_a_replayed_torchao_step_adds_the_measured_update_buffer():
     with replayed("torch 2.5.1, torchao 0.6.1"):
         then = memfit.estimate(factory, batch, loss_fn=loss, recipe=recipe)
     assert then.phase_peaks["optimizer"] - today.phase_peaks["optimizer"] == 4 * 256 * 512
+
+
+# torchtune's decoder restated (bench/published/_torchtune_1814feb.py), two layers, small enough for the allocator
+_TT_TINY = dict(vocab_size=4096, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256,
+                intermediate_dim=128, norm_eps=1e-5, rope_base=500_000, scale_factor=8)
+
+
+def _tt_model(tied: bool):
+    from bench.published import _torchtune_1814feb as torchtune_1814feb
+
+    torch.manual_seed(0)
+    return torchtune_1814feb.TransformerDecoder(**_TT_TINY, tied=tied)
+
+
+def test_torchtune_decoder_rotates_and_attends_as_torchtune():
+    """Its RoPE is Llama 3.1's scaled table applied pairwise in fp32 at each token's input_pos, its GQA copies k and v
+    to every head: checked against an independent computation of one layer's attention."""
+    model = _tt_model(tied=True)
+    attn = model.layers[0].attn
+    x = torch.randn(1, 6, 64)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])  # two packed documents
+
+    def rope(t):  # t: (b, s, h, d); rotate each (even, odd) pair by position x frequency
+        freqs = torch.tensor(attn.pos_embeddings.scaled)
+        angle = pos[..., None].float() * freqs  # (b, s, d/2)
+        cos, sin = angle.cos()[:, :, None], angle.sin()[:, :, None]
+        even, odd = t[..., 0::2].float(), t[..., 1::2].float()
+        return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(3)
+
+    q = rope(attn.q_proj(x).view(1, 6, 4, 16)).transpose(1, 2)
+    k = rope(attn.k_proj(x).view(1, 6, 2, 16)).transpose(1, 2).repeat_interleave(2, dim=1)
+    v = attn.v_proj(x).view(1, 6, 2, 16).transpose(1, 2).repeat_interleave(2, dim=1)
+    expected = attn.output_proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                                .transpose(1, 2).reshape(1, 6, 64))
+    torch.testing.assert_close(attn(x, input_pos=pos), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunks, tied", [(0, True), (4, False)], ids=["plain-tied", "chunked-untied"])
+def test_torchtune_decoder_estimate_matches_the_allocator(chunks, tied):
+    """memfit's trace of torchtune's decoder and the bench's torchtune loss, against the CPU allocator (bf16,
+    block checkpointing, optimizer in backward, as the table's full fine-tunes)."""
+    from bench.published import _torchtune_1814feb as torchtune_1814feb
+
+    batch = torchtune_1814feb.batch(2, 32, vocab=4096)
+    loss = published.torchtune_loss(chunks, recipe="full_finetune_single_device")
+    recipe = Recipe(precision="bf16", checkpointing="blocks", optimizer_in_backward=True)
+    report = memfit.estimate(lambda: _tt_model(tied), batch(), loss_fn=loss, recipe=recipe)
+    assert report.peak_bytes == true_peak(lambda: _tt_model(tied), batch(), loss_fn=loss, recipe=recipe)

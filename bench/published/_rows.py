@@ -29,12 +29,16 @@ LITGPT = ("https://github.com/Lightning-AI/litgpt/blob/4839345a97a0a90bc5f236166
 # GiB); the flags table below names "Peak Memory Active", taken to be the same figure here.
 _TT_31 = dict(source=TT_README, commit="bd2a0fc7c31430972728494fa01aaeeb0ebf1ba1", date="2024-09-24",
               table="README 'Memory and training speed'", metric="active", unit="GiB", gpu="rtx-4090",
-              model="llama-3.1-8b", seq_len=2048, batch_size=2, packed=True)
+              model="llama-3.1-8b", seq_len=2048, batch_size=2, packed=True, torchtune="llama3_1_8b")
 # Settings of the configs at 30b8519e8 (recipes/configs/llama3_1/8B_*_single_device.yaml): dtype bf16
 # (pure bf16 weights), activation checkpointing on, CEWithChunkedOutputLoss (8 chunks). compile=True there
 # is training.compile_model, which at 30b8519e8 compiles each TransformerSelfAttentionLayer on torch >= 2.5
 # (then nightlies) and the whole model before: which torch ran the table is not stated; per layer is
 # taken (compile="layers"), as in every later torchtune. compile_loss compiles the chunks' upcast + CE.
+# every linear of torchtune's layers (its names: bench/published/_torchtune_1814feb.py); QLoRA quantises these, not the
+# head, which on the 3B is the embedding (TiedLinear is no nn.Linear, so memfit's "last linear is the head" would
+# pick the last layer's w3)
+_TT_LINEARS = "q_proj,k_proj,v_proj,output_proj,w1,w2,w3"
 _TT_LORA_BASE = dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused",
                      compile="layers", lora_dtype="bf16")
 # lora_dtype bf16: lora_finetune_single_device.py builds the model under set_default_dtype(bf16) and checks
@@ -58,8 +62,8 @@ ROWS = [
               "alpha 16, dropout 0.0; torch.optim.AdamW fused: True; checkpointing; chunked CE; bf16."),
     dict(_TT_31, id="tt-8b-qlora-4090", value=7.4,
          quote="| Llama 3.1 8B | QLoRA | 1x 4090 | 7.4 GiB | 2413  |",
-         recipe=dict(_TT_LORA_BASE, lora="qlora:8", lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                     "down_proj", lora_alpha=16, lora_dropout=0.0),
+         recipe=dict(_TT_LORA_BASE, lora="qlora:8", lora_targets=_TT_LINEARS, quantize_targets=_TT_LINEARS,
+                     lora_alpha=16, lora_dropout=0.0),
          loss=dict(kind="torchtune", chunks=8, recipe="lora_finetune_single_device"),
          note="8B_qlora_single_device.yaml: LoRA on q,k,v,output_proj and the MLP (every linear but the "
               "head), rank 8, alpha 16; those linears in torchao NF4 (block 64, scalers double-quantised), "
@@ -73,7 +77,7 @@ ROWS = [
 # (GiB)". A100 is the 80 GB part: 60.0 GiB does not fit the 40 GB one.
 _FLAGS = dict(source=TT_README, commit="1814feb17a9038e1a8053ce93111bd26774a8db6", date="2024-11-18",
               table="README 'Optimization flags'", metric="active", unit="GiB", gpu="a100-80gb",
-              model="llama-3.2-3b", seq_len=4096, batch_size=2, packed=True)
+              model="llama-3.2-3b", seq_len=4096, batch_size=2, packed=True, torchtune="llama3_2_3b")
 _FULL = dict(precision="bf16", optimizer="adamw", optimizer_impl="fused")
 _FULL_NOTE = ("Full fine-tune of Llama-3.2-3B in pure bf16 with torch.optim.AdamW, packed 2 x 4096. The "
               "implementation is not stated; fused is inferred: the '+ Activation Checkpointing' row "
@@ -82,7 +86,7 @@ _FULL_NOTE = ("Full fine-tune of Llama-3.2-3B in pure bf16 with torch.optim.Adam
 _CC = dict(kind="torchtune", chunks=8, recipe="full_finetune_single_device")
 _PLAIN = dict(kind="torchtune", chunks=0, recipe="full_finetune_single_device")
 _CC_LORA = dict(_CC, recipe="lora_finetune_single_device")
-_LORA3B = dict(lora_targets="q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", lora_alpha=128, lora_dropout=0.0,
+_LORA3B = dict(lora_targets="q_proj,v_proj,output_proj,w1,w2,w3", lora_alpha=128, lora_dropout=0.0,
                lora_dtype="bf16")
 _LORA3B_NOTE = ("3B_{k}_single_device.yaml at 1814feb17: lora_attn_modules [q_proj, v_proj, output_proj], "
                 "apply_lora_to_mlp True, rank 64, alpha 128, dropout 0.0, torch.optim.AdamW fused True; the "
@@ -129,7 +133,7 @@ ROWS += [
          note="As the row above with an 8-bit AdamW. Which one is not stated: the link is the tutorial's 'lower "
               "precision optimizers', which names torchao.prototype.low_bit_optim.AdamW8bit first and "
               "bitsandbytes.optim.PagedAdamW8bit. Paged state leaves the allocator (all 12 GiB of bf16 moments: "
-              "-44 %), and bitsandbytes' unpaged AdamW8bit steps in one kernel with no temporaries (-10.1 %); "
+              "-43.9 %), and bitsandbytes' unpaged AdamW8bit steps in one kernel with no temporaries (-9.8 %); "
               "torchao's AdamW8bit under the torch and torchao of the table's time (2.5.1, 0.6.1) holds an fp32 "
               "copy of the parameter's update beside its two fp32 moments in its compiled step (12 bytes a value; "
               "8 under torch 2.13: measured on the CPU allocator, bench/published/torchao_step.py), and the "
@@ -140,7 +144,7 @@ ROWS += [
          note=_LORA3B_NOTE.format(k="lora")),
     dict(_FLAGS, id="tt-3b-qlora", value=4.6, quote="| [QLoRA](...) | 4.6 | -45.71% | 8035 | -2.13% |",
          recipe=dict(precision="bf16", optimizer="adamw", optimizer_impl="fused", compile="layers", checkpointing="blocks",
-                     offload_activations=True, lora="qlora:64", **_LORA3B), loss=_CC_LORA,
+                     offload_activations=True, lora="qlora:64", quantize_targets=_TT_LINEARS, **_LORA3B), loss=_CC_LORA,
          note=_LORA3B_NOTE.format(k="qlora") + " NF4 (torchao) on every linear but the head: k_proj, not "
               "LoRA'd, is FrozenNF4Linear under quantize_base (torchtune/models/llama3_2/_component_builders.py "
               "lines 353-368 at 1814feb17), as memfit's qlora (quantize_targets all-linear) does; memfit's NF4 is "

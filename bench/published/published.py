@@ -27,7 +27,9 @@ median over all rows and over the rows that miss nothing. A row this tree refuse
 all (``offload_optimizer`` cannot be traced with CUDA semantics) is listed as not estimated, with
 the refusal, and left out of the medians.
 
-Written by hand (no library compares an estimator with published tables). The two loss functions
+Written by hand (no library compares an estimator with published tables). The rows run the model that
+ran: torchtune's decoder and LitGPT's GPT restated at the commits their tables name
+(``_torchtune_1814feb.py``, ``_litgpt_8641822.py``), a Hugging Face model for the others. The two loss functions
 below restate what torchtune's recipes and LitGPT's ``finetune/lora.py`` compute, because the
 Hugging Face ``model(**batch).loss`` upcasts the whole logits to fp32 and they do not; for the 2022
 Hugging Face rows, torch 1.10's softmax autograd (it saved its input) is restated the same way, and for
@@ -71,10 +73,16 @@ IGNORE = -100
 # --- the losses the sources compute ---------------------------------------------------------------
 
 def _lm_parts(model):
-    """(decoder without head, head) of a Hugging Face causal LM, through a peft wrapper."""
+    """(the decoder without its head, as batch -> hidden states; the head) of a Hugging Face causal LM or of
+    torchtune's restated decoder (``_torchtune_1814feb.py``), through a peft wrapper."""
+    from bench.published._torchtune_1814feb import TransformerDecoder
+
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    return model.base_model, model.get_output_embeddings()
+    if isinstance(model, TransformerDecoder):
+        return (lambda batch: model.hidden(batch["input_ids"], input_pos=batch["input_pos"])), model.output
+    return (lambda batch: model.base_model(input_ids=batch["input_ids"]).last_hidden_state), \
+        model.get_output_embeddings()
 
 
 def _chunk_ce(piece, y):
@@ -130,7 +138,7 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
             def head(x):
                 with torch.autograd.graph.saved_tensors_hooks(_same, _same):  # torchtune's NoOpManager
                     return lm_head(x)
-        hidden = base(input_ids=batch["input_ids"]).last_hidden_state
+        hidden = base(batch)
         labels = batch["labels"]
         labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
         if not chunks:
@@ -211,6 +219,11 @@ LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("com
 
 def _model(row):
     """What ``estimate`` gets as the model (and its batch, for heads the catalog does not build)."""
+    if "torchtune" in row:  # torchtune's own decoder, and PackedDataset's batch (tokens, labels, input_pos)
+        from bench.published import _torchtune_1814feb as torchtune_1814feb
+
+        name = row["torchtune"]
+        return (lambda: torchtune_1814feb.build(name)), torchtune_1814feb.batch(row["batch_size"], row["seq_len"])
     if "litgpt" in row:  # LitGPT's own GPT, and lora.py's batch: the longest sample, labels padded with -1
         from bench.published import _litgpt_8641822 as litgpt_8641822
 
@@ -268,7 +281,7 @@ def estimate_row(row) -> dict:
     missing = [k for k in row["recipe"] if k not in known]
     _optimizer(row, recipe, missing)
     kwargs = {}
-    if row.get("packed"):
+    if row.get("packed") and "torchtune" not in row:  # torchtune's decoder packs by its own input_pos
         if "packed" in takes:
             kwargs["packed"] = True
         else:
