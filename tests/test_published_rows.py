@@ -158,6 +158,7 @@ def test_torchtune_decoder_rotates_and_attends_as_torchtune():
     to every head: checked against an independent computation of one layer's attention."""
     model = _tt_model(tied=True)
     attn = model.layers[0].attn
+    model.rope._build(torch.device("cpu"))  # the decoder builds its RoPE table at its first forward
     x = torch.randn(1, 6, 64)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])  # two packed documents
 

@@ -15,7 +15,7 @@ differs:
 - RoPE takes the fp32 table rows at each token's ``input_pos`` (a gather per call: packed documents restart their
   positions) and rotates in fp32; the table is built at init in fp32 and stays fp32 (torchtune builds under
   ``set_default_dtype(bf16)`` and never casts the model; memfit would make a buffer in the step's dtype, so the
-  table is built at the first forward, on the step's device, and kept);
+  table is built at the decoder's first forward, on the step's device, and kept);
 - k and v are expanded to every query head and copied (``expand(...).flatten(1, 2)``) before attention;
 - one RoPE module is shared by all layers; the 3B's head is ``TiedLinear`` (``F.linear`` with the embedding).
 
@@ -78,16 +78,15 @@ class Llama3ScaledRoPE(nn.Module):  # models/llama3_1/_position_embeddings.py
         self.scaled, self.max_seq_len, self.cache = scaled, max_seq_len, None
 
     def _build(self, device) -> None:
-        """``rope_init``'s fp32 table of every position (torchtune builds it at init; here at the first forward, on
-        the step's device: memfit would make a buffer in the step's dtype, and torchtune never casts these)."""
+        """``rope_init``'s fp32 table of every position (torchtune builds it at init; here at the decoder's first
+        forward, before its layers (outside any checkpoint), on the step's device: memfit would make a buffer in the
+        step's dtype, and torchtune never casts these)."""
         theta = torch.tensor(self.scaled, dtype=torch.float32, device=device)
         seq_idx = torch.arange(self.max_seq_len, dtype=theta.dtype, device=device)
         idx_theta = torch.einsum("i, j -> ij", seq_idx, theta).float()
         self.cache = torch.stack([torch.cos(idx_theta), torch.sin(idx_theta)], dim=-1)
 
     def forward(self, x, *, input_pos=None):
-        if self.cache is None:
-            self._build(x.device)
         seq_len = x.size(1)
         rope_cache = self.cache[:seq_len] if input_pos is None else self.cache[input_pos]
         xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
@@ -160,7 +159,7 @@ class TransformerDecoder(nn.Module):  # modules/transformer.py, up to the head
                  norm_eps, rope_base, scale_factor, tied):
         super().__init__()
         head_dim = embed_dim // num_heads
-        rope = Llama3ScaledRoPE(head_dim, max_seq_len, rope_base, scale_factor)
+        self.rope = rope = Llama3ScaledRoPE(head_dim, max_seq_len, rope_base, scale_factor)  # one, shared by all layers
         self.tok_embeddings = nn.Embedding(vocab_size, embed_dim)
         self.layers = nn.ModuleList(
             TransformerSelfAttentionLayer(MultiHeadAttention(embed_dim, num_heads, num_kv_heads, head_dim, rope),
@@ -172,6 +171,8 @@ class TransformerDecoder(nn.Module):  # modules/transformer.py, up to the head
 
     def hidden(self, tokens, input_pos=None):
         """The decoder's output before its head (``TransformerDecoder.forward`` up to ``self.norm``)."""
+        if self.rope.cache is None:
+            self.rope._build(tokens.device)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos)

@@ -274,6 +274,37 @@ def _estimate_parameters():
     return inspect.signature(training).parameters
 
 
+def _loss(row, recipe: dict):
+    """The row's loss function. torchtune compiles its loss too (where the recipe keeps it), and keeps its output
+    projection out of activation offloading."""
+    spec = dict(row["loss"], compiled=recipe.get("compile") == "layers",
+                head_on_device=row["loss"]["kind"] == "torchtune" and bool(recipe.get("offload_activations")))
+    return LOSSES[spec["kind"]](spec)
+
+
+# torchtune's decoder at two small layers: a row's step run here by gpu_check --smoke (the plumbing, no GPU)
+_SMOKE_TORCHTUNE = dict(vocab_size=4096, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256,
+                        intermediate_dim=128, norm_eps=1e-5, rope_base=500_000, scale_factor=8)
+
+
+def row_step(row_id: str, smoke: bool = False):
+    """(model factory, batch function, loss function, Recipe fields) of a torchtune or LitGPT row's step as
+    ``estimate_row`` estimates it, to run that same step for real on a card (``bench/gpu/gpu_check.py``'s
+    ``published-*`` cases). ``smoke``: a torchtune row on two tiny layers."""
+    row = next(r for r in ROWS if r["id"] == row_id)
+    if "torchtune" not in row and "litgpt" not in row:
+        raise ValueError(f"{row_id} runs a catalog model: gpu_check runs those by name")
+    recipe = {k: v for k, v in row["recipe"].items() if k in {f.name for f in fields()}}
+    build, batch = _model(row)
+    if smoke and "torchtune" in row:
+        from bench.published import _torchtune_1814feb as torchtune_1814feb
+
+        tied = torchtune_1814feb.CONFIGS[row["torchtune"]]["tied"]
+        build = lambda: torchtune_1814feb.TransformerDecoder(**_SMOKE_TORCHTUNE, tied=tied)  # noqa: E731
+        batch = torchtune_1814feb.batch(2, 32, vocab=_SMOKE_TORCHTUNE["vocab_size"])
+    return build, batch, _loss(row, recipe), recipe
+
+
 def estimate_row(row) -> dict:
     known = {f.name for f in fields()}
     takes = _estimate_parameters()
@@ -287,10 +318,7 @@ def estimate_row(row) -> dict:
         else:
             missing.append("packed")
     if "loss" in row:
-        # torchtune compiles its loss too, and keeps its output projection out of activation offloading
-        spec = dict(row["loss"], compiled=recipe.get("compile") == "layers",
-                    head_on_device=row["loss"]["kind"] == "torchtune" and bool(recipe.get("offload_activations")))
-        kwargs["loss_fn"] = LOSSES[spec["kind"]](spec)
+        kwargs["loss_fn"] = _loss(row, recipe)
     model, batch = _model(row)
     if row.get("softmax_keeps_input"):  # the 2022 stack's softmax (above) while this row is estimated
         from unittest import mock
