@@ -442,9 +442,8 @@ def _commit() -> str:
         return "unknown"
 
 
-#: a row not diagnosed -> the other readings of its source, each (label, Recipe fields changed): run by
-#: ``--variants`` to show which reading none of them is (README, "Why rows miss")
-# each: (label, recipe fields changed, row keys changed)
+#: a row whose source leaves its run open -> the other readings of it, each (label, Recipe fields changed, row keys
+#: changed): run by ``--variants`` to show what each reading gives (docs/results.md, "Why rows miss")
 VARIANTS = {"tt-3b-adamw8bit": [
     ("torchao AdamW8bit, today's step (torch 2.13)", {}, {"torchao_step": None}),
     ("bitsandbytes AdamW8bit (unpaged)", {"optimizer": "adamw8bit"}, {"torchao_step": None}),
