@@ -141,9 +141,9 @@ def test_a_replayed_torchao_step_adds_the_measured_update_buffer():
     assert then.phase_peaks["optimizer"] - today.phase_peaks["optimizer"] == 4 * 256 * 512
 
 
-# torchtune's decoder restated (bench/published/_torchtune_1814feb.py), two layers, small enough for the allocator
-_TT_TINY = dict(vocab_size=4096, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256,
-                intermediate_dim=128, norm_eps=1e-5, rope_base=500_000, scale_factor=8)
+# torchtune's decoder restated (bench/published/_torchtune_1814feb.py), two layers, small enough for the allocator:
+# the one gpu_check --smoke runs
+_TT_TINY = published._SMOKE_TORCHTUNE
 
 
 def _tt_model(tied: bool):

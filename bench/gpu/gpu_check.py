@@ -13,7 +13,8 @@ fused and foreach AdamW, LoRA, a mixture of experts, a convolutional net), a who
 ``torch.compile``, FSDP2 at world size 1 over NCCL under ``torchrun`` with and without
 ``CPUOffloadPolicy``, DeepSpeed's ZeRO-2 and ZeRO-3 the same way (with ``memfit[deepspeed]`` installed), two generate runs, a profiled user loop with a leak (``memfit.profile``'s peak
 against the allocator's) and a real out-of-memory error under ``set_per_process_memory_fraction``
-(the estimate's verdict against it). Without a GPU the script says so and exits 0.
+(the estimate's verdict against it), and two published torchtune rows' own steps (``published-*``: the row's
+restated model, loss and recipe from ``bench/published/published.py``). Without a GPU the script says so and exits 0.
 
 ``--traces`` also writes each named case's allocator trace (``torch.cuda.memory._record_memory_history``:
 action, size, stream) to ``DIR/trace-CASE.json.gz``, to find where an estimate and the GPU part, and for

@@ -8,9 +8,9 @@ torchtune's table (1814feb17, November 2024) ran torch 2.5 and torchao 0.6.1, wh
 bf16 parameter on torch 2.13 (its fp32 state ``lerp``s the bf16 gradient, which 2.13's dtype check refuses), so
 memfit, which traces with the torch it runs on, cannot see that stack's step. This runs the real compiled step
 (Inductor, C++ on the CPU) on one bf16 parameter of 4096 x 3072 values, three steps, and records the allocator's
-signed allocations of the last one in bytes per parameter value (the profiler's kineto event tree, as
-``memfit.accounting.allocator_events`` reads it: restated here because memfit itself need not import on an old
-torch). Measured so far (``bench/results/torchao-step-cpu.json``):
+signed allocations of the last one in bytes per parameter value (the profiler's kineto event tree, read by
+``memfit.accounting.allocator_events``, loaded from its file: memfit itself need not import on an old torch).
+Measured so far (``bench/results/torchao-step-cpu.json``):
 
 - torch 2.13 + torchao 0.18, and torchao 0.6.1's own step on torch 2.13 (fp32): two fp32 moments, 8 B/value at
   the peak: what ``memfit/techniques/_lowbit.py`` models.
@@ -44,21 +44,16 @@ from bench import _results  # noqa: E402  (standard library only: imports on any
 ROWS, COLS, STEPS = 4096, 3072, 3
 
 
-def _allocations(prof) -> list[int]:
-    """Signed sizes of every allocation (+) and free (-) the profiler recorded, in time order."""
-    from torch._C._profiler import _EventType
+def _allocator_events():
+    """``memfit.accounting.allocator_events`` loaded from its file alone: importing the package would import all of
+    memfit, which need not run on an old torch; that module needs only torch's profiler."""
+    import importlib.util
 
-    found = []
-
-    def walk(node):
-        if node.tag == _EventType.Allocation:
-            found.append((node.start_time_ns, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    for event in prof.profiler.kineto_results.experimental_event_tree():
-        walk(event)
-    return [size for _, size in sorted(found, key=lambda item: item[0])]
+    path = os.path.join(ROOT, "src", "memfit", "accounting", "allocator_events.py")
+    spec = importlib.util.spec_from_file_location("memfit_allocator_events", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def measure(dtype_name: str = "bfloat16") -> dict:
@@ -81,11 +76,10 @@ def measure(dtype_name: str = "bfloat16") -> dict:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             optimizer.step()
         param.grad = None
-    sizes = [size for size in _allocations(prof) if abs(size) >= 1024]  # the step's tensors, not its scalars
-    running = peak = 0
-    for size in sizes:
-        running += size
-        peak = max(peak, running)
+    events = _allocator_events()
+    sizes = [size for size in events.allocation_sizes(*prof.profiler.kineto_results.experimental_event_tree())
+             if abs(size) >= 1024]  # the step's tensors, not its scalars
+    peak, _ = events.span(sizes)
     values = ROWS * COLS
     return {"stack": f"torch {torch.__version__.split('+')[0]}, torchao {torchao.__version__}",
             "torch": torch.__version__, "torchao": torchao.__version__, "dtype": dtype_name, "values": values,
