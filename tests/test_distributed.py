@@ -59,6 +59,9 @@ TRUTHS = [  # (config, recipe): every case a 2-rank truth, run in the session's 
     ("tiny", {"parallel": "ddp", "micro_batch_size": 1, "grad_accum_steps": 2}),
     ("uneven", {"parallel": "fsdp", "reshard_after_forward": "false"}),
     ("tiny", {"parallel": "fsdp", "offload": "cpu-unpinned"}),
+    # torchtune's custom_sharded_layers: the untied embedding and head each a unit of their own, under offload
+    ("uneven", {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head", "offload": "cpu-unpinned",
+                "checkpointing": "blocks"}),
 ]
 
 
@@ -73,7 +76,8 @@ def truths(tmp_path_factory):
     return _truths.results(tmp_path_factory, "distributed")
 
 
-@pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["fsdp", "ddp-accumulation", "uneven-zero2", "offload"])
+@pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["fsdp", "ddp-accumulation", "uneven-zero2", "offload",
+                                                       "shard-modules-offload"])
 def test_every_rank_matches_torchrun(configs, truths, case):
     name, recipe = TRUTHS[case]
     report = _estimate(configs[name], recipe)
@@ -85,6 +89,9 @@ def test_every_rank_matches_torchrun(configs, truths, case):
     if recipe.get("offload"):  # the host side: the real optimizer step's peak less buffers and batch
         true_host = truths[0]["phase_peaks"]["optimizer:1"] - truths[0]["buffers_and_batch"]
         assert abs(report.host_bytes - true_host) <= 0.02 * true_host, (report.host_bytes, true_host)
+    if recipe.get("shard_modules"):  # the embedding and head no longer held gathered with the root
+        whole = {k: v for k, v in recipe.items() if k != "shard_modules"}
+        assert report.peak_bytes < _estimate(configs[name], whole).peak_bytes
     if name == "uneven":  # the last rank's shards are smaller: traced, and the truth agrees they differ
         assert sorted(estimated) == [0, 1] and estimated[1] < estimated[0]
         assert truths[1]["peak_bytes"] < truths[0]["peak_bytes"]
@@ -206,6 +213,10 @@ def test_zero2_holds_more_than_zero3(configs):
     ({"recipe": {}, "batch": 4}, "parallel=ddp or parallel=fsdp"),
     ({"recipe": {"parallel": "ddp"}, "batch": 4, "fast": True}, "fast=True and parallel=ddp conflict"),
     ({"recipe": {"parallel": "fsdp", "reshard_after_forward": "3"}, "batch": 4}, "does not divide the 2 GPUs"),
+    ({"recipe": {"parallel": "fsdp", "shard_modules": "tok_embeddings"}, "batch": 4},
+     "'tok_embeddings', which this model does not have: .*the top ones: model, lm_head\\)"),
+    ({"recipe": {"parallel": "fsdp", "shard_modules": "embed_tokens"}, "batch": 4},
+     "model.embed_tokens shares a weight with another module"),
 ])
 def test_bad_input_is_one_line(configs, kwargs, words):
     with pytest.raises(MemfitError, match=words) as err:
@@ -221,6 +232,8 @@ def test_bad_input_is_one_line(configs, kwargs, words):
     ({"parallel": "ddp", "reshard_after_forward": "false"}, "FSDP2's"),
     ({"parallel": "fsdp", "reshard_after_forward": "maybe"}, "not understood"),
     ({"parallel": "ddp", "shard_over": "world"}, "shard_over is FSDP2's mesh"),
+    ({"shard_modules": "lm_head"}, "shard_modules are FSDP2's units; set parallel=fsdp"),
+    ({"parallel": "fsdp", "shard_modules": "lm_head;embed"}, "give module names separated by commas"),
     ({"offload": "cpu"}, "set parallel=fsdp"),
     ({"parallel": "fsdp", "offload": "cpu", "optimizer": "adamw8bit"}, "run on a GPU only; use adamw"),
     ({"parallel": "fsdp", "mixed_precision": "fp32:bf16"}, "not understood"),

@@ -67,6 +67,10 @@ CASES = [
     ("fsdp-offload", TINY, 2, {"parallel": "fsdp", "offload": "cpu-unpinned"}, 4, 1),
     ("fsdp-offload-1", TINY, 1, {"parallel": "fsdp", "offload": "cpu-unpinned"}, 2, 1),
     ("fsdp-uneven", UNEVEN, 2, {"parallel": "fsdp"}, 4, 1),
+    # torchtune's custom_sharded_layers: the untied embedding and head units of their own (its 70B full fine-tune)
+    ("fsdp-shard-modules", UNEVEN, 2, {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head"}, 4, 1),
+    ("fsdp-shard-modules-offload-checkpointing", UNEVEN, 4, {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head",
+                                                            "offload": "cpu-unpinned", "checkpointing": "blocks"}, 4, 1),
     ("fsdp-bert-tied", BERT, 2, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-4", TINY, 4, {"parallel": "fsdp"}, 4, 1),
     ("fsdp-uneven-4", UNEVEN, 4, {"parallel": "fsdp"}, 4, 1),

@@ -70,6 +70,8 @@ FLAGS = (
      'fsdp over several nodes: node shards within a node and replicates between (HSDP, the default); world shards over every rank (less memory, all-gathers cross the network)'),
     ('construction', 'str', ('meta', 'host', 'device'),
      "fsdp: how the model was built before sharding: meta (torchtitan: never whole), host (whole in each rank's host RAM, then sharded) or device (whole on the GPU, then sharded: its peak counts)"),
+    ('shard_modules', 'str', (),
+     "fsdp: modules wrapped as FSDP2 units of their own besides the blocks, by name (torchtune's custom_sharded_layers: tok_embeddings,output): gathered only while they run, not kept with the root"),
     ('tp', 'int', (),
      "tensor parallel degree: the model's own plan (colwise / rowwise linears) over N GPUs of a node, each holding 1/N of those weights and their heads' activations; the other GPUs are data parallel (parallel=fsdp shards over them)"),
     ('sequence_parallel', 'bool', (),
@@ -151,6 +153,8 @@ CLI = {
     "sync_grads": ("parallel", "with accumulation: reduce grads on the last micro-batch (default) | every one"),
     "offload": ("parallel", "fsdp: none (default) | cpu | cpu-unpinned: shards and step on the host; "
                             "slower, host RAM"),
+    "shard_modules": ("parallel", "fsdp: modules made units of their own, e.g. tok_embeddings,output "
+                                  "(default: blocks only)"),
     "shard_over": ("parallel", "fsdp on nodes: node (default, HSDP) | world (less memory, all-gathers "
                                "cross the network)"),
     "construction": ("parallel", "fsdp: model built on meta (default) | host | device (whole on the GPU "

@@ -2,7 +2,8 @@
 on fake tensors over a fake world.
 
 ``reshard_value`` and ``mixed_dtypes`` read the recipe's ``reshard_after_forward`` and ``mixed_precision`` as FSDP2
-takes them; ``shard`` wraps every repeated block, then the root, as torchtitan and torchtune wrap (``_units``: the
+takes them; ``shard`` wraps the modules ``shard_modules`` names (torchtune's ``custom_sharded_layers``, torchtitan's
+embedding and head), then every repeated block, then the root, as torchtune's ``shard_model`` wraps (``_units``: the
 blocks wrapped on their own), with FSDP2's ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``. Two of FSDP2's
 internals are patched while it shards, and only then: the smaller mesh of a partial reshard is made with the fake
 mode lifted (``_mesh_outside_fake``), and a parameter's per-rank chunks are made when read (``_lazy_chunks``: a fake
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections import Counter
 
 from memfit.errors import MemfitError, shown
 from memfit.techniques.expert_parallel import shard_experts
 
-__all__ = ["reshard_value", "mixed_dtypes", "shard"]
+__all__ = ["reshard_value", "mixed_dtypes", "module_names", "shard"]
 
 _DTYPES = ("bf16", "fp16", "fp32")
 
@@ -44,6 +46,16 @@ def mixed_dtypes(value) -> tuple | None:
         return parts[0], parts[-1]
     raise MemfitError(f"mixed_precision {shown(value)} not understood: use none, bf16, bf16:fp32 (compute "
                       "dtype[:reduce dtype]), fp16 or fp16:fp32")
+
+
+def module_names(value) -> tuple[str, ...]:
+    """``shard_modules`` as names: a module's name or a dotted tail of it (``output``, ``model.embed_tokens``)."""
+    names = tuple(n.strip() for n in str(value).split(",") if n.strip())
+    bad = next((n for n in names if not re.fullmatch(r"[A-Za-z_0-9]+(\.[A-Za-z_0-9]+)*", n)), None)
+    if bad is not None:
+        raise MemfitError(f"shard_modules {shown(value)} not understood: give module names separated by commas, "
+                          "e.g. tok_embeddings,output (as model.named_modules() names them)")
+    return names
 
 
 def shard(build, place) -> None:
@@ -85,6 +97,8 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     stages = getattr(build.model, "stages", None)
     for root in (list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]):
         blocks = _units(root, find_blocks(root))
+        for _, module in _named(root, build.recipe.shard_modules, blocks):  # the modules named, bottom-up first
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
         for experts in getattr(build, "experts", ()):  # expert parallel: each MoE layer's experts on their own
             shard_experts(experts, build, reshard, policy, offload)
         for _, block in blocks:
@@ -95,12 +109,32 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
                     offload_policy=offload)
 
 
+def _named(root, value, blocks) -> list:
+    """The modules of ``root`` that ``shard_modules`` names, each wrapped on its own before the blocks (innermost
+    first, as torchtune's ``shard_model`` walks ``reversed(named_modules())``); a block named is already one."""
+    names = module_names(value)
+    if not names:
+        return []
+    found = [(path, module) for path, module in root.named_modules()
+             if path and any(path == n or path.endswith("." + n) for n in names)]
+    missing = [n for n in names if not any(p == n or p.endswith("." + n) for p, _ in found)]
+    if missing:
+        top = ", ".join(name for name, _ in root.named_children())
+        raise MemfitError(f"shard_modules names {missing[0]!r}, which this model does not have: name its modules "
+                          f"as named_modules() does (the top ones: {top})")
+    seen = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
+    tied = next((path for path, module in found if any(seen[id(p)] > 1 for p in module.parameters())), None)
+    if tied is not None:
+        raise MemfitError(f"shard_modules: {tied} shares a weight with another module (tied embeddings); a tied "
+                          "weight stays in one FSDP2 unit: leave it out of shard_modules")
+    units = {id(block) for _, block in blocks}
+    return [(path, module) for path, module in reversed(found) if id(module) not in units]
+
+
 def _units(model, blocks) -> list:
     """The blocks FSDP2 wraps on their own: the repeated ones (a model's ``_no_split_modules`` may name
     one-off modules, BERT's embeddings), less any holding a parameter tied to another module (a tied
     weight must be in one FSDP group: it stays with the root)."""
-    from collections import Counter
-
     kinds = Counter(type(block) for _, block in blocks)
     seen = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return [(name, block) for name, block in blocks if kinds[type(block)] > 1

@@ -1,7 +1,8 @@
 """Data parallelism: PyTorch's FSDP2 (``fully_shard``) or DDP over the ranks of a ``World``.
 
 ``parallel=fsdp`` shards every repeated block with ``fully_shard``, then the root, as torchtitan
-and torchtune wrap. Each rank keeps 1/N of the parameters, their gradients and the optimizer state;
+and torchtune wrap; ``shard_modules`` names modules made units of their own first (torchtune's
+``custom_sharded_layers``: the embedding and head then gathered only while they run, not kept with the root). Each rank keeps 1/N of the parameters, their gradients and the optimizer state;
 a unit's full parameters exist only between its all-gather and its reshard. Memory per rank: the
 shards, plus the unsharded parameters of the running unit (and the one prefetched), plus the
 unsharded gradients of a unit until its reduce-scatter. ``reshard_after_forward``: ``true`` frees a
@@ -57,7 +58,7 @@ from memfit.techniques.context_parallel import ROTATE, check_cp, context_paralle
 from memfit.techniques.ddp import replicate
 from memfit.techniques.zero_config import STAGES
 from memfit.techniques.expert_parallel import check_ep, ep_conflict, expert_parallel
-from memfit.techniques.fsdp import mixed_dtypes, reshard_value, shard
+from memfit.techniques.fsdp import mixed_dtypes, module_names, reshard_value, shard
 from memfit.techniques.fsdp_step import fsdp_roles, host_records
 from memfit.techniques.tensor_parallel import check_tp, tensor_parallel, tp_conflict
 from memfit.techniques.pipeline_parallel import SCHEDULES, check_pp, pipeline, pipeline_conflict
@@ -77,6 +78,10 @@ def _check_reshard(value) -> None:
 
 def _check_mixed(value) -> None:
     mixed_dtypes(value)
+
+
+def _check_modules(value) -> None:
+    module_names(value)
 
 
 _INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
@@ -124,6 +129,10 @@ def _conflicts(recipe):
     if recipe.parallel != "fsdp" and recipe.construction != "meta":
         yield (f"construction={recipe.construction} and parallel={recipe.parallel} conflict: construction says how "
                "FSDP2 shards a model; set parallel=fsdp")
+        return
+    if recipe.parallel != "fsdp" and recipe.shard_modules:
+        yield (f"shard_modules={recipe.shard_modules} and parallel={recipe.parallel} conflict: shard_modules are "
+               "FSDP2's units; set parallel=fsdp")
         return
     if recipe.parallel != "fsdp" and recipe.shard_over != "node":
         yield (f"shard_over={recipe.shard_over} and parallel={recipe.parallel} conflict: shard_over is FSDP2's mesh; "
@@ -222,6 +231,9 @@ TECHNIQUE = Technique(
             Field("offload", "none", "fsdp: FSDP2 CPUOffloadPolicy: shards, their gradients and the optimizer step on the "
                   "host (cpu: pinned, FSDP2's default; cpu-unpinned); host RAM and the host link pay", slot=124,
                   choices=OFFLOAD),
+            Field("shard_modules", "", "fsdp: modules wrapped as FSDP2 units of their own besides the blocks, by name "
+                  "(torchtune's custom_sharded_layers: tok_embeddings,output): gathered only while they run, not "
+                  "kept with the root", slot=126, check=_check_modules),
             Field("shard_over", "node", "fsdp over several nodes: node shards within a node and replicates "
                   "between (HSDP, the default); world shards over every rank (less memory, all-gathers cross the "
                   "network)", slot=125, choices=("node", "world")),
