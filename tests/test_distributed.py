@@ -62,6 +62,8 @@ TRUTHS = [  # (config, recipe): every case a 2-rank truth, run in the session's 
     # torchtune's custom_sharded_layers: the untied embedding and head each a unit of their own, under offload
     ("uneven", {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head", "offload": "cpu-unpinned",
                 "checkpointing": "blocks"}),
+    # each block compiled by Inductor (for real in the truth, planned on fake tensors in the estimate), then sharded
+    ("tiny", {"parallel": "fsdp", "compile": "layers", "checkpointing": "blocks", "precision": "bf16"}),
 ]
 
 
@@ -77,7 +79,7 @@ def truths(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["fsdp", "ddp-accumulation", "uneven-zero2", "offload",
-                                                       "shard-modules-offload"])
+                                                       "shard-modules-offload", "compile-layers"])
 def test_every_rank_matches_torchrun(configs, truths, case):
     name, recipe = TRUTHS[case]
     report = _estimate(configs[name], recipe)
@@ -89,6 +91,9 @@ def test_every_rank_matches_torchrun(configs, truths, case):
     if recipe.get("offload"):  # the host side: the real optimizer step's peak less buffers and batch
         true_host = truths[0]["phase_peaks"]["optimizer:1"] - truths[0]["buffers_and_batch"]
         assert abs(report.host_bytes - true_host) <= 0.02 * true_host, (report.host_bytes, true_host)
+    if recipe.get("compile"):  # the compiled blocks save other tensors than the eager ones: the pair is not a no-op
+        eager = {k: v for k, v in recipe.items() if k != "compile"}
+        assert report.peak_bytes != _estimate(configs[name], eager).peak_bytes
     if recipe.get("shard_modules"):  # the embedding and head no longer held gathered with the root
         whole = {k: v for k, v in recipe.items() if k != "shard_modules"}
         assert report.peak_bytes < _estimate(configs[name], whole).peak_bytes
@@ -226,6 +231,7 @@ def test_bad_input_is_one_line(configs, kwargs, words):
 
 @pytest.mark.parametrize("recipe, words", [
     ({"parallel": "fsdp", "chunked_loss": 4}, "parallel=fsdp and chunked_loss=4 conflict"),
+    ({"parallel": "fsdp", "compile": True}, "parallel=fsdp and compile=True conflict"),
     ({"parallel": "fsdp", "lora": "qlora", "precision": "bf16-mixed"}, "parallel=fsdp and lora=qlora conflict"),
     ({"parallel": "fsdp", "mixed_precision": "bf16", "precision": "fp16-mixed"}, "keep precision=fp32"),
     ({"mixed_precision": "bf16"}, "needs parallel=fsdp"),

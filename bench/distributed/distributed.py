@@ -5,7 +5,7 @@ rank's peak from its own CPU allocator events) and is estimated by ``memfit.esti
 under PyTorch's fake process group. Prints one row per case and rank and writes
 ``bench/results/distributed-cpu.json``.
 
-    python -m bench distributed [--only NAME ...]          # --only writes nothing unless --out is given
+    python -m bench distributed [--only NAME ...]          # --only: those cases' rows replaced, the others kept
     python -m bench distributed --only tp-2 ... --out distributed-tp-cpu.json   # a bare name: in bench/results/
 """
 
@@ -69,6 +69,11 @@ CASES = [
     ("fsdp-uneven", UNEVEN, 2, {"parallel": "fsdp"}, 4, 1),
     # torchtune's custom_sharded_layers: the untied embedding and head units of their own (its 70B full fine-tune)
     ("fsdp-shard-modules", UNEVEN, 2, {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head"}, 4, 1),
+    # compile=layers: each block compiled by Inductor (really, in the truth), then FSDP2-sharded
+    ("fsdp-compile-layers", DEEP, 2, {"parallel": "fsdp", "compile": "layers", "precision": "bf16-mixed"}, 4, 1),
+    ("fsdp-compile-layers-checkpointing-lora-shard-modules", UNEVEN, 2,
+     {"parallel": "fsdp", "compile": "layers", "checkpointing": "blocks", "precision": "bf16", "lora": "lora:8",
+      "shard_modules": "embed_tokens,lm_head"}, 4, 1),
     ("fsdp-shard-modules-offload-checkpointing", UNEVEN, 4, {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head",
                                                             "offload": "cpu-unpinned", "checkpointing": "blocks"}, 4, 1),
     ("fsdp-bert-tied", BERT, 2, {"parallel": "fsdp"}, 4, 1),
@@ -199,8 +204,8 @@ def run_case(name, config, ranks, recipe, batch, nodes, folder) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="case names to run")
-    parser.add_argument("--out", default=None, help="default bench/results/distributed-cpu.json (a full run only)")
+    parser.add_argument("--only", nargs="*", help="case names to run (their rows replaced in the results file)")
+    parser.add_argument("--out", default=None, help="default bench/results/distributed-cpu.json")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -208,11 +213,14 @@ def main(argv=None) -> int:
             if args.only and name not in args.only:
                 continue
             rows.extend(run_case(name, config, ranks, recipe, batch, nodes, folder))
+    out = args.out or RESULTS[0]
+    if args.only and _results.path(out).exists():  # the other cases' rows kept, in CASES' order
+        ran, order = {r["case"] for r in rows}, {case[0]: i for i, case in enumerate(CASES)}
+        kept = [r for r in _results.read(out)["rows"] if r["case"] not in ran and r["case"] in order]
+        rows = sorted(kept + rows, key=lambda r: (order[r["case"]], r["rank"]))
     worst = max(abs(r["error"]) for r in rows if r["error"] is not None)
     print(f"{len(rows)} rank(s) of {len({r['case'] for r in rows})} case(s): worst |error| {100 * worst:.3f}%")
-    if not args.only or args.out:
-        _results.write(args.out or RESULTS[0], rows, {"worst_abs_error": worst},
-                       device=f"{_results.device_name()}, gloo", seq_len=SEQ)
+    _results.write(out, rows, {"worst_abs_error": worst}, device=f"{_results.device_name()}, gloo", seq_len=SEQ)
     return 0
 
 
