@@ -188,3 +188,14 @@ def test_torchtune_decoder_estimate_matches_the_allocator(chunks, tied):
     recipe = Recipe(precision="bf16", checkpointing="blocks", optimizer_in_backward=True)
     report = memfit.estimate(lambda: _tt_model(tied), batch(), loss_fn=loss, recipe=recipe)
     assert report.peak_bytes == true_peak(lambda: _tt_model(tied), batch(), loss_fn=loss, recipe=recipe)
+
+
+@pytest.mark.parametrize("chunks", [0, 4])
+def test_the_sharded_rows_loss_runs_the_decoders_forward(chunks):
+    """The FSDP2 rows' loss takes the head's chunks from the decoder's forward (where the root unit's all-gather
+    hook runs): the same value as the loss that applies the head itself."""
+    from bench.published import _torchtune_1814feb as torchtune_1814feb
+
+    model, batch = _tt_model(tied=False), torchtune_1814feb.batch(2, 32, vocab=4096)()
+    expected = published.torchtune_loss(chunks)(model, batch)
+    torch.testing.assert_close(published.torchtune_loss(chunks, sharded=True)(model, batch), expected)

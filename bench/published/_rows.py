@@ -70,6 +70,34 @@ ROWS = [
               "memfit's qlora is bitsandbytes NF4 double-quantised on the same layers; fused AdamW."),
 ]
 
+# The same table's 70B rows: 8 x A100 under FSDP2, torchtune's full_finetune_distributed and
+# lora_finetune_distributed at 30b8519e8. training.shard_model wraps each ``layers.i``, then the root
+# (reshard_after_forward True); 70B_full.yaml adds custom_sharded_layers [tok_embeddings, output] (units of their own:
+# memfit's shard_modules) and fsdp_cpu_offload True (CPUOffloadPolicy: shards, gradients and the fused AdamW step
+# on the host, "** Uses CPU offload with fused optimizer"); 70B_lora.yaml LoRA on q, k, v (rank 16, alpha 32), fused
+# AdamW, no offload. Both: bf16, activation checkpointing, CEWithChunkedOutputLoss (its compute_cross_entropy compiled
+# in place by compile_loss); batch_size 2 is each rank's. The table's "torch compile enabled": compile_model compiles
+# each layer before shard_model wraps it (compile="layers", as the 8B rows).
+_TT_70 = dict(_TT_31, gpu="a100-80gb", model="llama-3.1-70b", torchtune="llama3_1_70b", gpus=8)
+ROWS += [
+    dict(_TT_70, id="tt-70b-full-8xa100", value=13.9,
+         quote="| Llama 3.1 70B | Full finetune | 8x A100  | 13.9 GiB ** | 1568  |",
+         recipe=dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused",
+                     parallel="fsdp", offload="cpu", shard_modules="tok_embeddings,output", compile="layers"),
+         loss=dict(kind="torchtune", chunks=8, recipe="full_finetune_distributed"),
+         note="70B_full.yaml: torch.optim.AdamW fused, fsdp_cpu_offload True, custom_sharded_layers "
+              "[tok_embeddings, output], activation checkpointing, CEWithChunkedOutputLoss, bf16; 8 ranks."),
+    dict(_TT_70, id="tt-70b-lora-8xa100", value=27.6,
+         quote="| Llama 3.1 70B | LoRA | 8x A100 | 27.6 GiB  | 3497  |",
+         recipe=dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused",
+                     lora_dtype="bf16", parallel="fsdp", lora="lora:16", lora_targets="q_proj,k_proj,v_proj",
+                     lora_alpha=32, lora_dropout=0.0, compile="layers"),
+         loss=dict(kind="torchtune", chunks=8, recipe="lora_finetune_distributed"),
+         note="70B_lora.yaml: lora_attn_modules [q_proj, k_proj, v_proj], no MLP/output LoRA, rank 16, alpha 32; "
+              "torch.optim.AdamW fused; activation checkpointing; chunked CE; bf16; the layers FSDP2 units, the "
+              "embedding, head and norm in the root's (gathered from forward to backward); 8 ranks."),
+]
+
 # --- torchtune README, "Optimization flags" (since 1814feb17, 2024-11-18). "Baseline uses
 # Recipe=full_finetune_single_device, Model=Llama 3.2 3B, Batch size=2, Max sequence length=4096,
 # Precision=bf16, Hardware=A100"; "Each technique is added on top of the previous one, except for LoRA
@@ -340,12 +368,9 @@ EXCLUDED = [
                 "(37.4 GiB cannot be the 4090 recipe on a bigger card)."),
     dict(id="tt-8b-lora-a6000", source=TT_README, quote="| Llama 3.1 8B | LoRA | 1x A6000 | 30.3 GiB  | 4699 |",
          reason="as above: settings beyond the shared note not published."),
-    dict(id="tt-70b-full-8xa100", source=TT_README, quote="| Llama 3.1 70B | Full finetune | 8x A100  | 13.9 GiB ** | 1568  |",
-         reason="8-GPU FSDP with CPU offload: memfit has no sharded estimate."),
-    dict(id="tt-70b-lora-8xa100", source=TT_README, quote="| Llama 3.1 70B | LoRA | 8x A100 | 27.6 GiB  | 3497  |",
-         reason="8-GPU FSDP: memfit has no sharded estimate."),
     dict(id="tt-405b-qlora-8xa100", source=TT_README, quote="| Llama 3.1 405B | QLoRA | 8x A100 | 44.8 GB  | 653  |",
-         reason="8-GPU FSDP: memfit has no sharded estimate."),
+         reason="QLoRA (torchao NF4) under 8-GPU FSDP2: memfit does not combine qlora with parallel=fsdp yet (the "
+                "pair has no truth run)."),
     dict(id="tt-3b-baseline", source=TT_README, quote="| Baseline | 25.5 | - | 2091 | - |",
          reason="unpacked alpaca batches: the peak batch's length is not published."),
     dict(id="ao-llama2-7b-x4", source=AO_README,
@@ -357,5 +382,6 @@ EXCLUDED = [
          quote="LoRA 13.98 GB 15.57 GB / QLoRA 9.13 GB 9.29 GB",
          reason="unpacked alpaca: the peak batch's length is not published."),
     dict(id="lit-multi-gpu", source=LITGPT, quote="Finetuning with LoRA on Multiple GPUs",
-         reason="FSDP over 2-4 GPUs: memfit has no sharded estimate."),
+         reason="Lightning Fabric's FSDPStrategy at 8641822 is FSDP1 (flat parameters per wrapped block): memfit "
+                "models FSDP2 (fully_shard), whose per-parameter shards allocate differently."),
 ]

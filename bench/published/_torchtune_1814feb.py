@@ -1,4 +1,4 @@
-"""torchtune's Llama 3.2 3B and Llama 3.1 8B decoders as its README tables ran them, restated for
+"""torchtune's Llama 3.2 3B and Llama 3.1 8B and 70B decoders as its README tables ran them, restated for
 ``bench/published/published.py``, which estimates torchtune's own model rather than a Hugging Face stand-in.
 
 From pytorch/torchtune at 1814feb17 (BSD-3-Clause, the "Optimization flags" table's commit):
@@ -44,6 +44,9 @@ CONFIGS = {
     "llama3_1_8b": dict(vocab_size=128_256, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
                         max_seq_len=131_072, intermediate_dim=14_336, norm_eps=1e-5, rope_base=500_000,
                         scale_factor=8, tied=False),
+    "llama3_1_70b": dict(vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192,
+                         max_seq_len=131_072, intermediate_dim=28_672, norm_eps=1e-5, rope_base=500_000,
+                         scale_factor=8, tied=False),
 }
 
 
@@ -177,6 +180,15 @@ class TransformerDecoder(nn.Module):  # modules/transformer.py, up to the head
         for layer in self.layers:
             h = layer(h, input_pos=input_pos)
         return self.norm(h)
+
+    def forward(self, tokens, *, input_pos=None, chunks: int = 0):
+        """``TransformerDecoder.forward``: the head's output per sequence chunk (``chunked_output``, a list, when
+        the chunked loss set ``num_output_chunks``) or the whole logits upcast to fp32. A sharded (FSDP2) decoder
+        runs through here: the root unit's all-gather is a hook on its forward."""
+        h = self.hidden(tokens, input_pos=input_pos)
+        if chunks:
+            return [self.output(chunk) for chunk in h.chunk(chunks, dim=1)]
+        return self.output(h).float()
 
 
 def build(name: str) -> TransformerDecoder:

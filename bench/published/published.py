@@ -34,7 +34,9 @@ below restate what torchtune's recipes and LitGPT's ``finetune/lora.py`` compute
 Hugging Face ``model(**batch).loss`` upcasts the whole logits to fp32 and they do not; for the 2022
 Hugging Face rows, torch 1.10's softmax autograd (it saved its input) is restated the same way, and for
 torchtune's 8-bit AdamW row the compiled torchao step as torch 2.5.1 and torchao 0.6.1 ran it (measured on
-the CPU allocator under those versions: ``torchao_step.py``).
+the CPU allocator under those versions: ``torchao_step.py``). A multi-GPU row (``gpus``) is one rank's step under
+FSDP2 on PyTorch's fake process group, its ``batch_size`` each rank's; its loss takes the head's output from the
+decoder's forward, where the root unit's all-gather hook runs.
 """
 
 from __future__ import annotations
@@ -106,11 +108,13 @@ def _same(tensor):
 # recipes/full_finetune_single_device.py line 292 calls ``training.compile_loss(self._loss_fn)`` without
 # assigning it: with ``compile=True`` its plain ``nn.CrossEntropyLoss`` runs eager (still so on torchtune's main).
 # lora_finetune_single_device.py line 296 assigns it.
-KEEPS_COMPILED_LOSS = {"full_finetune_single_device": False, "lora_finetune_single_device": True}
+# The distributed recipes at 30b8519e8 (the 70B rows) drop it too (their lines 234 and 250); they run the chunked loss.
+KEEPS_COMPILED_LOSS = {"full_finetune_single_device": False, "lora_finetune_single_device": True,
+                       "full_finetune_distributed": False, "lora_finetune_distributed": False}
 
 
 def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = False,
-                   recipe: str = "lora_finetune_single_device"):
+                   recipe: str = "lora_finetune_single_device", sharded: bool = False):
     """torchtune's recipe loss: labels shifted by one with an ignored last position. ``chunks`` 0:
     ``nn.CrossEntropyLoss`` on the logits, which ``TransformerDecoder.forward`` upcast to fp32
     (``self.output(h).float()``, torchtune/modules/transformer.py at 1814feb17; the recipe then drops
@@ -122,7 +126,9 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
     or the whole ``nn.CrossEntropyLoss`` where ``recipe`` keeps it (``KEEPS_COMPILED_LOSS``). ``head_on_device`` (the recipe offloads activations): the
     output projection runs under identity saved-tensor hooks, torchtune's ``NoOpManager``, which
     ``get_act_offloading_ctx_manager`` registers around ``model.output`` so the head's saved tensors
-    are not offloaded (torchtune/training/_activation_offloading.py, 1814feb17, lines 397-419)."""
+    are not offloaded (torchtune/training/_activation_offloading.py, 1814feb17, lines 397-419). ``sharded``
+    (FSDP2): the head's chunks come from the decoder's own forward, as torchtune's do (``chunked_output``), so
+    that the root unit's all-gather (a forward hook) runs before the head."""
     chunk_ce, plain_ce = _chunk_ce, _plain_ce
     if compiled:
         from memfit.techniques.compile import compiled as compile_piece
@@ -132,6 +138,8 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
             plain_ce = compile_piece(_plain_ce)
 
     def loss_fn(model, batch):
+        if sharded:
+            return _sharded_loss(model, batch, chunks, chunk_ce, plain_ce)
         base, lm_head = _lm_parts(model)
         head = lm_head
         if head_on_device:
@@ -151,6 +159,19 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
         return total / (labels != IGNORE).sum()
 
     return loss_fn
+
+
+def _sharded_loss(model, batch, chunks, chunk_ce, plain_ce):
+    """``torchtune_loss`` through the decoder's forward (its root FSDP2 unit's hooks): the same ops."""
+    labels = batch["labels"]
+    labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
+    out = model(batch["input_ids"], input_pos=batch["input_pos"], chunks=chunks)
+    if not chunks:
+        return plain_ce(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
+    total = out[0].new_zeros((), dtype=torch.float32)
+    for piece, y in zip(out, labels.chunk(chunks, dim=1)):
+        total = total + chunk_ce(piece, y)
+    return total / (labels != IGNORE).sum()
 
 
 def litgpt_loss(chunk_tokens: int):
@@ -211,7 +232,8 @@ def _softmax_keeps_input(x, dim=None, _stacklevel=3, dtype=None):
 
 
 LOSSES = {"torchtune": lambda spec: torchtune_loss(spec["chunks"], spec.get("compiled", False),
-                                                  spec.get("head_on_device", False), spec["recipe"]),
+                                                  spec.get("head_on_device", False), spec["recipe"],
+                                                  spec.get("sharded", False)),
           "litgpt": lambda spec: litgpt_loss(spec["chunk_tokens"])}
 
 
@@ -278,7 +300,8 @@ def _loss(row, recipe: dict):
     """The row's loss function. torchtune compiles its loss too (where the recipe keeps it), and keeps its output
     projection out of activation offloading."""
     spec = dict(row["loss"], compiled=recipe.get("compile") == "layers",
-                head_on_device=row["loss"]["kind"] == "torchtune" and bool(recipe.get("offload_activations")))
+                head_on_device=row["loss"]["kind"] == "torchtune" and bool(recipe.get("offload_activations")),
+                sharded=recipe.get("parallel") == "fsdp")
     return LOSSES[spec["kind"]](spec)
 
 
@@ -311,7 +334,7 @@ def estimate_row(row) -> dict:
     recipe = {k: v for k, v in row["recipe"].items() if k in known}
     missing = [k for k in row["recipe"] if k not in known]
     _optimizer(row, recipe, missing)
-    kwargs = {}
+    kwargs = {"gpus": row["gpus"]} if row.get("gpus") else {}
     if row.get("packed") and "torchtune" not in row:  # torchtune's decoder packs by its own input_pos
         if "packed" in takes:
             kwargs["packed"] = True
@@ -334,7 +357,8 @@ def estimate_row(row) -> dict:
     try:
         with patch:
             report = memfit.estimate(model, batch, recipe=Recipe(**recipe), gpu=row["gpu"],
-                                     batch_size=row["batch_size"], seq_len=row.get("seq_len"), **kwargs)
+                                     batch_size=row["batch_size"] * row.get("gpus", 1), seq_len=row.get("seq_len"),
+                                     **kwargs)
     except Exception:  # noqa: BLE001 a row that cannot run yet is reported, not fatal
         if recipe.get("optimizer") != "adamw4bit":
             raise
@@ -366,7 +390,8 @@ def _compare(row, report, recipe, missing, seconds) -> dict:
                seq_len=row.get("seq_len"), batch_size=row["batch_size"], packed=bool(row.get("packed")),
                loss=row.get("loss"), peak_bytes=report.peak_bytes, reserved_bytes=report.reserved_bytes,
                device_bytes=report.device_bytes, verdict=report.verdict, seconds=round(seconds, 1),
-               managed_bytes=getattr(report, "managed_bytes", None), headline=bool(row.get("headline")))
+               managed_bytes=getattr(report, "managed_bytes", None), headline=bool(row.get("headline")),
+               gpus=row.get("gpus", 1), host_bytes=getattr(report, "host_bytes", None))
     if catalog is not None:
         out["error_with_catalog_context"] = (catalog - published) / published
     return out
