@@ -475,7 +475,15 @@ VARIANTS = {"tt-3b-adamw8bit": [
     ("bitsandbytes PagedAdamW8bit (the config's default)", {"optimizer": "paged_adamw8bit"}, {"torchao_step": None}),
     ("torchao AdamW8bit (2.5.1 step), no optimizer-in-backward", {"optimizer_in_backward": False}, {}),
     ("PagedAdamW8bit, no optimizer-in-backward", {"optimizer": "paged_adamw8bit", "optimizer_in_backward": False},
-     {"torchao_step": None})]}
+     {"torchao_step": None})],
+    # the 8B table's rows beyond 6 %: settings the README's note does not pin (its configs have activation offloading
+    # off; the packed length is the note's 2048)
+    "tt-8b-lora-4090": [("activation offloading on", {"offload_activations": True}, {}),
+                        ("2 x 1024 tokens", {}, {"seq_len": 1024})],
+    "tt-8b-full-4090": [("activation offloading on", {"offload_activations": True}, {}),
+                        ("2 x 1024 tokens", {}, {"seq_len": 1024})],
+    "tt-70b-lora-8xa100": [("2 x 1024 tokens a rank", {}, {"seq_len": 1024}),
+                           ("reshard_after_forward false (ZeRO-2-like)", {"reshard_after_forward": "false"}, {})]}
 
 
 def variants() -> list[dict]:
