@@ -143,7 +143,8 @@ def _meta_model(path):
 @pytest.mark.parametrize("recipe", [{"parallel": "fsdp", "mixed_precision": "bf16:fp32", "checkpointing": "blocks"},
                                     {"parallel": "fsdp", "reshard_after_forward": "false", "micro_batch_size": 1,
                                      "grad_accum_steps": 2},
-                                    {"parallel": "fsdp", "checkpointing": "selective"}])
+                                    {"parallel": "fsdp", "checkpointing": "selective"},
+                                    {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head", "mixed_precision": "bf16"}])
 def test_depth_fast_path_writes_out_fsdp_units(tmp_path, recipe):
     """A block is an FSDP2 unit: the 4-block copy's log written out at 6 blocks (2 past the copy: the written-out
     blocks repeat) equals the full trace of every rank, to the byte, allocator included (the shards keep their
