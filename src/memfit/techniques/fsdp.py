@@ -95,40 +95,53 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     # a rank's pipeline stages under a looped schedule each run on their own: each is a root, as torchtitan
     # shards each model part (a root's all-gather runs in its own forward)
     stages = getattr(build.model, "stages", None)
-    for root in (list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]):
+    roots = list(stages) if isinstance(stages, torch.nn.ModuleList) else [build.model]
+    names = module_names(build.recipe.shard_modules)
+    _check_named(build.model, roots, names)
+    for root in roots:
         blocks = _units(root, find_blocks(root))
-        for _, module in _named(root, build.recipe.shard_modules, blocks):  # the modules named, bottom-up first
+        inner, outer = _named(root, names, blocks)
+        for _, module in inner:  # named modules within or beside the blocks: wrapped before them
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
         for experts in getattr(build, "experts", ()):  # expert parallel: each MoE layer's experts on their own
             shard_experts(experts, build, reshard, policy, offload)
         for _, block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
+        for _, module in outer:  # named modules holding blocks: after them, as FSDP2 nests (children first)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
         # The root (embeddings, head, final norm) takes FSDP2's default: kept gathered from forward to
         # backward (its backward comes first), as torchtitan and torchtune leave it.
         fully_shard(root, mesh=mesh, reshard_after_forward=None if blocks else reshard, mp_policy=policy,
                     offload_policy=offload)
 
 
-def _named(root, value, blocks) -> list:
-    """The modules of ``root`` that ``shard_modules`` names, each wrapped on its own before the blocks (innermost
-    first, as torchtune's ``shard_model`` walks ``reversed(named_modules())``); a block named is already one."""
-    names = module_names(value)
-    if not names:
-        return []
-    found = [(path, module) for path, module in root.named_modules()
-             if path and any(path == n or path.endswith("." + n) for n in names)]
-    missing = [n for n in names if not any(p == n or p.endswith("." + n) for p, _ in found)]
-    if missing:
-        top = ", ".join(name for name, _ in root.named_children())
-        raise MemfitError(f"shard_modules names {missing[0]!r}, which this model does not have: name its modules "
+def _matches(path: str, names) -> bool:
+    return bool(path) and any(path == n or path.endswith("." + n) for n in names)
+
+
+def _check_named(model, roots, names) -> None:
+    """A name of ``shard_modules`` that no root of ``model`` has (each pipeline stage is one) is a one-line error."""
+    missing = next((n for n in names if not any(_matches(p, (n,)) for r in roots for p, _ in r.named_modules())), None)
+    if missing is not None:
+        top = ", ".join(name for name, _ in model.named_children())
+        raise MemfitError(f"shard_modules names {missing!r}, which this model does not have: name its modules "
                           f"as named_modules() does (the top ones: {top})")
+
+
+def _named(root, names, blocks) -> tuple[list, list]:
+    """The modules of ``root`` that ``shard_modules`` ``names``, each to be an FSDP2 unit of its own, innermost first
+    as torchtune's ``shard_model`` walks (``reversed(named_modules())``): (those holding no block, those holding
+    one); a block named is one already. A module sharing a weight with another is a one-line error."""
+    matched = [(path, module) for path, module in root.named_modules() if _matches(path, names)]
     seen = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
-    tied = next((path for path, module in found if any(seen[id(p)] > 1 for p in module.parameters())), None)
+    tied = next((path for path, module in matched if any(seen[id(p)] > 1 for p in module.parameters())), None)
     if tied is not None:
         raise MemfitError(f"shard_modules: {tied} shares a weight with another module (tied embeddings); a tied "
                           "weight stays in one FSDP2 unit: leave it out of shard_modules")
     units = {id(block) for _, block in blocks}
-    return [(path, module) for path, module in reversed(found) if id(module) not in units]
+    named = [(path, module) for path, module in reversed(matched) if id(module) not in units]
+    holds = [any(id(m) in units for m in module.modules()) for _, module in named]
+    return [n for n, h in zip(named, holds) if not h], [n for n, h in zip(named, holds) if h]
 
 
 def _units(model, blocks) -> list:

@@ -132,6 +132,10 @@ def _conflicts(recipe):
         yield (f"construction={recipe.construction} and parallel={recipe.parallel} conflict: construction says how "
                "FSDP2 shards a model; set parallel=fsdp")
         return
+    if recipe.shard_modules and recipe.pp > 1:
+        yield (f"shard_modules={recipe.shard_modules} and pp={recipe.pp} conflict: each rank holds a pipeline stage, "
+               "not the model's modules by their names; drop shard_modules")
+        return
     if recipe.parallel != "fsdp" and recipe.shard_modules:
         yield (f"shard_modules={recipe.shard_modules} and parallel={recipe.parallel} conflict: shard_modules are "
                "FSDP2's units; set parallel=fsdp")
