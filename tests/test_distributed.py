@@ -242,6 +242,7 @@ def test_bad_input_is_one_line(configs, kwargs, words):
     ({"shard_modules": "lm_head"}, "shard_modules are FSDP2's units; set parallel=fsdp"),
     ({"parallel": "fsdp", "shard_modules": "lm_head;embed"}, "give module names separated by commas"),
     ({"parallel": "fsdp", "pp": 2, "shard_modules": "lm_head"}, "shard_modules=lm_head and pp=2 conflict"),
+    ({"parallel": "zero3", "shard_modules": "lm_head"}, "shard_modules=lm_head is FSDP2's"),
     ({"offload": "cpu"}, "set parallel=fsdp"),
     ({"parallel": "fsdp", "offload": "cpu", "optimizer": "adamw8bit"}, "run on a GPU only; use adamw"),
     ({"parallel": "fsdp", "mixed_precision": "fp32:bf16"}, "not understood"),

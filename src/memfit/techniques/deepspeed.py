@@ -62,7 +62,7 @@ def zero_conflict(recipe) -> str | None:
             return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit has not checked "
                     f"that pair against a real DeepSpeed run; drop {name}{hint}")
     for name, default in (("reshard_after_forward", "true"), ("mixed_precision", "none"), ("construction", "meta"),
-                          ("shard_over", "node")):
+                          ("shard_over", "node"), ("shard_modules", "")):
         if str(getattr(recipe, name)) != default:
             return (f"{name}={getattr(recipe, name)} is FSDP2's; with parallel={recipe.parallel} drop it (zero= holds "
                     "DeepSpeed's settings)")

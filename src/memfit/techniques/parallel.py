@@ -1,9 +1,10 @@
 """Data parallelism: PyTorch's FSDP2 (``fully_shard``) or DDP over the ranks of a ``World``.
 
 ``parallel=fsdp`` shards every repeated block with ``fully_shard``, then the root, as torchtitan
-and torchtune wrap; ``shard_modules`` names modules made units of their own first (torchtune's
-``custom_sharded_layers``: the embedding and head then gathered only while they run, not kept with the root). Each rank keeps 1/N of the parameters, their gradients and the optimizer state;
-a unit's full parameters exist only between its all-gather and its reshard. Memory per rank: the
+and torchtune wrap; ``shard_modules`` names modules made units of their own besides (torchtune's
+``custom_sharded_layers``: the embedding and head then gathered only while they run, not kept with the
+root). Each rank keeps 1/N of the parameters, their gradients and the optimizer state; a unit's full
+parameters exist only between its all-gather and its reshard. Memory per rank: the
 shards, plus the unsharded parameters of the running unit (and the one prefetched), plus the
 unsharded gradients of a unit until its reduce-scatter. ``reshard_after_forward``: ``true`` frees a
 unit's full parameters after its forward and gathers them again in backward (ZeRO-3-like); ``false``
