@@ -38,6 +38,8 @@ BERT = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size
         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000, "max_position_embeddings": 128}
 UNEVEN = dict(TINY, vocab_size=1001, tie_word_embeddings=False, intermediate_size=350)
 PIPE = dict(TINY, num_hidden_layers=6)  # 4 stages: embedding + 1 block, 2, 2, 1 block + norm + head
+WIDE = dict(TINY, hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=8,
+            num_key_value_heads=8, vocab_size=1024, tie_word_embeddings=False)
 DEEP = dict(TINY, num_hidden_layers=16)  # the whole model outweighs a step of 1/4 of it: construction shows
 # mixtures of experts for expert parallel (``techniques/expert_parallel.py``): 4 experts, top-2
 QWEN_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
@@ -74,6 +76,10 @@ CASES = [
     ("fsdp-compile-layers-checkpointing-lora-shard-modules", UNEVEN, 2,
      {"parallel": "fsdp", "compile": "layers", "checkpointing": "blocks", "precision": "bf16", "lora": "lora:8",
       "shard_modules": "embed_tokens,lm_head"}, 4, 1),
+    # wide blocks, small root: the peak is in forward, at a gathered layer beside two all-gather buffers (the 70B
+    # LoRA row's peak, bench/published)
+    ("fsdp-lora-wide-blocks", WIDE, 2, {"parallel": "fsdp", "precision": "bf16", "lora": "lora:8",
+                                        "checkpointing": "blocks"}, 4, 1),
     ("fsdp-shard-modules-offload-checkpointing", UNEVEN, 4, {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head",
                                                             "offload": "cpu-unpinned", "checkpointing": "blocks"}, 4, 1),
     ("fsdp-bert-tied", BERT, 2, {"parallel": "fsdp"}, 4, 1),

@@ -138,8 +138,10 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
             plain_ce = compile_piece(_plain_ce)
 
     def loss_fn(model, batch):
-        if sharded:
-            return _sharded_loss(model, batch, chunks, chunk_ce, plain_ce)
+        if sharded:  # the head's chunks from the decoder's forward, where the root unit's all-gather hook runs
+            labels = _shifted(batch["labels"])
+            return _cross_entropy(model(batch["input_ids"], input_pos=batch["input_pos"], chunks=chunks), labels,
+                                  chunk_ce, plain_ce)
         base, lm_head = _lm_parts(model)
         head = lm_head
         if head_on_device:
@@ -147,29 +149,24 @@ def torchtune_loss(chunks: int, compiled: bool = False, head_on_device: bool = F
                 with torch.autograd.graph.saved_tensors_hooks(_same, _same):  # torchtune's NoOpManager
                     return lm_head(x)
         hidden = base(batch)
-        labels = batch["labels"]
-        labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
-        if not chunks:
-            logits = head(hidden).float()
-            return plain_ce(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        total = hidden.new_zeros((), dtype=torch.float32)
-        logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
-        for piece, y in zip(logits, labels.chunk(chunks, dim=1)):
-            total = total + chunk_ce(piece, y)
-        return total / (labels != IGNORE).sum()
+        labels = _shifted(batch["labels"])
+        out = [head(h) for h in hidden.chunk(chunks, dim=1)] if chunks else head(hidden).float()
+        return _cross_entropy(out, labels, chunk_ce, plain_ce)
 
     return loss_fn
 
 
-def _sharded_loss(model, batch, chunks, chunk_ce, plain_ce):
-    """``torchtune_loss`` through the decoder's forward (its root FSDP2 unit's hooks): the same ops."""
-    labels = batch["labels"]
-    labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
-    out = model(batch["input_ids"], input_pos=batch["input_pos"], chunks=chunks)
-    if not chunks:
+def _shifted(labels):
+    """Labels shifted by one, the last position ignored (torchtune's recipes)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE)], dim=1)
+
+
+def _cross_entropy(out, labels, chunk_ce, plain_ce):
+    """The loss of ``out``: fp32 logits (``nn.CrossEntropyLoss``) or the head's chunks (``CEWithChunkedOutputLoss``)."""
+    if not isinstance(out, list):
         return plain_ce(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
     total = out[0].new_zeros((), dtype=torch.float32)
-    for piece, y in zip(out, labels.chunk(chunks, dim=1)):
+    for piece, y in zip(out, labels.chunk(len(out), dim=1)):
         total = total + chunk_ce(piece, y)
     return total / (labels != IGNORE).sum()
 
