@@ -28,7 +28,9 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
 
 
-CONFIGS = {"tiny": TINY, "uneven": dict(TINY, vocab_size=301, tie_word_embeddings=False)}
+# torchao's NF4 takes whole groups of 64 x 256 weights, on each rank's shard too: every linear 2 or more of them
+NF4 = dict(TINY, hidden_size=256, intermediate_size=512, num_key_value_heads=4)
+CONFIGS = {"tiny": TINY, "uneven": dict(TINY, vocab_size=301, tie_word_embeddings=False), "nf4": NF4}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,9 @@ TRUTHS = [  # (config, recipe): every case a 2-rank truth, run in the session's 
                 "checkpointing": "blocks"}),
     # each block compiled by Inductor (for real in the truth, planned on fake tensors in the estimate), then sharded
     ("tiny", {"parallel": "fsdp", "compile": "layers", "checkpointing": "blocks", "precision": "bf16"}),
+    # torchtune's distributed QLoRA: torchao's NF4 weights sharded and gathered through their own FSDP2 hooks
+    ("nf4", {"parallel": "fsdp", "lora": "qlora:8", "quant_impl": "torchao", "checkpointing": "blocks",
+             "precision": "bf16", "lora_dtype": "bf16"}),
 ]
 
 
@@ -79,7 +84,7 @@ def truths(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", range(len(TRUTHS)), ids=["fsdp", "ddp-accumulation", "uneven-zero2", "offload",
-                                                       "shard-modules-offload", "compile-layers"])
+                                                       "shard-modules-offload", "compile-layers", "qlora-nf4"])
 def test_every_rank_matches_torchrun(configs, truths, case):
     name, recipe = TRUTHS[case]
     report = _estimate(configs[name], recipe)
@@ -97,6 +102,9 @@ def test_every_rank_matches_torchrun(configs, truths, case):
     if recipe.get("shard_modules"):  # the embedding and head no longer held gathered with the root
         whole = {k: v for k, v in recipe.items() if k != "shard_modules"}
         assert report.peak_bytes < _estimate(configs[name], whole).peak_bytes
+    if recipe.get("quant_impl"):  # each rank holds half the 4-bit codes: 0.5 byte a weight and the scalers, a quarter of bf16
+        bf16 = _estimate(configs[name], {k: v for k, v in recipe.items() if k not in ("lora", "quant_impl", "lora_dtype")})
+        assert report.by_category["parameters"] < 0.5 * bf16.by_category["parameters"]
     if name == "uneven":  # the last rank's shards are smaller: traced, and the truth agrees they differ
         assert sorted(estimated) == [0, 1] and estimated[1] < estimated[0]
         assert truths[1]["peak_bytes"] < truths[0]["peak_bytes"]
@@ -233,7 +241,9 @@ def test_bad_input_is_one_line(configs, kwargs, words):
 @pytest.mark.parametrize("recipe, words", [
     ({"parallel": "fsdp", "chunked_loss": 4}, "parallel=fsdp and chunked_loss=4 conflict"),
     ({"parallel": "fsdp", "compile": True}, "parallel=fsdp and compile=True conflict"),
-    ({"parallel": "fsdp", "lora": "qlora", "precision": "bf16-mixed"}, "parallel=fsdp and lora=qlora conflict"),
+    ({"parallel": "fsdp", "lora": "qlora", "precision": "bf16-mixed"}, "bitsandbytes' 4-bit weights do not shard"),
+    ({"parallel": "ddp", "lora": "qlora", "precision": "bf16-mixed", "quant_impl": "torchao"},
+     "parallel=ddp and lora=qlora conflict"),
     ({"parallel": "fsdp", "mixed_precision": "bf16", "precision": "fp16-mixed"}, "keep precision=fp32"),
     ({"mixed_precision": "bf16"}, "needs parallel=fsdp"),
     ({"parallel": "ddp", "reshard_after_forward": "false"}, "FSDP2's"),

@@ -126,6 +126,37 @@ def test_qlora_of_adapted_layers_only_matches_the_allocator_and_keeps_the_rest_w
     assert 3.4 * wide < grown < 3.5 * wide, (grown, wide)
 
 
+NF4_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                 vocab_size=512, max_position_embeddings=128)  # every linear whole groups of 64 x 256 weights
+
+
+@pytest.mark.parametrize("extra", [{}, {"checkpointing": "blocks"}], ids=["eager", "checkpointed"])
+def test_torchao_nf4_qlora_matches_the_allocator(extra):
+    """torchtune's QLoRA weights: torchao's NF4Tensor, dequantised eagerly (int64 indices) in forward and backward."""
+    config = tf.LlamaConfig(**NF4_LLAMA)
+    factory = lambda: tf.LlamaForCausalLM(config)  # noqa: E731
+    batch = CASES["hf-llama"][1]()
+    recipe = Recipe(lora="qlora:8", precision="bf16-mixed", quant_impl="torchao", **extra)
+    report = memfit.estimate(factory, batch, recipe=recipe)
+    truth = true_peak(factory, batch, recipe=recipe)
+    model, _, _ = memfit.apply(factory(), recipe)
+    # checkpointed: 24 bytes more than the counters, as with bitsandbytes' layers (not NF4's)
+    assert abs(report.peak_bytes - truth) <= _counters(model) + 32, (report.peak_bytes, truth)
+    bnb = memfit.estimate(factory, batch, recipe=recipe.replace(quant_impl="bnb"))
+    # the same 4-bit codes and double-quantised scalers, within their statistics' layout (bytes, not the step)
+    assert abs(report.by_category["parameters"] - bnb.by_category["parameters"]) < 0.01 * bnb.by_category["parameters"]
+    assert report.peak_bytes != bnb.peak_bytes  # another dequantisation: not a relabelling
+
+
+def test_torchao_nf4_names_a_layer_it_cannot_quantise_and_needs_qlora():
+    factory, make_batch, _ = CASES["hf-llama"]  # 128 x 64 weights: half of torchao's 16,384-weight group
+    with pytest.raises(MemfitError, match="cannot quantise model.layers.0.self_attn.k_proj: .* has 8192; .* quant_impl=bnb") as err:
+        memfit.estimate(factory, make_batch(), recipe=Recipe(lora="qlora:8", precision="bf16-mixed", quant_impl="torchao"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(MemfitError, match="quant_impl=torchao and lora=lora:8 conflict: only qlora quantises"):
+        Recipe(lora="lora:8", quant_impl="torchao")
+
+
 def test_the_fields_are_cli_flags(tmp_path, capsys):
     config = tmp_path / "config.json"
     CASES["hf-llama"][0]().config.to_json_file(str(config))

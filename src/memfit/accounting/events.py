@@ -89,13 +89,17 @@ def float8_tensor_type():
 def plain(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold ``tensor``'s memory: itself, or for a ``DTensor`` (FSDP2's
     parameters, gradients and optimizer state) its local tensor, whose storage the allocator saw; for
-    torchao's ``Float8TrainingTensor`` its float8 payload and scale. An op on a wrapper runs its inner ops below
+    torchao's ``Float8TrainingTensor`` its float8 payload and scale, for its ``NF4Tensor`` (a QLoRA weight)
+    its packed codes, scalers and their factors. An op on a wrapper runs its inner ops below
     this mode; their outputs are seen here, inside the wrapper the op returns."""
     if _DTensor is not None and isinstance(tensor, _DTensor):
         return plain(tensor._local_tensor)
     float8 = float8_tensor_type()
     if float8 is not None and isinstance(tensor, float8):
         return plain(tensor._data) + plain(tensor._scale)
+    if type(tensor).__name__ == "NF4Tensor" and hasattr(tensor, "__tensor_flatten__"):  # QLoRA's torchao weight
+        names, _ = tensor.__tensor_flatten__()
+        return [t for name in names for t in plain(getattr(tensor, name))]
     return [tensor]
 
 

@@ -56,6 +56,8 @@ FLAGS = (
      "layers QLoRA makes 4-bit: all-linear (all but the heads), adapted (only LoRA's layers, as torchtune) or name suffixes"),
     ('lora_dtype', 'str', ('fp32', 'bf16'),
      "adapter weights' dtype: fp32 (peft's default) or bf16 (torchtune's; with precision=bf16): halves the adapters, their gradients and optimizer state"),
+    ('quant_impl', 'str', ('bnb', 'torchao'),
+     "whose NF4 QLoRA runs: bnb (bitsandbytes' Linear4bit) or torchao (NF4Tensor, torchtune's; eager dequantisation holds int64 indices)"),
     ('parallel', 'str', ('none', 'ddp', 'fsdp', 'zero1', 'zero2', 'zero3'),
      "none | ddp | fsdp | zero1-3: data parallelism over --gpus (FSDP2 shards parameters, gradients and optimizer state 1/N per rank; zeroN: DeepSpeed's ZeRO stage N)"),
     ('reshard_after_forward', 'str', (),
@@ -143,6 +145,8 @@ CLI = {
                                  "or name suffixes"),
     "lora_dtype": ("lora", "adapter weights: fp32 (default, peft's) | bf16 (torchtune's; with --precision bf16): "
                            "half"),
+    "quant_impl": ("lora", "whose NF4 qlora runs: bnb (default, bitsandbytes) | torchao (torchtune's; shards "
+                           "under fsdp)"),
     # many GPUs and meshes
     "parallel": ("parallel", "none (default) | ddp | fsdp | zero1-3 (DeepSpeed) over --gpus: fsdp shards "
                              "all 1/N"),

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from memfit.accounting.allocator_events import allocation_sizes, span
-from memfit.techniques.apply import run_steps
+from memfit.techniques.apply import inner_tensors, run_steps
 from memfit.techniques.lora import prepare_lora
 from memfit.techniques.recipe import recipe_from
 from memfit.techniques.step import batch_tensors
@@ -59,9 +59,11 @@ def allocator_steps(steps) -> tuple[int, list[int]]:
 
 
 def resident_bytes(model, batch, extra=()) -> int:
-    """Bytes of the distinct storages of ``model``'s parameters and buffers, ``batch`` and ``extra``."""
+    """Bytes of the distinct storages of ``model``'s parameters and buffers, ``batch`` and ``extra`` (of a
+    tensor subclass, such as a QLoRA weight in torchao's NF4, its inner tensors')."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()) + batch_tensors(batch) + list(extra):
+    every = list(model.parameters()) + list(model.buffers()) + batch_tensors(batch) + list(extra)
+    for t in (inner for tensor in every for inner in inner_tensors(tensor)):
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import MemfitError
 from memfit.scoped import rng_hop_rules
+from memfit.techniques.apply import inner_tensors as stored  # a weight subclass (``Int8Tensor``): its inner tensors
 from memfit.techniques.lora import ALL_LINEAR, bnb_module, quant_state_tensors, quantize_base, quantized_layers
 
 __all__ = ["DTYPES", "WEIGHTS", "TORCHAO", "quantize_weights", "stored", "probed_ops", "Outliers", "INT8_THRESHOLD"]
@@ -72,16 +73,6 @@ def quantize_weights(model: torch.nn.Module, weights: str, dtype: torch.dtype) -
 def probed_ops(weights: str) -> frozenset[str]:
     """The op names (``Ledger.probe_ops``) ``weights``' forward adds to a generation's."""
     return _PROBED.get(weights, frozenset())
-
-
-def stored(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``tensor``'s bytes: itself, or for a tensor subclass (torchao's
-    ``Int8Tensor``) the inner tensors ``__tensor_flatten__`` names; the wrapper has no storage of its own."""
-    if type(tensor) is torch.Tensor or isinstance(tensor, FakeTensor) or not hasattr(tensor, "__tensor_flatten__"):
-        return [tensor]
-    names, _ = tensor.__tensor_flatten__()
-    inner = [getattr(tensor, name) for name in names]
-    return [t for value in inner if isinstance(value, torch.Tensor) for t in stored(value)]
 
 
 def _torchao(model: torch.nn.Module, weights: str) -> list[torch.Tensor]:

@@ -8,6 +8,13 @@ fake kernels, so the forward and backward run its real Python code.
 
 Written by hand because bitsandbytes quantises on load (``from_pretrained``) or on ``.cuda()``,
 neither of which runs on fake tensors.
+
+torchao's NF4 (``quant_impl=torchao``, what torchtune's QLoRA runs): the ``nn.Linear`` keeps its class and
+its weight becomes torchao's ``NF4Tensor`` (``to_nf4``: blocks of 64, int8 scalers double-quantised in
+blocks of 256), as torchtune's ``FrozenNF4Linear`` / ``LoRALinear(quantize_base=True)`` hold it; ``F.linear``
+on it is torchao's ``linear_nf4``, whose eager dequantisation (``get_original_weight``) runs on fake tensors
+as it runs on real ones: two int64 index tensors of half the weight each, then bf16 halves, scaled, stacked.
+The subclass quantises on fake tensors as is, and FSDP2 shards and gathers it through its own hooks.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError
 
-__all__ = ["bnb_module", "quantized_linear", "quant_state_tensors", "quantize_pending", "pending_settings"]
+__all__ = ["bnb_module", "quantized_linear", "nf4_linear", "nf4_module", "QUANT_IMPLS", "quant_state_tensors", "quantize_pending", "pending_settings"]
 
 
 def bnb_module():
@@ -59,6 +66,34 @@ def _fake_inputs_allowed(tensor):
 
 NF4_DQ = dict(quant_type="nf4", compress_statistics=True, blocksize=64)  # QLoRA's: NF4, double-quantised absmax
 _SETTINGS = tuple(NF4_DQ)
+
+
+QUANT_IMPLS = ("bnb", "torchao")  # ``quant_impl``: whose NF4 QLoRA's 4-bit layers are
+
+
+def nf4_module():
+    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), imported outside any fake mode."""
+    with unset_fake_temporarily():
+        try:
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+        except ImportError:
+            try:  # torchao before 0.14
+                from torchao.dtypes import nf4tensor as nf4_tensor
+            except ImportError:
+                raise MemfitError("quant_impl=torchao needs torchao: pip install 'memfit[ao]'") from None
+    return nf4_tensor
+
+
+def nf4_linear(linear: torch.nn.Linear, nf4=None, dtype=torch.bfloat16) -> torch.nn.Linear:
+    """``linear`` with its weight (in ``dtype``: torchtune quantises bf16 weights) as torchao's ``NF4Tensor``,
+    a frozen parameter, in place: torchtune's ``FrozenNF4Linear``."""
+    nf4 = nf4 or nf4_module()
+    with torch.no_grad():
+        weight = nf4.to_nf4(linear.weight.detach().to(dtype))
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+    return linear
 
 
 def quantized_linear(linear: torch.nn.Linear, bnb, compute_dtype=torch.bfloat16) -> torch.nn.Module:

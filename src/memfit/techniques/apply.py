@@ -38,7 +38,7 @@ from memfit.techniques.registry import techniques
 from memfit.techniques.spec import Build
 from memfit.techniques.step import check_loss, default_loss, token_weights
 
-__all__ = ["apply", "run_steps", "Quiet"]
+__all__ = ["apply", "run_steps", "Quiet", "inner_tensors"]
 
 
 class Quiet:
@@ -260,21 +260,22 @@ class _Step:
             (step or self.stepper or self.opt.step)()
         for state in getattr(self.opt, "state", {}).values():  # torchao's CPU offload keeps none here
             for value in state.values():
-                for tensor in _plain_tensors(value):
+                for tensor in inner_tensors(value):
                     self.watch.mark(tensor, Category.OPTIMIZER_STATE)
         self.opt.zero_grad(set_to_none=self.set_to_none)
         self.count += 1
 
 
-def _plain_tensors(value) -> list:
+def inner_tensors(value) -> list:
     """The tensors that hold ``value``'s memory: a tensor subclass (torchao's quantised optimizer
-    state) has none of its own, only the inner tensors ``__tensor_flatten__`` names."""
+    state, its ``NF4Tensor`` and ``Int8Tensor`` weights) has none of its own, only the inner tensors
+    ``__tensor_flatten__`` names; anything not a tensor holds none."""
     if not isinstance(value, torch.Tensor):
         return []
     if type(value) is torch.Tensor or not hasattr(value, "__tensor_flatten__"):
         return [value]
     names, _ = value.__tensor_flatten__()
-    return [t for name in names for t in _plain_tensors(getattr(value, name))]
+    return [t for name in names for t in inner_tensors(getattr(value, name))]
 
 
 WORKLOADS = ("train", "forward")

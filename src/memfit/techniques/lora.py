@@ -81,7 +81,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError, shown
 from memfit.scoped import patched
-from memfit.techniques._qlora import bnb_module, pending_settings, quant_state_tensors, quantize_pending, quantized_linear
+from memfit.techniques._qlora import (QUANT_IMPLS, bnb_module, nf4_linear, nf4_module, pending_settings, quant_state_tensors,
+                                      quantize_pending, quantized_linear)
 from memfit.techniques.spec import Field, Technique
 
 __all__ = ["apply_lora", "quantize_base", "prepare_lora", "quant_state_tensors", "lora_plan", "lora_layers",
@@ -247,15 +248,21 @@ def _cast_adapters(model, peft, dtype) -> None:
                     setattr(adapter, name, torch.nn.Parameter(weight.detach().to(dtype), requires_grad=weight.requires_grad))
 
 
-def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR,
-                  compute_dtype=torch.bfloat16) -> torch.nn.Module:
-    """Replace the ``nn.Linear`` layers ``targets`` names (``quantize_targets``; ``adapted`` reads
-    ``lora_targets``) by 4-bit ones computing in ``compute_dtype``, in place (once).
+NF4_GROUP = 64 * 256  # torchao's to_nf4: a layer's weights come in blocks of 64, their scalers in blocks of 256
 
-    Already-quantised models (a bitsandbytes ``Linear4bit`` anywhere) are left as they are.
+
+def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR,
+                  compute_dtype=torch.bfloat16, impl: str = "bnb") -> torch.nn.Module:
+    """Replace the ``nn.Linear`` layers ``targets`` names (``quantize_targets``; ``adapted`` reads
+    ``lora_targets``) by 4-bit ones computing in ``compute_dtype``, in place (once): bitsandbytes'
+    ``Linear4bit`` (``impl="bnb"``) or the same layer holding torchao's ``NF4Tensor`` (``"torchao"``).
+
+    Already-quantised models (a bitsandbytes ``Linear4bit`` or an ``NF4Tensor`` anywhere) are left as they are.
     """
-    bnb = bnb_module()
-    if any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()):
+    lib = bnb_module() if impl == "bnb" else nf4_module()
+    done = any(isinstance(m, lib.nn.Linear4bit) for m in model.modules()) if impl == "bnb" else \
+        any(isinstance(p, lib.NF4Tensor) for p in model.parameters())
+    if done:
         return model
     if not _linear_names(model):
         raise MemfitError(f"qlora found no nn.Linear layers to quantise in {type(model).__name__} (layers such as "
@@ -267,7 +274,15 @@ def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_target
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, quantized_linear(getattr(owner, child), bnb, compute_dtype))
+        layer = getattr(owner, child)
+        if impl == "bnb":
+            setattr(owner, child, quantized_linear(layer, lib, compute_dtype))
+        elif layer.weight.numel() % NF4_GROUP:
+            raise MemfitError(f"quant_impl=torchao cannot quantise {name}: torchao's NF4 takes {NF4_GROUP}-weight groups "
+                              f"(blocks of 64, scalers in blocks of 256) and it has {layer.weight.numel()}; leave it out "
+                              "with quantize_targets, or use quant_impl=bnb")
+        else:
+            nf4_linear(layer, lib, compute_dtype)
     return model
 
 
@@ -287,7 +302,7 @@ def prepare_lora(model: torch.nn.Module, recipe) -> list[torch.Tensor]:
         with unset_fake_temporarily():
             _peft()
     if kind == "qlora":
-        quantize_base(model, recipe.quantize_targets, recipe.lora_targets)
+        quantize_base(model, recipe.quantize_targets, recipe.lora_targets, impl=recipe.quant_impl)
     return quant_state_tensors(model)
 
 
@@ -310,14 +325,14 @@ def _apply(build) -> None:
     r = build.recipe
     kind, rank = lora_plan(r.lora)
     if kind == "qlora":  # once: a model already quantised (see ``trace``) is left as it is
-        quantize_base(build.model, r.quantize_targets, r.lora_targets)
+        quantize_base(build.model, r.quantize_targets, r.lora_targets, impl=r.quant_impl)
     if kind in ("lora", "qlora"):
         build.model = apply_lora(build.model, rank=rank, targets=r.lora_targets, alpha=r.lora_alpha,
                                  dropout=r.lora_dropout, dtype=r.lora_dtype)
 
 
 _DEFAULTS = {"lora_targets": ALL_LINEAR, "lora_alpha": None, "lora_dropout": 0.0, "quantize_targets": ALL_LINEAR,
-             "lora_dtype": "fp32"}
+             "lora_dtype": "fp32", "quant_impl": "bnb"}
 #: ``lora_dtype`` -> the adapters' weight dtype
 ADAPTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -332,8 +347,9 @@ def _conflicts(r):
     if r.lora_dtype == "bf16" and r.lora != "off" and r.precision != "bf16":
         yield (f"lora_dtype=bf16 and precision={r.precision} conflict: bf16 adapters belong to pure bf16 "
                "weights; use precision=bf16 or lora_dtype=fp32")
-    if r.quantize_targets != ALL_LINEAR and r.lora.startswith("lora"):
-        yield f"quantize_targets={r.quantize_targets} and lora={r.lora} conflict: only qlora quantises; use qlora"
+    for name in ("quantize_targets", "quant_impl"):
+        if getattr(r, name) != _DEFAULTS[name] and r.lora.startswith("lora"):
+            yield f"{name}={getattr(r, name)} and lora={r.lora} conflict: only qlora quantises; use qlora"
 
 
 def _check_alpha(value) -> None:
@@ -362,7 +378,9 @@ TECHNIQUE = Technique(
                   check=lambda v: check_targets(v, "quantize_targets", ("adapted",))),
             Field("lora_dtype", "fp32", "adapter weights' dtype: fp32 (peft's default) or bf16 (torchtune's; "
                   "with precision=bf16): halves the adapters, their gradients and optimizer state", slot=115,
-                  choices=tuple(ADAPTER_DTYPES))),
+                  choices=tuple(ADAPTER_DTYPES)),
+            Field("quant_impl", "bnb", "whose NF4 QLoRA runs: bnb (bitsandbytes' Linear4bit) or torchao (NF4Tensor, "
+                  "torchtune's; eager dequantisation holds int64 indices)", slot=116, choices=QUANT_IMPLS)),
     order=15, apply=_apply, conflicts=_conflicts,
     search=lambda ctx: [{"lora": "off"}] + [{"lora": f"{k}:{SEARCH_RANK}"} for k in ("lora", "qlora") if k in ctx.allowed],
     approximations=lambda r: ([f"lora={r.lora}"] + (["lora_dtype=bf16"] if r.lora_dtype == "bf16" else []))

@@ -50,8 +50,10 @@ sharding is ``fsdp.py``, its tensors during the step ``fsdp_step.py``, DDP ``ddp
 ``compile=layers`` combines (each block compiled, then wrapped: FSDP2's hooks run around the compiled
 forward, as torchtune and torchtitan compile per layer): exact against torchrun on 2 ranks (``tests/test_distributed.py``,
 ``bench/distributed/distributed.py``). Does not combine with (yet, each one error): chunked_loss (its head runs
-outside the root's forward, on resharded weights), compile=true (one graph over FSDP2's hooks: not checked), qlora
-and 8/4-bit optimizers (bitsandbytes does not take DTensors), offload_optimizer and optimizer_in_backward.
+outside the root's forward, on resharded weights), compile=true (one graph over FSDP2's hooks: not checked), 8/4-bit
+optimizers (bitsandbytes does not take DTensors), offload_optimizer and optimizer_in_backward; qlora only as torchtune
+shards it, in torchao's NF4 (``quant_impl=torchao``: ``NF4Tensor``'s own FSDP2 hooks gather its packed codes and
+scalers; bitsandbytes' ``Params4bit`` does not survive FSDP2), and not under DDP.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ _INCOMPATIBLE = (("chunked_loss", lambda r: bool(r.chunked_loss)),
                  ("compile", lambda r: r.compile is True),  # compile=layers combines
                  ("offload_optimizer", lambda r: bool(r.offload_optimizer)),
                  ("optimizer_in_backward", lambda r: bool(r.optimizer_in_backward)),
-                 ("lora", lambda r: str(r.lora).startswith("qlora")),
+                 ("lora", lambda r: str(r.lora).startswith("qlora") and r.parallel != "fsdp"),
                  ("optimizer", lambda r: any(k in str(r.optimizer) for k in ("8bit", "4bit", "paged"))))
 
 
@@ -150,6 +152,10 @@ def _conflicts(recipe):
             default = next(f.default for f in TECHNIQUE.fields if f.name == name)
             if getattr(recipe, name) != default:
                 yield f"{name}={getattr(recipe, name)} needs parallel=fsdp (or ddp for sync_grads): set parallel"
+        return
+    if recipe.parallel == "fsdp" and str(recipe.lora).startswith("qlora") and recipe.quant_impl != "torchao":
+        yield (f"parallel=fsdp and lora={recipe.lora} with quant_impl={recipe.quant_impl} conflict: bitsandbytes' 4-bit "
+               "weights do not shard under FSDP2; torchao's NF4 does (torchtune's QLoRA): set quant_impl=torchao")
         return
     for name, clashes in _INCOMPATIBLE:
         if clashes(recipe):
