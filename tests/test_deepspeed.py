@@ -58,6 +58,7 @@ def test_the_cli_refuses_a_bad_zero_setting_in_one_line(capsys):
     (dict(parallel="zero2", zero="offload_param=cpu"), "offload_param=cpu needs parallel=zero3"),
     (dict(parallel="zero3", offload="cpu"), "DeepSpeed's own: zero offload_optimizer=cpu"),
     (dict(parallel="fsdp", zero="overlap_comm=true"), "needs parallel=zero1, zero2 or zero3"),
+    (dict(parallel="zero2", zero="offload_optimizer_pin_memory=false"), "needs offload_optimizer=cpu"),
 ])
 def test_what_zero_cannot_be_combined_with_is_one_line(recipe, fix):
     assert fix in zero_conflict(_unchecked(recipe))
@@ -73,12 +74,15 @@ def test_the_config_it_writes_is_deepspeeds_own_valid_config():
     from deepspeed.runtime.config import DeepSpeedConfig
 
     recipe = Recipe(parallel="zero3", precision="bf16", grad_accum_steps=2,
-                    zero="offload_optimizer=cpu,stage3_prefetch_bucket_size=1e6,grad_accum_dtype=fp32")
+                    zero="offload_optimizer=cpu,stage3_prefetch_bucket_size=1e6,grad_accum_dtype=fp32,"
+                         "offload_optimizer_pin_memory=false")
     config = ds_config(recipe, world_size=1, micro_batch_size=4)
     checked = DeepSpeedConfig(json.loads(json.dumps(config)))
     assert checked.zero_optimization_stage == 3 and checked.bfloat16_config.enabled
     assert checked.grad_accum_dtype == "fp32"
     assert checked.zero_config.offload_optimizer.device == "cpu"
+    assert checked.zero_config.offload_optimizer.pin_memory is False
+    assert ZeroConfig.from_ds(config["zero_optimization"], config.get("data_types")) == ZeroConfig.parse(recipe.zero)
     assert checked.zero_config.prefetch_bucket_size == 1_000_000
     assert checked.gradient_accumulation_steps == 2 and checked.train_batch_size == 8
 
@@ -252,6 +256,17 @@ def test_zero_offload_for_a_card_puts_the_offloaded_partitions_on_the_host(tmp_p
     assert card.host_bytes >= 12 * params // 2  # fp32 master, exp_avg, exp_avg_sq of half the parameters
     assert card.peak_bytes < kept.peak_bytes
     assert any("ZeRO-Offload" in note for note in card.notes)
-    assert card.pinned_bytes is None  # its pin_memory is not read: unknown, not 0
+    # DeepSpeed 0.19.8 pins by default: the fp32 master partition and its gradient at least, in power-of-two blocks
+    assert 8 * params // 2 <= card.pinned_bytes <= card.host_bytes
+    unpinned = memfit.estimate(str(path), recipe=recipe.replace(zero=recipe.zero + "," + ",".join(
+        f"{key}_pin_memory=false" for key in ("offload_optimizer", "offload_param") if key in zero)),
+        gpu="h100-sxm", **common)
+    assert unpinned.peak_bytes == card.peak_bytes  # pinning moves no device byte
+    assert unpinned.host_bytes < card.host_bytes  # nor rounds host blocks up to powers of two
+    if stage == "zero2":
+        assert unpinned.pinned_bytes == 0
+    else:  # stage 3 pins its flat 16-bit host buffer whatever the sections say (stage3.py:906)
+        flat = 2 * (params // 2)
+        assert 0 < unpinned.pinned_bytes <= 2 * flat + 64
     cpu = memfit.estimate(str(path), recipe=recipe, device="cpu", **common)
     assert cpu.host_bytes is None

@@ -63,11 +63,11 @@ ROWS = [
     dict(_TT_31, id="tt-8b-qlora-4090", value=7.4,
          quote="| Llama 3.1 8B | QLoRA | 1x 4090 | 7.4 GiB | 2413  |",
          recipe=dict(_TT_LORA_BASE, lora="qlora:8", lora_targets=_TT_LINEARS, quantize_targets=_TT_LINEARS,
-                     lora_alpha=16, lora_dropout=0.0),
+                     quant_impl="torchao", lora_alpha=16, lora_dropout=0.0),
          loss=dict(kind="torchtune", chunks=8, recipe="lora_finetune_single_device"),
          note="8B_qlora_single_device.yaml: LoRA on q,k,v,output_proj and the MLP (every linear but the "
-              "head), rank 8, alpha 16; those linears in torchao NF4 (block 64, scalers double-quantised), "
-              "memfit's qlora is bitsandbytes NF4 double-quantised on the same layers; fused AdamW."),
+              "head), rank 8, alpha 16; those linears in torchao NF4 (block 64, scalers double-quantised in "
+              "blocks of 256: quant_impl torchao); fused AdamW."),
 ]
 
 # The same table's 70B rows: 8 x A100 under FSDP2, torchtune's full_finetune_distributed and
@@ -96,6 +96,21 @@ ROWS += [
          note="70B_lora.yaml: lora_attn_modules [q_proj, k_proj, v_proj], no MLP/output LoRA, rank 16, alpha 32; "
               "torch.optim.AdamW fused; activation checkpointing; chunked CE; bf16; the layers FSDP2 units, the "
               "embedding, head and norm in the root's (gathered from forward to backward); 8 ranks."),
+    # 405B_qlora.yaml at 30b8519e8: qlora_llama3_1_405b (torchao NF4 on every linear but the head, LoRA rank 16 alpha 32
+    # on q, k, v, output_proj and the MLP), fused AdamW, checkpointing, bf16, torch.nn.CrossEntropyLoss (the
+    # distributed recipe discards compile_loss's compiled copy: eager), no CPU offload. Its batch_size 1 x
+    # gradient_accumulation_steps 16 is overridden by the table's note, as for every row: batch 2 without accumulation.
+    dict(_TT_70, id="tt-405b-qlora-8xa100", value=44.8, unit="GB", model="llama-3.1-405b", torchtune="llama3_1_405b",
+         quote="| Llama 3.1 405B | QLoRA | 8x A100 | 44.8 GB  | 653  |",
+         recipe=dict(precision="bf16", checkpointing="blocks", optimizer="adamw", optimizer_impl="fused",
+                     lora_dtype="bf16", parallel="fsdp", lora="qlora:16", lora_targets=_TT_LINEARS,
+                     quantize_targets=_TT_LINEARS, quant_impl="torchao", lora_alpha=32, lora_dropout=0.0,
+                     compile="layers"),
+         loss=dict(kind="torchtune", chunks=0, recipe="lora_finetune_distributed"),
+         note="405B_qlora.yaml: QLoRA in torchao NF4 (quant_impl torchao) on every linear but the head, LoRA on all "
+              "of them, rank 16, alpha 32; fused AdamW; checkpointing; plain cross-entropy (eager: the distributed "
+              "recipe drops compile_loss's result); bf16; the layers FSDP2 units, the root holding the bf16 "
+              "embedding, head and norm; 8 ranks; the unit is the table's, GB."),
 ]
 
 # --- torchtune README, "Optimization flags" (since 1814feb17, 2024-11-18). "Baseline uses
@@ -172,11 +187,12 @@ ROWS += [
          note=_LORA3B_NOTE.format(k="lora")),
     dict(_FLAGS, id="tt-3b-qlora", value=4.6, quote="| [QLoRA](...) | 4.6 | -45.71% | 8035 | -2.13% |",
          recipe=dict(precision="bf16", optimizer="adamw", optimizer_impl="fused", compile="layers", checkpointing="blocks",
-                     offload_activations=True, lora="qlora:64", quantize_targets=_TT_LINEARS, **_LORA3B), loss=_CC_LORA,
+                     offload_activations=True, lora="qlora:64", quantize_targets=_TT_LINEARS, quant_impl="torchao",
+                     **_LORA3B), loss=_CC_LORA,
          note=_LORA3B_NOTE.format(k="qlora") + " NF4 (torchao) on every linear but the head: k_proj, not "
               "LoRA'd, is FrozenNF4Linear under quantize_base (torchtune/models/llama3_2/_component_builders.py "
-              "lines 353-368 at 1814feb17), as memfit's qlora (quantize_targets all-linear) does; memfit's NF4 is "
-              "bitsandbytes' (double-quantised absmax, blocks of 64)."),
+              "lines 353-368 at 1814feb17), as memfit's qlora (quantize_targets all-linear) does, in "
+              "torchao's NF4Tensor (quant_impl torchao)."),
 ]
 
 # --- torchao, torchao/optim/README.md "Benchmarks" (ViT-H table since aacaf9b3e, 2024-08-23):
@@ -368,9 +384,6 @@ EXCLUDED = [
                 "(37.4 GiB cannot be the 4090 recipe on a bigger card)."),
     dict(id="tt-8b-lora-a6000", source=TT_README, quote="| Llama 3.1 8B | LoRA | 1x A6000 | 30.3 GiB  | 4699 |",
          reason="as above: settings beyond the shared note not published."),
-    dict(id="tt-405b-qlora-8xa100", source=TT_README, quote="| Llama 3.1 405B | QLoRA | 8x A100 | 44.8 GB  | 653  |",
-         reason="QLoRA (torchao NF4) under 8-GPU FSDP2: memfit does not combine qlora with parallel=fsdp yet (the "
-                "pair has no truth run)."),
     dict(id="tt-3b-baseline", source=TT_README, quote="| Baseline | 25.5 | - | 2091 | - |",
          reason="unpacked alpaca batches: the peak batch's length is not published."),
     dict(id="ao-llama2-7b-x4", source=AO_README,

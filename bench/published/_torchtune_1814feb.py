@@ -47,6 +47,9 @@ CONFIGS = {
     "llama3_1_70b": dict(vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192,
                          max_seq_len=131_072, intermediate_dim=28_672, norm_eps=1e-5, rope_base=500_000,
                          scale_factor=8, tied=False),
+    "llama3_1_405b": dict(vocab_size=128_256, num_layers=126, num_heads=128, num_kv_heads=8, embed_dim=16_384,
+                          max_seq_len=8192, intermediate_dim=53_248, norm_eps=1e-5, rope_base=500_000,
+                          scale_factor=8, tied=False),
 }
 
 

@@ -60,13 +60,16 @@ class CudaSemantics:
             if pinned:
                 self.pinned = self.pinned | made
 
-    def host_tensor(self, tensor: torch.Tensor) -> None:
-        """``tensor``'s storage (each record of it) is in host memory: for tensors found after they were made
-        (DeepSpeed's offloaded partitions, by the attributes it keeps them in)."""
+    def host_tensor(self, tensor: torch.Tensor, pinned: bool = False) -> None:
+        """``tensor``'s storage (each record of it) is in host memory, ``pinned`` or not: for tensors found after they
+        were made (DeepSpeed's offloaded partitions, by the attributes it keeps them in, and what it pins)."""
         for one in plain(tensor):
             index = self._ids.get(one.untyped_storage())
             if index is not None:
-                self.host = self.host | frozenset(self._chain.get(self._first.get(index, index), (index,)))
+                chain = frozenset(self._chain.get(self._first.get(index, index), (index,)))
+                self.host = self.host | chain
+                if pinned:
+                    self.pinned = self.pinned | chain
 
     @contextlib.contextmanager
     def on_stream(self, stream: int):

@@ -199,12 +199,13 @@ def _optimizer_offloaded(ledger, recipe):
     view.records = [dataclasses.replace(r, nbytes=_pow2(r.nbytes)) if i in ledger.pinned else r
                     for i, r in enumerate(ledger.records)]
     on_host = replay_log(LedgerView(view, host, spikes=False), [0] * len(ledger.sites))
-    # ZeRO-Offload's pinning (its config's pin_memory) is not read: unknown, not 0
-    pinned = sum(_pow2(ledger.records[i].nbytes) for i in ledger.pinned) if ledger.pinned else None
+    # ZeRO-Offload pins what its sections' pin_memory say (DeepSpeed's default: nothing): the most page-locked at once
+    pinned = replay_log(LedgerView(view, set(ledger.pinned), spikes=False), [0] * len(ledger.sites)).peak_bytes \
+        if ledger.pinned else 0
     if getattr(recipe, "parallel", "none").startswith("zero"):
         note = (f"ZeRO-Offload ({recipe.zero}): the offloaded partitions and the optimizer step on the host: "
-                f"{format_size(on_host.peak_bytes)} of host RAM at its peak (pinned or not as the config's pin_memory "
-                "says; not read); each gradient partition crosses the host link to it and each updated one back")
+                f"{format_size(on_host.peak_bytes)} of host RAM at its peak, {format_size(pinned)} of it pinned (the "
+                "sections' pin_memory); each gradient partition crosses the host link to it and each updated one back")
     else:
         note = (f"offload_optimizer: a pinned copy of each parameter and gradient and the optimizer step on the host "
                 f"(torchao's CPUOffloadOptimizer): {format_size(on_host.peak_bytes)} of host RAM at its peak, "

@@ -48,6 +48,10 @@ def zero_conflict(recipe) -> str | None:
                 f"itself (its {dtype} section: {dtype} weights, fp32 master partitions); set precision={dtype}")
     if zero.get("offload_param") != "none" and stage != 3:
         return "zero offload_param=cpu needs parallel=zero3 (DeepSpeed offloads parameters in stage 3 only)"
+    for key in ("offload_optimizer", "offload_param"):
+        if f"{key}_pin_memory" in dict(zero.settings) and zero.get(key) == "none":
+            return (f"zero {key}_pin_memory={str(zero.get(f'{key}_pin_memory')).lower()} needs {key}=cpu: it says "
+                    "whether that offload's host partitions are pinned")
     for name in ("tp", "pp", "ep", "cp"):
         if getattr(recipe, name) > 1:
             return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit runs DeepSpeed "
@@ -101,8 +105,9 @@ def _quiet_import():
 
 
 @contextlib.contextmanager
-def _on_fake(place):
-    """What the engine needs to run on fake tensors over a fake world (the module docstring's five), for the block."""
+def _on_fake(place, watch=None):
+    """What the engine needs to run on fake tensors over a fake world (the module docstring's five), for the block;
+    with ``watch`` (a trace for a card), what DeepSpeed pins is marked its pinned host memory (``_pinning``)."""
     import logging
 
     import torch
@@ -124,6 +129,10 @@ def _on_fake(place):
     logger = logging.getLogger("DeepSpeed")
     with contextlib.ExitStack() as scope:
         scope.enter_context(_on_cpu())
+        if watch is not None and hasattr(watch, "host_tensor"):
+            from deepspeed.accelerator import get_accelerator
+
+            scope.enter_context(patched(get_accelerator(), "pin_memory", _pinning(watch)))
         scope.enter_context(patched(torch.Tensor, "data_ptr", data_ptr))
         for name in ("assert_ints_same_as_other_ranks", "assert_lst_len_same_as_other_ranks"):
             if hasattr(coordinator, name):
@@ -133,6 +142,19 @@ def _on_fake(place):
         os.environ.update(env)
         logger.setLevel(logging.ERROR)  # its start-up lines, once per estimate
         yield
+
+
+def _pinning(watch):
+    """The accelerator's ``pin_memory`` on a trace for a card: what DeepSpeed pins (its offload sections'
+    ``pin_memory``: the host partitions, their gradients, staging buffers) is page-locked host memory there
+    (``cudaHostAlloc``, served in powers of two: ``estimator/trace.py``). The CPU accelerator's own is a no-op that
+    returns the tensor, and so does this one: on a card the pinned copy replaces a tensor just made."""
+
+    def pin_memory(tensor, *args, **kwargs):
+        watch.host_tensor(tensor, pinned=True)
+        return tensor
+
+    return pin_memory
 
 
 def _restore(saved: dict) -> None:
@@ -258,7 +280,7 @@ def zero_engine(build, place) -> None:
 
     def scope():
         if place.fake:
-            return _on_fake(place)
+            return _on_fake(place, build.watch if offload else None)
         # a real run: the accelerator of its process group (the model may be built on the host, the engine moves it)
         return _on_cuda() if _nccl() else _on_cpu()
 

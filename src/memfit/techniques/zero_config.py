@@ -2,8 +2,9 @@
 models, by DeepSpeed's own names), the stages of ``parallel`` and ``ds_config`` (the whole config that runs a recipe).
 
 Kept apart from ``deepspeed.py`` (the engine on fake tensors) so that reading a ds_config.json or writing one needs no
-DeepSpeed installed. Left out: the keys ``_UNMODELLED`` names (each refused in one line), NVMe offload, a partial
-offload ``ratio``.
+DeepSpeed installed. Left out: the keys ``_UNMODELLED`` names (each refused in one line), NVMe offload (DeepSpeed's
+swapper needs its async_io op, built against libaio, which these machines cannot install: no truth to hold it to), a
+partial offload ``ratio``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ _KEYS = {
     "sub_group_size": ("int", 1_000_000_000),
     "offload_optimizer": ("offload", "none"),
     "offload_param": ("offload", "none"),
+    # each offload section's pin_memory (true in 0.19.8's offload_config.py): which host partitions are page-locked
+    "offload_optimizer_pin_memory": ("bool", True),
+    "offload_param_pin_memory": ("bool", True),
     "grad_accum_dtype": ("dtype", None),  # ds_config's data_types.grad_accum_dtype (None: the model's dtype)
 }
 # keys DeepSpeed has and memfit does not model: refused by name rather than run as if absent
@@ -132,7 +136,7 @@ class ZeroConfig:
     @classmethod
     def from_ds(cls, zero: dict, data_types: dict | None = None) -> "ZeroConfig":
         """From a ds_config's ``zero_optimization`` section (and ``data_types``): ``stage`` is the caller's, offload
-        sections read by their ``device`` (``pin_memory`` and buffer counts change no device byte)."""
+        sections read by their ``device`` and ``pin_memory`` (``<section>_pin_memory``; buffer counts change no byte)."""
         values = {}
         for key, value in zero.items():
             if key == "stage":
@@ -142,6 +146,8 @@ class ZeroConfig:
                 if ratio not in (1, 1.0, None):
                     raise MemfitError(f"zero_optimization.{key}.ratio={ratio}: a partial offload is not modelled "
                                       "yet; drop ratio (1: all)")
+                if value.get("pin_memory") is not None:
+                    values[f"{key}_pin_memory"] = value["pin_memory"]
                 value = value.get("device", "none") or "none"
             values[key] = value
         if data_types and data_types.get("grad_accum_dtype") is not None:
@@ -159,9 +165,12 @@ class ZeroConfig:
         """The ``zero_optimization`` section DeepSpeed is given."""
         section = {"stage": stage}
         for key, value in self.settings:
-            if key == "grad_accum_dtype":
+            if key == "grad_accum_dtype" or key.endswith("_pin_memory"):
                 continue
             section[key] = {"device": value} if key.startswith("offload_") else value
+        for key in ("offload_optimizer", "offload_param"):
+            if f"{key}_pin_memory" in dict(self.settings):
+                section.setdefault(key, {"device": "none"})["pin_memory"] = self.get(f"{key}_pin_memory")
         return section
 
 
