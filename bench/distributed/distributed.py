@@ -80,6 +80,12 @@ CASES = [
     # LoRA row's peak, bench/published)
     ("fsdp-lora-wide-blocks", WIDE, 2, {"parallel": "fsdp", "precision": "bf16", "lora": "lora:8",
                                         "checkpointing": "blocks"}, 4, 1),
+    # torchtune's distributed QLoRA: torchao's NF4 weights sharded and gathered through their own FSDP2 hooks
+    ("fsdp-qlora-nf4-wide-blocks", WIDE, 2, {"parallel": "fsdp", "precision": "bf16", "lora": "qlora:8",
+                                             "quant_impl": "torchao", "lora_dtype": "bf16", "checkpointing": "blocks"},
+     4, 1),
+    ("fsdp-qlora-nf4-4", WIDE, 4, {"parallel": "fsdp", "precision": "bf16-mixed", "lora": "qlora:8",
+                                   "quant_impl": "torchao"}, 4, 1),
     ("fsdp-shard-modules-offload-checkpointing", UNEVEN, 4, {"parallel": "fsdp", "shard_modules": "embed_tokens,lm_head",
                                                             "offload": "cpu-unpinned", "checkpointing": "blocks"}, 4, 1),
     ("fsdp-bert-tied", BERT, 2, {"parallel": "fsdp"}, 4, 1),
