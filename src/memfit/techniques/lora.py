@@ -343,7 +343,9 @@ def _conflicts(r):
     for name, default in _DEFAULTS.items():
         value = getattr(r, name)
         if value != default and r.lora == "off":
-            yield f"{name}={value} and lora=off conflict: it shapes the adapters; set lora=lora or lora=qlora"
+            quantises = name in ("quantize_targets", "quant_impl")
+            yield (f"{name}={value} and lora=off conflict: it shapes "
+                   + ("QLoRA's 4-bit layers; set lora=qlora" if quantises else "the adapters; set lora=lora or lora=qlora"))
     if r.lora_dtype == "bf16" and r.lora != "off" and r.precision != "bf16":
         yield (f"lora_dtype=bf16 and precision={r.precision} conflict: bf16 adapters belong to pure bf16 "
                "weights; use precision=bf16 or lora_dtype=fp32")
