@@ -30,7 +30,7 @@ import contextlib
 import os
 
 from memfit.errors import MemfitError
-from memfit.techniques.deepspeed_offload import held_tensors, hosted_step, mark as offload_mark
+from memfit.techniques.deepspeed_offload import held_tensors, hosted_step, mark as offload_mark, pinning
 from memfit.techniques.spec import Field, Technique
 from memfit.techniques.zero_config import VERSION, ZeroConfig, check_zero, ds_config, zero_stage
 
@@ -107,7 +107,7 @@ def _quiet_import():
 @contextlib.contextmanager
 def _on_fake(place, watch=None):
     """What the engine needs to run on fake tensors over a fake world (the module docstring's five), for the block;
-    with ``watch`` (a trace for a card), what DeepSpeed pins is marked its pinned host memory (``_pinning``)."""
+    with ``watch`` (a trace for a card), what DeepSpeed pins is marked its pinned host memory (``pinning``)."""
     import logging
 
     import torch
@@ -132,7 +132,7 @@ def _on_fake(place, watch=None):
         if watch is not None and hasattr(watch, "host_tensor"):
             from deepspeed.accelerator import get_accelerator
 
-            scope.enter_context(patched(get_accelerator(), "pin_memory", _pinning(watch)))
+            scope.enter_context(patched(get_accelerator(), "pin_memory", pinning(watch)))
         scope.enter_context(patched(torch.Tensor, "data_ptr", data_ptr))
         for name in ("assert_ints_same_as_other_ranks", "assert_lst_len_same_as_other_ranks"):
             if hasattr(coordinator, name):
@@ -142,19 +142,6 @@ def _on_fake(place, watch=None):
         os.environ.update(env)
         logger.setLevel(logging.ERROR)  # its start-up lines, once per estimate
         yield
-
-
-def _pinning(watch):
-    """The accelerator's ``pin_memory`` on a trace for a card: what DeepSpeed pins (its offload sections'
-    ``pin_memory``: the host partitions, their gradients, staging buffers) is page-locked host memory there
-    (``cudaHostAlloc``, served in powers of two: ``estimator/trace.py``). The CPU accelerator's own is a no-op that
-    returns the tensor, and so does this one: on a card the pinned copy replaces a tensor just made."""
-
-    def pin_memory(tensor, *args, **kwargs):
-        watch.host_tensor(tensor, pinned=True)
-        return tensor
-
-    return pin_memory
 
 
 def _restore(saved: dict) -> None:

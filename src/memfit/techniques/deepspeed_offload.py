@@ -17,14 +17,15 @@ with ``offload_optimizer``: ``fp32_partitioned_groups_flat`` and gradients, ``gr
 copies (``param_groups_fp16_flat_cpu_memory``, ``lp_param_contiguous_pin_buffer``,
 ``lp_grad_partitions_flat_pin_buffers``).
 
-Left out: which host bytes are pinned (``pin_memory`` is not read: ``pinned_bytes`` stays 0), the GPU's
+Which host bytes are pinned: what DeepSpeed hands the accelerator's ``pin_memory`` (``pinning``; each offload
+section's ``pin_memory``, true by default). Left out: the GPU's
 transient copies of what crosses the host link (the fake ``.to(accelerator)`` of a host tensor is a no-op on
 the CPU accelerator), NVMe (refused). Not yet checked on a GPU: the CPU truths hold the two sides' sum.
 """
 
 from __future__ import annotations
 
-__all__ = ["mark", "hosted_step", "held_tensors"]
+__all__ = ["mark", "hosted_step", "held_tensors", "pinning"]
 
 _STAGE_1_2 = ("single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
               "accumulated_grads_in_cpu", "temp_grad_buffer_for_cpu_offload")
@@ -75,3 +76,16 @@ def hosted_step(base, watch) -> None:
             return step(*args, **kwargs)
 
     base.step = on_host
+
+
+def pinning(watch):
+    """The accelerator's ``pin_memory`` on a trace for a card: what DeepSpeed pins (its offload sections'
+    ``pin_memory``: the host partitions, their gradients, staging buffers) is page-locked host memory there
+    (``cudaHostAlloc``, served in powers of two: ``estimator/trace.py``). The CPU accelerator's own is a no-op that
+    returns the tensor, and so does this one: on a card the pinned copy replaces a tensor just made."""
+
+    def pin_memory(tensor, *args, **kwargs):
+        watch.host_tensor(tensor, pinned=True)
+        return tensor
+
+    return pin_memory
