@@ -238,6 +238,13 @@ def test_bad_input_is_one_line(configs, kwargs, words):
     assert "\n" not in str(err.value)
 
 
+def test_nf4_that_does_not_split_into_whole_groups_per_rank_is_one_line(configs):
+    recipe = {"parallel": "fsdp", "lora": "qlora:8", "quant_impl": "torchao", "precision": "bf16-mixed"}
+    with pytest.raises(MemfitError, match="over 8 ranks cannot shard .*q_proj.* in torchao's NF4: .* 65536 weights") as err:
+        _estimate(configs["nf4"], recipe, gpus=8, batch=8)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("recipe, words", [
     ({"parallel": "fsdp", "chunked_loss": 4}, "parallel=fsdp and chunked_loss=4 conflict"),
     ({"parallel": "fsdp", "compile": True}, "parallel=fsdp and compile=True conflict"),

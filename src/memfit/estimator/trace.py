@@ -199,7 +199,7 @@ def _optimizer_offloaded(ledger, recipe):
     view.records = [dataclasses.replace(r, nbytes=_pow2(r.nbytes)) if i in ledger.pinned else r
                     for i, r in enumerate(ledger.records)]
     on_host = replay_log(LedgerView(view, host, spikes=False), [0] * len(ledger.sites))
-    # ZeRO-Offload pins what its sections' pin_memory say (DeepSpeed's default: nothing): the most page-locked at once
+    # ZeRO-Offload pins what its sections' pin_memory say (true by default in 0.19.8): the most page-locked at once
     pinned = replay_log(LedgerView(view, set(ledger.pinned), spikes=False), [0] * len(ledger.sites)).peak_bytes \
         if ledger.pinned else 0
     if getattr(recipe, "parallel", "none").startswith("zero"):

@@ -27,7 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from memfit.errors import MemfitError
 from memfit.scoped import patched
 
-__all__ = ["bnb_module", "quantized_linear", "nf4_linear", "nf4_module", "QUANT_IMPLS", "quant_state_tensors", "quantize_pending", "pending_settings"]
+__all__ = ["bnb_module", "quantized_linear", "nf4_linear", "nf4_module", "QUANT_IMPLS", "quant_state_tensors",
+           "quantize_pending", "pending_settings"]
 
 
 def bnb_module():

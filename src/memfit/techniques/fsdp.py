@@ -89,6 +89,11 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
 
     mesh = place.mesh if build.recipe.shard_over == "node" else place.flat
     shards = mesh.shape[-1]
+    for name, p in build.model.named_parameters():  # torchao's NF4 splits only whole groups of its codes per rank
+        if type(p).__name__ == "NF4Tensor" and (p.shape[0] % shards or p.numel() % (shards * 64 * 256)):
+            raise MemfitError(f"parallel=fsdp over {shards} ranks cannot shard {name} in torchao's NF4: each rank's share "
+                              f"of its {p.numel()} weights must be whole 16384-weight groups; use fewer GPUs, or "
+                              "leave it out with quantize_targets")
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
     if uneven is not None:
         place.notes["uneven"] = uneven  # the last rank's shards are smaller: estimate.py traces it too
