@@ -59,6 +59,8 @@ def test_the_cli_refuses_a_bad_zero_setting_in_one_line(capsys):
     (dict(parallel="zero3", offload="cpu"), "DeepSpeed's own: zero offload_optimizer=cpu"),
     (dict(parallel="fsdp", zero="overlap_comm=true"), "needs parallel=zero1, zero2 or zero3"),
     (dict(parallel="zero2", zero="offload_optimizer_pin_memory=false"), "needs offload_optimizer=cpu"),
+    (dict(parallel="zero3", lora="qlora:8", precision="bf16"), "ZeRO-3 would partition the 4-bit weights too"),
+    (dict(parallel="zero2", lora="qlora:8", precision="bf16", quant_impl="torchao"), "use quant_impl=bnb"),
 ])
 def test_what_zero_cannot_be_combined_with_is_one_line(recipe, fix):
     assert fix in zero_conflict(_unchecked(recipe))

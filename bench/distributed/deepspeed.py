@@ -50,6 +50,10 @@ CASES = {
     "z2-fp32": dict(parallel="zero2", zero="reduce_bucket_size=50000", attention="eager"),
     "z2-accumulation": dict(parallel="zero2", zero="reduce_bucket_size=50000", grad_accum_steps=2, **BF16),
     "z2-offload": dict(parallel="zero2", zero="reduce_bucket_size=50000,offload_optimizer=cpu", **BF16),
+    # QLoRA (bitsandbytes' NF4) under ZeRO-2: the 4-bit base whole on each rank, the adapters' states partitioned
+    "z2-qlora": dict(parallel="zero2", zero="reduce_bucket_size=50000", lora="qlora:8", **BF16),
+    "z2-qlora-offload": dict(parallel="zero2", zero="reduce_bucket_size=50000,offload_optimizer=cpu", lora="qlora:8",
+                             **BF16),
     "z3": dict(parallel="zero3", **BF16),
     "z3-small": dict(parallel="zero3", zero="reduce_bucket_size=50000,stage3_prefetch_bucket_size=50000,"
                      "stage3_param_persistence_threshold=1000,stage3_max_live_parameters=300000,"

@@ -18,7 +18,10 @@ runs. The optimizer is memfit's (the recipe's, a client optimizer as the
 Hugging Face Trainer passes its own); DeepSpeed's ``bf16`` / ``fp16`` sections follow ``precision`` (``bf16``: the
 model cast to bf16 by the engine, fp32 master partitions).
 
-Left out (each refused in one line): NVMe offload, ZeRO++ (``zero_quantized_*``, ``zero_hpz_partition_size``), MiCS,
+QLoRA (bitsandbytes' 4-bit base, frozen, whole on every rank) runs under stages 1 and 2: the engine partitions only
+the adapters' gradients and states (``bench/distributed/deepspeed.py``'s ``z2-qlora`` cases).
+
+Left out (each refused in one line): QLoRA under ZeRO-3 and in torchao's NF4, NVMe offload, ZeRO++ (``zero_quantized_*``, ``zero_hpz_partition_size``), MiCS,
 ZenFlow, ``super_offload``, an offload ``ratio`` below 1; tensor/pipeline/expert/context parallelism with ZeRO;
 CUDA streams (``overlap_comm`` on a GPU frees a reduced bucket when its side stream catches up: the sizes here, the
 timing not); fp16 truths (the CPU runs bf16 and fp32 only).
@@ -32,46 +35,9 @@ import os
 from memfit.errors import MemfitError
 from memfit.techniques.deepspeed_offload import held_tensors, hosted_step, mark as offload_mark, pinning
 from memfit.techniques.spec import Field, Technique
-from memfit.techniques.zero_config import VERSION, ZeroConfig, check_zero, ds_config, zero_stage
+from memfit.techniques.zero_config import VERSION, ZeroConfig, check_zero, ds_config, zero_conflict, zero_stage
 
 __all__ = ["TECHNIQUE", "zero_conflict", "torch_as_found"]
-
-def zero_conflict(recipe) -> str | None:
-    """One line naming what a ZeRO recipe cannot have (None: nothing)."""
-    stage = zero_stage(recipe)
-    if not stage:
-        return f"zero={recipe.zero} needs parallel=zero1, zero2 or zero3 (DeepSpeed ZeRO)" if recipe.zero else None
-    zero = ZeroConfig.parse(recipe.zero)
-    if str(recipe.precision).endswith("-mixed"):
-        dtype = str(recipe.precision).split("-")[0]
-        return (f"parallel={recipe.parallel} and precision={recipe.precision} conflict: DeepSpeed casts the model "
-                f"itself (its {dtype} section: {dtype} weights, fp32 master partitions); set precision={dtype}")
-    if zero.get("offload_param") != "none" and stage != 3:
-        return "zero offload_param=cpu needs parallel=zero3 (DeepSpeed offloads parameters in stage 3 only)"
-    for key in ("offload_optimizer", "offload_param"):
-        if f"{key}_pin_memory" in dict(zero.settings) and zero.get(key) == "none":
-            return (f"zero {key}_pin_memory={str(zero.get(f'{key}_pin_memory')).lower()} needs {key}=cpu: it says "
-                    "whether that offload's host partitions are pinned")
-    for name in ("tp", "pp", "ep", "cp"):
-        if getattr(recipe, name) > 1:
-            return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit runs DeepSpeed "
-                    f"ZeRO as data parallelism alone; drop {name}")
-    for name, bad in (("offload", recipe.offload != "none"), ("offload_optimizer", bool(recipe.offload_optimizer)),
-                      ("optimizer_in_backward", bool(recipe.optimizer_in_backward)),
-                      ("compile", bool(recipe.compile)), ("chunked_loss", bool(recipe.chunked_loss)),
-                      ("lora", str(recipe.lora).startswith("qlora")), ("safe_step", bool(recipe.safe_step)),
-                      ("optimizer", any(k in str(recipe.optimizer) for k in ("8bit", "4bit", "paged", "fp8")))):
-        if bad:
-            hint = " (DeepSpeed's own: zero offload_optimizer=cpu)" if name.startswith("offload") else ""
-            return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit has not checked "
-                    f"that pair against a real DeepSpeed run; drop {name}{hint}")
-    for name, default in (("reshard_after_forward", "true"), ("mixed_precision", "none"), ("construction", "meta"),
-                          ("shard_over", "node"), ("shard_modules", "")):
-        if str(getattr(recipe, name)) != default:
-            return (f"{name}={getattr(recipe, name)} is FSDP2's; with parallel={recipe.parallel} drop it (zero= holds "
-                    "DeepSpeed's settings)")
-    return None
-
 
 def _deepspeed():
     try:

@@ -13,7 +13,7 @@ import dataclasses
 
 from memfit.errors import MemfitError, shown
 
-__all__ = ["ZeroConfig", "STAGES", "VERSION", "zero_stage", "ds_config", "check_zero", "resolve_auto"]
+__all__ = ["ZeroConfig", "STAGES", "VERSION", "zero_stage", "ds_config", "check_zero", "resolve_auto", "zero_conflict"]
 
 #: parallel values that are DeepSpeed ZeRO stages
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -213,3 +213,46 @@ def ds_config(recipe, world_size: int, micro_batch_size: int = 1, hidden: int | 
     if zero.get("grad_accum_dtype") is not None:
         config["data_types"] = {"grad_accum_dtype": zero.get("grad_accum_dtype")}
     return config
+
+
+_QLORA_ZERO3 = ("ZeRO-3 would partition the 4-bit weights too (transformers' bnb_4bit_quant_storage), not modelled; use "
+                "zero2 (the 4-bit base whole on each rank), or parallel=fsdp with quant_impl=torchao")
+_NF4 = "DeepSpeed's engine views each parameter's bytes, which torchao's NF4Tensor refuses; use quant_impl=bnb"
+
+
+def zero_conflict(recipe) -> str | None:
+    """One line naming what a ZeRO recipe cannot have (None: nothing)."""
+    stage = zero_stage(recipe)
+    if not stage:
+        return f"zero={recipe.zero} needs parallel=zero1, zero2 or zero3 (DeepSpeed ZeRO)" if recipe.zero else None
+    zero = ZeroConfig.parse(recipe.zero)
+    if str(recipe.precision).endswith("-mixed"):
+        dtype = str(recipe.precision).split("-")[0]
+        return (f"parallel={recipe.parallel} and precision={recipe.precision} conflict: DeepSpeed casts the model "
+                f"itself (its {dtype} section: {dtype} weights, fp32 master partitions); set precision={dtype}")
+    if zero.get("offload_param") != "none" and stage != 3:
+        return "zero offload_param=cpu needs parallel=zero3 (DeepSpeed offloads parameters in stage 3 only)"
+    for key in (k for k in ("offload_optimizer", "offload_param") if f"{k}_pin_memory" in dict(zero.settings)):
+        if zero.get(key) == "none":
+            return f"zero {key}_pin_memory needs {key}=cpu: it says whether that offload's host partitions are pinned"
+    if str(recipe.lora).startswith("qlora") and (stage == 3 or recipe.quant_impl != "bnb"):
+        return f"parallel={recipe.parallel} and lora={recipe.lora} conflict: " + (_QLORA_ZERO3 if stage == 3 else _NF4)
+    for name in ("tp", "pp", "ep", "cp"):
+        if getattr(recipe, name) > 1:
+            return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit runs DeepSpeed "
+                    f"ZeRO as data parallelism alone; drop {name}")
+    for name, bad in (("offload", recipe.offload != "none"), ("offload_optimizer", bool(recipe.offload_optimizer)),
+                      ("optimizer_in_backward", bool(recipe.optimizer_in_backward)),
+                      ("compile", bool(recipe.compile)), ("chunked_loss", bool(recipe.chunked_loss)),
+                      ("safe_step", bool(recipe.safe_step)),
+                      ("optimizer", any(k in str(recipe.optimizer) for k in ("8bit", "4bit", "paged", "fp8")))):
+        if bad:
+            hint = " (DeepSpeed's own: zero offload_optimizer=cpu)" if name.startswith("offload") else ""
+            return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit has not checked "
+                    f"that pair against a real DeepSpeed run; drop {name}{hint}")
+    for name, default in (("reshard_after_forward", "true"), ("mixed_precision", "none"), ("construction", "meta"),
+                          ("shard_over", "node"), ("shard_modules", "")):
+        if str(getattr(recipe, name)) != default:
+            return (f"{name}={getattr(recipe, name)} is FSDP2's; with parallel={recipe.parallel} drop it (zero= holds "
+                    "DeepSpeed's settings)")
+    return None
