@@ -59,11 +59,30 @@ def test_the_cli_refuses_a_bad_zero_setting_in_one_line(capsys):
     (dict(parallel="zero3", offload="cpu"), "DeepSpeed's own: zero offload_optimizer=cpu"),
     (dict(parallel="fsdp", zero="overlap_comm=true"), "needs parallel=zero1, zero2 or zero3"),
     (dict(parallel="zero2", zero="offload_optimizer_pin_memory=false"), "needs offload_optimizer=cpu"),
-    (dict(parallel="zero3", lora="qlora:8", precision="bf16"), "ZeRO-3 would partition the 4-bit weights too"),
     (dict(parallel="zero2", lora="qlora:8", precision="bf16", quant_impl="torchao"), "use quant_impl=bnb"),
 ])
 def test_what_zero_cannot_be_combined_with_is_one_line(recipe, fix):
     assert fix in zero_conflict(_unchecked(recipe))
+
+
+def test_qlora_under_zero3_partitions_the_4bit_codes_packed_as_bf16(tmp_path):
+    """ZeRO-3 partitions every weight: bitsandbytes' codes are packed as bf16 (transformers' bnb_4bit_quant_storage),
+    the same bytes, split over the ranks; under ZeRO-2 each rank holds the whole 4-bit base."""
+    from memfit.techniques.lora import prepare_lora
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    common = dict(batch_size=2, seq_len=32, gpus=2, device="cpu")
+    reports = {stage: memfit.estimate(str(path), recipe=Recipe(parallel=stage, precision="bf16", lora="qlora:8"),
+                                      **common) for stage in ("zero2", "zero3")}
+    assert reports["zero3"].by_category["parameters"] < 0.75 * reports["zero2"].by_category["parameters"]
+    import torch
+    import transformers as tf
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"}))
+    prepare_lora(model, Recipe(parallel="zero3", precision="bf16", lora="qlora:8"))
+    four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert four_bit and all(w.dtype == torch.bfloat16 and w.quant_storage == torch.bfloat16 for w in four_bit)
 
 
 def _unchecked(values):

@@ -60,6 +60,11 @@ CASES = {
                      "stage3_max_reuse_distance=0", **BF16),
     "z3-offload": dict(parallel="zero3", zero="reduce_bucket_size=50000,offload_optimizer=cpu,offload_param=cpu",
                        **BF16),
+    # QLoRA under ZeRO-3: the 4-bit codes packed as bf16 (transformers' bnb_4bit_quant_storage) and partitioned
+    "z3-qlora": dict(parallel="zero3", zero="reduce_bucket_size=50000,stage3_prefetch_bucket_size=50000,"
+                     "stage3_param_persistence_threshold=1000", lora="qlora:8", **BF16),
+    "z3-qlora-offload": dict(parallel="zero3", zero="reduce_bucket_size=50000,offload_optimizer=cpu,offload_param=cpu",
+                             lora="qlora:8", **BF16),
 }
 
 

@@ -101,14 +101,15 @@ def nf4_linear(linear: torch.nn.Linear, nf4=None, dtype=torch.bfloat16) -> torch
     return linear
 
 
-def quantized_linear(linear: torch.nn.Linear, bnb, compute_dtype=torch.bfloat16) -> torch.nn.Module:
+def quantized_linear(linear: torch.nn.Linear, bnb, compute_dtype=torch.bfloat16, storage=torch.uint8) -> torch.nn.Module:
     """A bitsandbytes ``Linear4bit`` (NF4-DQ, ``compute_dtype`` compute: QLoRA's bf16 by default) holding
-    ``linear``'s weight, quantised."""
+    ``linear``'s weight, quantised; its packed codes typed ``storage`` (transformers' ``bnb_4bit_quant_storage``:
+    bf16 lets ZeRO-3 partition them as it does the model's other weights)."""
     with unset_fake_temporarily():
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   device="meta", compute_dtype=compute_dtype, compress_statistics=True,
-                                  quant_type="nf4")
-    _quantize_into(layer, linear.weight.detach(), NF4_DQ)
+                                  quant_type="nf4", quant_storage=storage)
+    _quantize_into(layer, linear.weight.detach(), dict(NF4_DQ, quant_storage=storage))
     if linear.bias is not None:  # Linear4bit casts its bias to the compute dtype on first use; do it now
         layer.bias = torch.nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
     layer.compute_type_is_set = True
@@ -123,7 +124,7 @@ def _quantize_into(layer, weight: torch.Tensor, settings: dict) -> None:
     if isinstance(packed, FakeTensor):
         _fake_state(state, packed.fake_mode)
         param = torch.nn.Parameter(packed, requires_grad=False)  # a FakeTensor marked as a parameter
-        for name, value in dict(settings, quant_storage=torch.uint8, bnb_quantized=True, module=layer).items():
+        for name, value in dict({"quant_storage": torch.uint8}, **settings, bnb_quantized=True, module=layer).items():
             setattr(param, name, value)
         param.quant_state = state
     else:

@@ -18,10 +18,12 @@ runs. The optimizer is memfit's (the recipe's, a client optimizer as the
 Hugging Face Trainer passes its own); DeepSpeed's ``bf16`` / ``fp16`` sections follow ``precision`` (``bf16``: the
 model cast to bf16 by the engine, fp32 master partitions).
 
-QLoRA (bitsandbytes' 4-bit base, frozen, whole on every rank) runs under stages 1 and 2: the engine partitions only
-the adapters' gradients and states (``bench/distributed/deepspeed.py``'s ``z2-qlora`` cases).
+QLoRA (bitsandbytes' 4-bit base, frozen) runs under every stage: under 1 and 2 the base stays whole on every rank and
+the engine partitions the adapters' gradients and states; under 3 the codes are packed as bf16 (transformers'
+``bnb_4bit_quant_storage``, ``lora.py``) and partitioned and gathered like any weight (``bench/distributed/deepspeed.py``'s
+``z2-qlora`` and ``z3-qlora`` cases).
 
-Left out (each refused in one line): QLoRA under ZeRO-3 and in torchao's NF4, NVMe offload, ZeRO++ (``zero_quantized_*``, ``zero_hpz_partition_size``), MiCS,
+Left out (each refused in one line): QLoRA in torchao's NF4, NVMe offload, ZeRO++ (``zero_quantized_*``, ``zero_hpz_partition_size``), MiCS,
 ZenFlow, ``super_offload``, an offload ``ratio`` below 1; tensor/pipeline/expert/context parallelism with ZeRO;
 CUDA streams (``overlap_comm`` on a GPU frees a reduced bucket when its side stream catches up: the sizes here, the
 timing not); fp16 truths (the CPU runs bf16 and fp32 only).

@@ -252,7 +252,7 @@ NF4_GROUP = 64 * 256  # torchao's to_nf4: a layer's weights come in blocks of 64
 
 
 def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR,
-                  compute_dtype=torch.bfloat16, impl: str = "bnb") -> torch.nn.Module:
+                  compute_dtype=torch.bfloat16, impl: str = "bnb", storage=torch.uint8) -> torch.nn.Module:
     """Replace the ``nn.Linear`` layers ``targets`` names (``quantize_targets``; ``adapted`` reads
     ``lora_targets``) by 4-bit ones computing in ``compute_dtype``, in place (once): bitsandbytes'
     ``Linear4bit`` (``impl="bnb"``) or the same layer holding torchao's ``NF4Tensor`` (``"torchao"``).
@@ -276,7 +276,7 @@ def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_target
         owner = model.get_submodule(parent) if parent else model
         layer = getattr(owner, child)
         if impl == "bnb":
-            setattr(owner, child, quantized_linear(layer, lib, compute_dtype))
+            setattr(owner, child, quantized_linear(layer, lib, compute_dtype, storage))
         elif layer.weight.numel() % NF4_GROUP:
             raise MemfitError(f"quant_impl=torchao cannot quantise {name}: torchao's NF4 takes {NF4_GROUP}-weight groups "
                               f"(blocks of 64, scalers in blocks of 256) and it has {layer.weight.numel()}; leave it out "
@@ -302,8 +302,15 @@ def prepare_lora(model: torch.nn.Module, recipe) -> list[torch.Tensor]:
         with unset_fake_temporarily():
             _peft()
     if kind == "qlora":
-        quantize_base(model, recipe.quantize_targets, recipe.lora_targets, impl=recipe.quant_impl)
+        quantize_base(model, recipe.quantize_targets, recipe.lora_targets, impl=recipe.quant_impl,
+                      storage=_storage(recipe))
     return quant_state_tensors(model)
+
+
+def _storage(recipe):
+    """The dtype bitsandbytes packs 4-bit codes in: uint8, or under ZeRO-3, which partitions every weight, bf16
+    (transformers' ``bnb_4bit_quant_storage``, as its DeepSpeed QLoRA guide sets it; the same bytes)."""
+    return torch.bfloat16 if recipe.parallel == "zero3" else torch.uint8
 
 
 MAX_LORA_RANK = 65536
@@ -325,7 +332,7 @@ def _apply(build) -> None:
     r = build.recipe
     kind, rank = lora_plan(r.lora)
     if kind == "qlora":  # once: a model already quantised (see ``trace``) is left as it is
-        quantize_base(build.model, r.quantize_targets, r.lora_targets, impl=r.quant_impl)
+        quantize_base(build.model, r.quantize_targets, r.lora_targets, impl=r.quant_impl, storage=_storage(r))
     if kind in ("lora", "qlora"):
         build.model = apply_lora(build.model, rank=rank, targets=r.lora_targets, alpha=r.lora_alpha,
                                  dropout=r.lora_dropout, dtype=r.lora_dtype)

@@ -215,8 +215,6 @@ def ds_config(recipe, world_size: int, micro_batch_size: int = 1, hidden: int | 
     return config
 
 
-_QLORA_ZERO3 = ("ZeRO-3 would partition the 4-bit weights too (transformers' bnb_4bit_quant_storage), not modelled; use "
-                "zero2 (the 4-bit base whole on each rank), or parallel=fsdp with quant_impl=torchao")
 _NF4 = "DeepSpeed's engine views each parameter's bytes, which torchao's NF4Tensor refuses; use quant_impl=bnb"
 
 
@@ -235,8 +233,8 @@ def zero_conflict(recipe) -> str | None:
     for key in (k for k in ("offload_optimizer", "offload_param") if f"{k}_pin_memory" in dict(zero.settings)):
         if zero.get(key) == "none":
             return f"zero {key}_pin_memory needs {key}=cpu: it says whether that offload's host partitions are pinned"
-    if str(recipe.lora).startswith("qlora") and (stage == 3 or recipe.quant_impl != "bnb"):
-        return f"parallel={recipe.parallel} and lora={recipe.lora} conflict: " + (_QLORA_ZERO3 if stage == 3 else _NF4)
+    if str(recipe.lora).startswith("qlora") and recipe.quant_impl != "bnb":
+        return f"parallel={recipe.parallel} and lora={recipe.lora} conflict: " + _NF4
     for name in ("tp", "pp", "ep", "cp"):
         if getattr(recipe, name) > 1:
             return (f"parallel={recipe.parallel} and {name}={getattr(recipe, name)} conflict: memfit runs DeepSpeed "
