@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# models/llama3_2/_model_builders.py llama3_2_3b and models/llama3_1/_model_builders.py llama3_1_8b at 1814feb17
+# models/llama3_2/_model_builders.py llama3_2_3b and models/llama3_1/_model_builders.py llama3_1_8b, _70b, _405b at 1814feb17
 CONFIGS = {
     "llama3_2_3b": dict(vocab_size=128_256, num_layers=28, num_heads=24, num_kv_heads=8, embed_dim=3072,
                         max_seq_len=131_072, intermediate_dim=8192, norm_eps=1e-5, rope_base=500_000,

@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from memfit.errors import MemfitError
 from memfit.scoped import patched
 
-__all__ = ["bnb_module", "quantized_linear", "nf4_linear", "nf4_module", "QUANT_IMPLS", "quant_state_tensors",
-           "quantize_pending", "pending_settings"]
+__all__ = ["bnb_module", "quantized_linear", "nf4_linear", "nf4_module", "QUANT_IMPLS", "NF4_GROUP",
+           "quant_state_tensors", "quantize_pending", "pending_settings"]
 
 
 def bnb_module():
@@ -71,6 +71,7 @@ _SETTINGS = tuple(NF4_DQ)
 
 
 QUANT_IMPLS = ("bnb", "torchao")  # ``quant_impl``: whose NF4 QLoRA's 4-bit layers are
+NF4_GROUP = 64 * 256  # torchao's to_nf4: a layer's weights come in blocks of 64, their scalers in blocks of 256
 
 
 def nf4_module():

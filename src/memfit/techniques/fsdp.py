@@ -85,14 +85,15 @@ def _fully_shard(build, place, reshard, policy, offload) -> None:
     import torch
     from torch.distributed.fsdp import fully_shard
 
+    from memfit.techniques._qlora import NF4_GROUP
     from memfit.techniques.checkpointing import find_blocks
 
     mesh = place.mesh if build.recipe.shard_over == "node" else place.flat
     shards = mesh.shape[-1]
     for name, p in build.model.named_parameters():  # torchao's NF4 splits only whole groups of its codes per rank
-        if type(p).__name__ == "NF4Tensor" and (p.shape[0] % shards or p.numel() % (shards * 64 * 256)):
+        if type(p).__name__ == "NF4Tensor" and (p.shape[0] % shards or p.numel() % (shards * NF4_GROUP)):
             raise MemfitError(f"parallel=fsdp over {shards} ranks cannot shard {name} in torchao's NF4: each rank's share "
-                              f"of its {p.numel()} weights must be whole 16384-weight groups; use fewer GPUs, or "
+                              f"of its {p.numel()} weights must be whole {NF4_GROUP}-weight groups; use fewer GPUs, or "
                               "leave it out with quantize_targets")
     uneven = next((name for name, p in build.model.named_parameters() if p.dim() and p.shape[0] % shards), None)
     if uneven is not None:

@@ -81,8 +81,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError, shown
 from memfit.scoped import patched
-from memfit.techniques._qlora import (QUANT_IMPLS, bnb_module, nf4_linear, nf4_module, pending_settings, quant_state_tensors,
-                                      quantize_pending, quantized_linear)
+from memfit.techniques._qlora import (NF4_GROUP, QUANT_IMPLS, bnb_module, nf4_linear, nf4_module, pending_settings,
+                                      quant_state_tensors, quantize_pending, quantized_linear)
 from memfit.techniques.spec import Field, Technique
 
 __all__ = ["apply_lora", "quantize_base", "prepare_lora", "quant_state_tensors", "lora_plan", "lora_layers",
@@ -246,9 +246,6 @@ def _cast_adapters(model, peft, dtype) -> None:
             for adapter in (*layer.lora_A.values(), *layer.lora_B.values()):
                 for name, weight in list(adapter.named_parameters(recurse=False)):
                     setattr(adapter, name, torch.nn.Parameter(weight.detach().to(dtype), requires_grad=weight.requires_grad))
-
-
-NF4_GROUP = 64 * 256  # torchao's to_nf4: a layer's weights come in blocks of 64, their scalers in blocks of 256
 
 
 def quantize_base(model: torch.nn.Module, targets: str = ALL_LINEAR, lora_targets: str = ALL_LINEAR,
