@@ -3,7 +3,7 @@
 # session: every bench in one call). From the repository root on the GPU machine:
 #     bash bench/gpu/lease.sh OUT [SITE]      # SITE: a folder of carried packages (DeepSpeed and its needs)
 # The card's CPU makes the estimates (CUDA_VISIBLE_DEVICES="") while the GPU runs the truths:
-#   gpu_check's DeepSpeed ZeRO-2/3 at world size 1 (issue 51) and two published torchtune rows' steps (issue 53: is
+#   gpu_check's DeepSpeed ZeRO-2/3 at world size 1 (issue 51) and three published torchtune rows' steps (issue 53: is
 #   their excess over the published peak memfit's?), scripts_gpu (users' scripts) and optimizers (issue 53:
 #   each optimizer's first and second step) share the card
 #   from the start; edge_fit's budget runs join once its fits are made; its whole-card runs wait for the card
@@ -20,7 +20,7 @@ export PYTHONPATH=src${SITE:+:$SITE} PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 log() { sed -u "s/^/[$1] /" >> "$OUT/log.txt"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | log gpu
 python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" 2>&1 | log gpu
-python3 -m bench gpu_check --out "$OUT" --cases zero2-llama1b,zero3-llama1b,zero2-offload-llama1b,generate-llama1b-loaded,published-tt-3b-lora,published-tt-8b-lora --workers 4 > >(log zero) 2>&1 &
+python3 -m bench gpu_check --out "$OUT" --cases zero2-llama1b,zero3-llama1b,zero2-offload-llama1b,generate-llama1b-loaded,published-tt-3b-lora,published-tt-8b-lora,published-tt-3b-qlora --workers 4 > >(log zero) 2>&1 &
 ZERO=$!
 python3 -m bench scripts_gpu > >(log scripts) 2>&1 &
 SCRIPTS=$!

@@ -64,6 +64,7 @@ import memfit  # noqa: E402
 from memfit.techniques.recipe import Recipe  # noqa: E402
 from memfit.techniques.registry import fields  # noqa: E402
 from bench import _results  # noqa: E402
+from bench.published import _floors as floors  # noqa: E402
 from bench.published._rows import EXCLUDED, ROWS, TT_405B_QLORA  # noqa: E402
 
 RESULTS = ("published.json", "published-variants.json")
@@ -321,7 +322,10 @@ def row_step(row_id: str, smoke: bool = False):
         from bench.published import _torchtune_1814feb as torchtune_1814feb
 
         tied = torchtune_1814feb.CONFIGS[row["torchtune"]]["tied"]
-        build = lambda: torchtune_1814feb.TransformerDecoder(**_SMOKE_TORCHTUNE, tied=tied)  # noqa: E731
+        # torchao's NF4 (QLoRA rows) takes whole groups of 16384 weights: every layer's linears 128 x 128 or more
+        smoke = (dict(_SMOKE_TORCHTUNE, embed_dim=128, intermediate_dim=256, num_kv_heads=4)
+                 if recipe.get("quant_impl") == "torchao" else _SMOKE_TORCHTUNE)
+        build = lambda: torchtune_1814feb.TransformerDecoder(**smoke, tied=tied)  # noqa: E731
         batch = torchtune_1814feb.batch(2, 32, vocab=_SMOKE_TORCHTUNE["vocab_size"])
     return build, batch, _loss(row, recipe), recipe
 
@@ -392,6 +396,8 @@ def _compare(row, report, recipe, missing, seconds) -> dict:
                gpus=row.get("gpus", 1), host_bytes=getattr(report, "host_bytes", None))
     if catalog is not None:
         out["error_with_catalog_context"] = (catalog - published) / published
+    for found in floors.row_floors([row]).values():  # what its stated settings must hold at one moment (_floors.py)
+        out.update(floor_bytes=found["bytes"], floor_moment=found["moment"], floor_terms=found["terms"])
     return out
 
 
@@ -402,11 +408,20 @@ def summary(rows: list[dict]) -> dict:
     errors = [abs(r["error"]) for r in done]
     complete = [abs(r["error"]) for r in done if not r["missing"]]
     worst = max(done, key=lambda r: abs(r["error"])) if done else None
+    below = [r for r in done if r.get("floor_bytes", 0) > r["published_bytes"]]
+    reachable = [r for r in done if r not in below]
+    within = max(reachable, key=lambda r: abs(r["error"])) if reachable else None
     return {"rows": len(done), "median_abs_error": statistics.median(errors) if errors else None,
             "complete_rows": len(complete),
             "median_abs_error_complete": statistics.median(complete) if complete else None,
             "worst": {"id": worst["id"], "error": worst["error"]} if worst else None,
             "beyond_10_percent": [r["id"] for r in done if abs(r["error"]) > 0.10],
+            "beyond_6_percent": [r["id"] for r in done if abs(r["error"]) > 0.06],
+            # published figures below what their rows' stated settings must hold (_floors.py): no exact estimate of
+            # those settings comes within the floor's distance of them
+            "below_floor": {r["id"]: {"floor_bytes": r["floor_bytes"],
+                                      "over_published": r["floor_bytes"] / r["published_bytes"] - 1} for r in below},
+            "worst_reachable": {"id": within["id"], "error": within["error"]} if within else None,
             "not_estimated": {r["id"]: r["failed"] for r in rows if r.get("failed")},
             "headline": [{"id": r["id"], "verdict": r["verdict"], "device_bytes": r["device_bytes"]}
                          for r in done if r.get("headline")]}
@@ -432,6 +447,11 @@ def print_table(result: dict) -> None:
     print(f"{s['rows']} rows: median |error| {s['median_abs_error']:.1%}; "
           f"{s['complete_rows']} rows missing nothing: median {s['median_abs_error_complete'] or 0:.1%}; "
           f"worst {s['worst']['id']} {s['worst']['error']:+.1%}; beyond 10%: {', '.join(s['beyond_10_percent'])}")
+    for rid, floor in s.get("below_floor", {}).items():
+        print(f"published below its stated settings' floor: {rid}, floor {_gib(floor['floor_bytes'])} "
+              f"({floor['over_published']:+.1%} over the published figure)")
+    if s.get("below_floor") and s.get("worst_reachable"):
+        print(f"worst of the other rows: {s['worst_reachable']['id']} {s['worst_reachable']['error']:+.1%}")
     for rid, why in s["not_estimated"].items():
         print(f"not estimated: {rid}: {why}")
     for h in s["headline"]:
@@ -443,17 +463,19 @@ SOURCES = {"torchtune": "torchtune README", "torchao": "torchao optim README", "
 
 
 def markdown(result: dict) -> str:
-    lines = ["| row | source | measured | published | = GiB | memfit GiB | error | missing in this tree |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | source | measured | published | = GiB | memfit GiB | error | missing in this tree |"
+             " stated settings' floor |", "|---|---|---|---|---|---|---|---|---|"]
     for r in _results.table(result, "published"):
         source = next((v for k, v in SOURCES.items() if k in r.get("source", "")), "")
         if r.get("error") is None:
             lines.append(f"| {r['id']} | {source} | {r['metric']} | {r['value']} {r['unit']} | | not estimated | | "
-                         f"{r.get('failed', '')[:90]} |")
+                         f"{r.get('failed', '')[:90]} | |")
             continue
+        floor = (f"{r['floor_bytes'] / 2**30:.2f} GiB ({r['floor_bytes'] / r['published_bytes'] - 1:+.1%})"
+                 if r.get("floor_bytes") else "")
         lines.append(f"| {r['id']} | {source} | {r['metric']} | {r['value']} {r['unit']} | "
                      f"{r['published_bytes'] / 2**30:.2f} | {r['estimate_bytes'] / 2**30:.2f} | {r['error']:+.1%} | "
-                     f"{', '.join(r['missing']) or '—'} |")
+                     f"{', '.join(r['missing']) or '—'} | {floor} |")
     return "\n".join(lines)
 
 
