@@ -36,16 +36,25 @@ def _adapters(blocks: nn.ModuleList, rank: int, targets: set[str]) -> int:
                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
 
 
+def _nf4(n: int) -> int:
+    """torchao's ``NF4Tensor`` of ``n`` weights less its constants: 4-bit codes, an int8 scaler per 64 weights and
+    a bf16 factor per 256 scalers (``to_nf4`` of a 1024 x 1024 weight: 0.5158 bytes a weight)."""
+    return n // 2 + n // 64 + 2 * (n // (64 * 256))
+
+
 def shape_of(model: nn.Module, *, lora_rank: int = 0, lora_targets: str = "", head: str = "output") -> dict:
     """The counts a floor reads, from a model built on the meta device: all parameters, one block's, the blocks'
-    number, the hidden size, the vocabulary, the head's weight (``head``: its name, None when tied) and the
-    LoRA adapters (``lora_rank`` over ``lora_targets``, comma-separated linear names; ``block`` leaves them out)."""
+    number, the hidden size, the vocabulary, the head's weight (``head``: its name, None when tied), the
+    LoRA adapters (``lora_rank`` over ``lora_targets``, comma-separated linear names; ``block`` leaves them out),
+    and for QLoRA the blocks' linear weights (``quantisable``) and their bytes in torchao's NF4 (``nf4_bytes``)."""
     blocks = _blocks(model)
     one = sum(p.numel() for p in blocks[0].parameters())
     weight = dict(model.named_parameters()).get(f"{head}.weight") if head else None
     embedding = next(m for m in model.modules() if isinstance(m, nn.Embedding))
     adapters = _adapters(blocks, lora_rank, {t for t in lora_targets.split(",") if t}) if lora_rank else 0
+    linears = [m.weight.numel() for m in blocks.modules() if isinstance(m, nn.Linear)]
     return dict(parameters=sum(p.numel() for p in model.parameters()), block=one,
+                quantisable=sum(linears), nf4_bytes=sum(_nf4(n) for n in linears),
                 blocks=len(blocks), hidden=embedding.embedding_dim, vocab=embedding.num_embeddings,
                 head=weight.numel() if weight is not None else 0, adapters=adapters)
 
@@ -64,26 +73,43 @@ def _bnb_resident(model: nn.Module) -> int:
     return total
 
 
-def loss_backward(shape: dict, *, rows: int, seq: int, state_bytes: int) -> dict:
-    """``loss.backward()`` begins (the recipe has deleted its logits): every weight, the trainable parameters'
-    optimizer state, each block's checkpointed input, and the logits the loss keeps for its backward (the
-    gradient of a softmax needs every logit: in bf16, the least a compiled or eager cross-entropy keeps)."""
+def _weights(shape: dict, nf4: bool) -> int:
+    """Every weight in bf16, the LoRA adapters with them; with ``nf4`` the blocks' linears in torchao's NF4."""
+    if nf4:
+        return (shape["parameters"] - shape["quantisable"] + shape["adapters"]) * BF16 + shape["nf4_bytes"]
+    return (shape["parameters"] + shape["adapters"]) * BF16
+
+
+def first_chunk_backward(shape: dict, *, rows: int, seq: int, state_bytes: int, chunks: int = 8,
+                         offloaded: bool = False, nf4: bool = False) -> dict:
+    """The chunked cross-entropy's backward of the first output chunk, the last of the loss's to run: the engine
+    runs every chunk's cross-entropy backward before any of the head's (the higher sequence numbers first; a
+    tensor hook's order, torch 2.5.1 and 2.13 alike), so the other chunks' logit gradients wait, and the first's
+    is written beside the logits it saved (the gradient of a softmax needs every logit, bf16 the least; an
+    Inductor graph writes over an input only when AOTAutograd donates it, and a saved forward input never is).
+    Beside them every weight, the trainable parameters' optimizer state and, unless offloaded, each block's
+    checkpointed input."""
     tokens = rows * seq
-    return {"weights": shape["parameters"] * BF16 + shape["adapters"] * BF16, "optimizer state": state_bytes,
-            "checkpointed block inputs": shape["blocks"] * tokens * shape["hidden"] * BF16,
-            "logits kept by the loss": tokens * shape["vocab"] * BF16}
+    chunk = tokens // chunks * shape["vocab"] * BF16
+    return {"weights": _weights(shape, nf4), "optimizer state": state_bytes,
+            "checkpointed block inputs": 0 if offloaded else shape["blocks"] * tokens * shape["hidden"] * BF16,
+            "the other chunks' logit gradients": (chunks - 1) * chunk,
+            "the first chunk's saved logits and their gradient": 2 * chunk}
 
 
-def head_first_add(shape: dict, *, rows: int, seq: int, state_bytes: int) -> dict:
+def head_first_add(shape: dict, *, rows: int, seq: int, state_bytes: int, chunks: int = 8) -> dict:
     """Optimizer in backward, the untied head's weight used once per output chunk: the engine sums its second
     gradient contribution into the first out of place (the first is a transposed view of its product: torch's
     ``can_accumulate_inplace`` refuses it; 1 ``add`` and 6 ``add_`` for 8 chunks under torch 2.5.1 and 2.13
     alike), so three head-sized gradients are alive at once, beside every weight, the optimizer state kept on the
-    device and each block's checkpointed input."""
+    device, each block's checkpointed input, and the logit gradients of the chunks whose head backward is still to
+    come (every chunk's cross-entropy backward runs first: ``first_chunk_backward``; the head's then run from the
+    last chunk to the first, two of them done)."""
     tokens = rows * seq
     return {"weights": shape["parameters"] * BF16, "optimizer state on the device": state_bytes,
             "checkpointed block inputs": shape["blocks"] * tokens * shape["hidden"] * BF16,
-            "head's weight gradients (first add, out of place)": 3 * shape["head"] * BF16}
+            "head's weight gradients (first add, out of place)": 3 * shape["head"] * BF16,
+            "logit gradients still to come": (chunks - 2) * (tokens // chunks) * shape["vocab"] * BF16}
 
 
 def fsdp_last_block(shape: dict, *, rows: int, seq: int, world: int, state_bytes: int = 0) -> dict:
@@ -101,12 +127,13 @@ def fsdp_last_block(shape: dict, *, rows: int, seq: int, world: int, state_bytes
             "block inputs": shape["blocks"] * tokens * shape["hidden"] * BF16}
 
 
-KINDS = {"loss_backward": loss_backward, "head_first_add": head_first_add, "fsdp_last_block": fsdp_last_block}
+KINDS = {"first_chunk_backward": first_chunk_backward, "head_first_add": head_first_add,
+         "fsdp_last_block": fsdp_last_block}
 
 
 def floor(kind: str, shape: dict, **settings) -> tuple[int, dict]:
     """(the floor in bytes, its terms) of ``kind`` (``KINDS``) for ``shape`` (``shape_of``) and the row's
-    settings (``rows``, ``seq``, ``world`` for FSDP2, ``state_bytes``)."""
+    settings (``rows``, ``seq``, ``state_bytes``; ``world`` for FSDP2, ``chunks``, ``offloaded``, ``nf4``)."""
     terms = KINDS[kind](shape, **settings)
     return sum(terms.values()), terms
 
@@ -133,13 +160,17 @@ def _row_floor(row: dict) -> tuple[int, dict]:
     settings = dict(rows=row["batch_size"], seq=row["seq_len"], state_bytes=state)
     if kind == "fsdp_last_block":
         settings["world"] = world
+    else:
+        settings["chunks"] = row["loss"]["chunks"]
+    if kind == "first_chunk_backward":
+        settings.update(offloaded=bool(recipe.get("offload_activations")), nf4=recipe.get("quant_impl") == "torchao")
     return floor(kind, shape, **settings)
 
 
 # the rows whose published figure lies below what memfit estimates by more than 6 %, and the moment of their step
 # whose floor is checked (docs/results.md)
-FLOORS = {"tt-8b-full-4090": "head_first_add", "tt-8b-lora-4090": "loss_backward",
-          "tt-70b-lora-8xa100": "fsdp_last_block"}
+FLOORS = {"tt-8b-full-4090": "head_first_add", "tt-8b-lora-4090": "first_chunk_backward",
+          "tt-70b-lora-8xa100": "fsdp_last_block", "tt-3b-qlora": "first_chunk_backward"}
 
 
 def row_floors(rows: list[dict]) -> dict:
