@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["FLOORS", "floor", "shape_of"]
+__all__ = ["FLOORS", "KINDS", "BF16", "floor", "row_floors", "shape_of"]
 
 BF16 = 2
 
