@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 __all__ = [
     "Category", "Data", "Fit", "Hardware", "MemfitError", "NoBatchFits", "NothingFits", "Plan", "Plans", "Recipe", "Report", "apply",
     "estimate", "estimate_generate", "estimate_micro_batch", "estimate_script", "ScriptFailed", "fit", "measure", "profile", "Profile",
+    "longest", "Longest", "NoLengthFits",
     "parse_size", "plan", "format_size", "train", "read_trainer_config", "TrainerConfig",
 ]
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ _WHERE = {
     # a user's own script (``memfit estimate train.py``)
     "estimate_script": "memfit.script.estimate", "ScriptFailed": "memfit.script.estimate",
     "Fit": "memfit.planner.fit", "NoBatchFits": "memfit.planner.fit", "fit": "memfit.planner.fit",
+    "longest": "memfit.planner.longest", "Longest": "memfit.planner.longest", "NoLengthFits": "memfit.planner.longest",
     "measure": "memfit.estimator.measure",
     "NothingFits": "memfit.planner.plan", "Plan": "memfit.planner.plan", "Plans": "memfit.planner.plan",
     "plan": "memfit.planner.plan",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs read; at run time __getattr__ b
     from memfit.generation.workloads import estimate
     from memfit.estimator.measure import measure
     from memfit.planner.fit import Fit, NoBatchFits, fit
+    from memfit.planner.longest import Longest, NoLengthFits, longest
     from memfit.planner.plan import NothingFits, Plan, Plans, plan
     from memfit.profiling.profile import Profile, profile
     from memfit.script.estimate import ScriptFailed, estimate_script

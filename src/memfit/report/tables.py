@@ -14,7 +14,7 @@ from memfit.categories import GENERATE_PHASES, PHASES, Category
 from memfit.report.report import ERROR_SOURCE, EXPANDABLE, OOM, Report, semantics_word, target_line, verdict_line
 from memfit.units import format_size
 
-__all__ = ["report_view", "verdict", "plan_view", "fit_view", "front_around"]
+__all__ = ["report_view", "verdict", "plan_view", "fit_view", "longest_view", "front_around"]
 
 NEIGHBOURS = 3  # front points shown on each side of the chosen plan; --json has them all
 
@@ -227,6 +227,30 @@ def front_around(front: list, best, neighbours: int = NEIGHBOURS) -> tuple[list,
     else:
         points = rows = front[max(at - neighbours, 0):at + neighbours + 1]
     return rows, len(front) - len(points)
+
+
+def longest_view(found, name: str) -> Group:
+    """The longest sequence at the micro-batch, its bytes against the budget, and what the next length needs."""
+    where = found.gpu or "this CPU"
+    rows = "row" if found.micro_batch_size == 1 else "rows"
+    lines = [Text(f"{name} on {where}: {found.seq_len:,} tokens x {found.micro_batch_size} {rows} a micro-batch",
+                  style="bold"), Text(f"recipe: {found.recipe.replace(micro_batch_size=None).describe()}")]
+    reserved = "" if found.reserved_bytes is None else f", reserved {format_size(found.reserved_bytes)}"
+    lines.append(Text(f"needs {format_size(found.device_bytes)} of {format_size(found.budget_bytes)} (allocated "
+                      f"{format_size(found.allocated_bytes)}{reserved}): "
+                      f"{format_size(found.budget_bytes - found.device_bytes)} to spare", style="green"))
+    longer = found.seq_len + found.multiple
+    if found.next_bytes is None:
+        lines.append(Text(f"{longer:,} tokens not tried: the search stops there"))
+    elif found.next_bytes <= found.budget_bytes:
+        lines.append(Text(f"{longer:,} tokens would need {format_size(found.next_bytes)}, within the budget, but the "
+                          "allocator's replay does not fit it (fragmentation, or only with expandable segments)"))
+    else:
+        lines.append(Text(f"{longer:,} tokens would need {format_size(found.next_bytes)}, "
+                          f"{format_size(found.next_bytes - found.budget_bytes)} over"))
+    lines.append(Text(f"checked by {found.estimates} full estimate(s), {found.seconds:.1f} s", style="dim"))
+    lines += [Text(f"note: {note}", style="dim") for note in found.notes]
+    return Group(*lines)
 
 
 def fit_view(found, name: str) -> Group:
