@@ -80,3 +80,5 @@ def test_cli_fit_longest(tmp_path, capsys):
     assert "--seq-len" in capsys.readouterr().err
     assert main(["fit", str(path), "--device", "cpu", "--budget", "1MiB", "--longest"]) == 1
     assert "nothing fits" in capsys.readouterr().err
+    assert main(["fit", str(path), "--device", "cpu", "--budget", "6MiB", "--seq-multiple", "8"]) == 2
+    assert "--seq-multiple goes with --longest" in capsys.readouterr().err
