@@ -198,7 +198,7 @@ class _Search:
 
     def _nothing_fits(self) -> NoLengthFits:
         needed = self.need(1)
-        recipe = self.recipe.describe()
+        recipe = self.recipe.replace(micro_batch_size=None).describe()
         return NoLengthFits(f"nothing fits {format_size(self.budget)}: {self.multiple} token(s) x {self.rows} row(s) "
                             f"({recipe}) need {format_size(needed)}; try the techniques plan picks (memfit plan "
                             f"{self.source.name} --allow lora,qlora,adamw8bit) or a bigger card", needed, self.budget)
