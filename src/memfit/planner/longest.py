@@ -3,17 +3,18 @@
 The question long-context fine-tuning asks ("how many tokens fit on my 24 GB card?"), the one Unsloth's
 maximum-context tables answer. ``fit`` searches the micro-batch at a fixed length; this searches the length at a
 fixed micro-batch, each length a full ``estimate`` of the config model's step with a batch of that many tokens
-(on the depth fast path where the model has one). The search doubles from ``start`` tokens until a length does not
-fit, then moves along the line through the full estimates either side of the edge (a secant), bisecting once
-secants keep missing, until a length fits and the next one (``multiple`` tokens more) does not. A step's memory grows
-with its length (linearly with flash or memory-efficient attention, quadratically with eager attention's scores),
-so the edge is where the estimates cross the budget; "fits" is ``fit``'s criterion (the verdict on a GPU: what torch
-would do under the card's limit; the peak on the CPU).
+(on the depth fast path where the model has one). The search halves from ``START`` tokens until a length fits, or
+doubles until one does not, then moves along the line through the full estimates either side of the edge (a
+secant), bisecting once secants keep missing, until a length fits and the next one (``multiple`` tokens more) does
+not. A step's memory grows with its length (linearly with flash or memory-efficient attention, quadratically with
+eager attention's scores), so the edge is where the estimates cross the budget; "fits" is ``fit``'s criterion (the
+verdict on a GPU: what torch would do under the card's limit; the peak on the CPU). Lengths past the model's
+``max_position_embeddings`` are searched like any other (memory does not care; a note says the model may).
+Written by hand: no library searches a step's length against a memory budget.
 
 Left out: models without a config (a factory's batch is the user's; estimate it at the lengths wanted), vision
 models (no sequence), several GPUs (context parallel splits a sequence: ``plan --gpus``), packed or ragged rows
-(one length, padded), and positions past the model's ``max_position_embeddings``, which are searched like any other
-(memory does not care; the model's quality might).
+(one length, padded).
 """
 
 from __future__ import annotations
