@@ -22,6 +22,10 @@ runs then one at a time, after the processes ``--wait-pids`` names have ended (n
 card). Graded: right when B completes and B + 1 runs out. B + 1 completing means memfit was
 conservative by at least one sample; B running out, optimistic.
 
+``memfit fit --longest`` the same way (``LONGEST``): the longest sequence it says fits at one row, and ``MULTIPLE``
+tokens more, each run for real, under a budget only (the whole card would take a sequence too long to run in a
+lease).
+
 Left out: the expandable-segments rerun ``edge.py`` makes (fit answers for the default allocator).
 """
 
@@ -52,7 +56,12 @@ CASES = {
     "llama1b-bf16-fused": ("llama-3.2-1b", 2048, {"precision": "bf16-mixed", "optimizer_impl": "fused"}, 40 * GiB),
     "llama3b-lora16": ("llama-3.2-3b", 2048, {"precision": "bf16-mixed", "lora": "lora:16"}, 48 * GiB),
     "resnet50-fp32": ("resnet-50", None, {}, 24 * GiB),
+    # fit --longest: the sequence searched at one row (the "batch" of these cases is the sequence length)
+    "llama1b-longest": ("llama-3.2-1b", None, {"precision": "bf16-mixed", "checkpointing": "blocks",
+                                               "chunked_loss": 8}, 32 * GiB),
 }
+LONGEST = {"llama1b-longest"}
+MULTIPLE = 64  # the longest cases' step: the answer, then this many tokens more
 
 
 def _model(name: str) -> str:
@@ -72,9 +81,17 @@ def fit_one(case: str, budget: int | None, card: str) -> dict:
 
     name, seq, fields, _ = CASES[case]
     start = time.perf_counter()
+    if case in LONGEST:  # the batch of a longest case is its sequence length
+        found = memfit.longest(_model(name), hardware=memfit.Hardware(gpu=card, budget=budget),
+                               recipe=memfit.Recipe(**fields), multiple=MULTIPLE)
+        return {"case": case, "budget": budget, "card": card, "batch": found.seq_len, "step": MULTIPLE,
+                "allocated": found.allocated_bytes, "reserved": found.reserved_bytes, "device": found.device_bytes,
+                "budget_bytes": found.budget_bytes, "next_bytes": found.next_bytes,
+                "at_limit": found.next_bytes is None,
+                "tight": getattr(found.report, "tight", None), "seconds": round(time.perf_counter() - start, 1)}
     found = memfit.fit(_model(name), hardware=memfit.Hardware(gpu=card, budget=budget),
                        data=memfit.Data(seq_len=seq), recipe=memfit.Recipe(**fields))
-    return {"case": case, "budget": budget, "card": card, "batch": found.micro_batch_size,
+    return {"case": case, "budget": budget, "card": card, "batch": found.micro_batch_size, "step": 1,
             "allocated": found.allocated_bytes, "reserved": found.reserved_bytes, "device": found.device_bytes,
             "budget_bytes": found.budget_bytes, "next_bytes": found.next_bytes, "at_limit": found.at_limit,
             "tight": getattr(found.report, "tight", None),
@@ -83,7 +100,8 @@ def fit_one(case: str, budget: int | None, card: str) -> dict:
 
 def estimate_all(card: str, out: str, jobs: int) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="2")
-    work = [(case, budget) for case in CASES for budget in (CASES[case][3], None)]
+    work = [(case, budget) for case in CASES for budget in (CASES[case][3], None)
+            if budget or case not in LONGEST]
 
     def spawn(item):
         case, budget = item
@@ -124,7 +142,8 @@ def measure_one(case: str, batch: int, budget: int | None) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total))
     source = resolve(_model(name))
     torch.manual_seed(0)
-    data = source.make_batch(batch, seq)
+    rows, seq = (1, batch) if case in LONGEST else (batch, seq)  # a longest case's "batch" is its length
+    data = source.make_batch(rows, seq)
     data = {k: v.cuda() for k, v in data.items()} if isinstance(data, dict) else data.cuda()
     oom, error = False, None
     start = time.perf_counter()
@@ -180,7 +199,7 @@ def measure_all(estimates: str, out: str, parallel: int, wait_pids: list[int]) -
         _results.write(os.path.join(out, "fit-edge-partial.json"),  # if the lease ends first
                        [{"case": k[0], "batch": k[1], "budget": k[2], **v} for k, v in runs.items()])
 
-    keys = [(r["case"], r["batch"] + d, r["budget"]) for r in rows for d in (0, 1)]
+    keys = [(r["case"], r["batch"] + d * r.get("step", 1), r["budget"]) for r in rows for d in (0, 1)]
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
         list(pool.map(run, [k for k in keys if k[2]]))
     while any(_alive(pid) for pid in wait_pids):
@@ -190,7 +209,8 @@ def measure_all(estimates: str, out: str, parallel: int, wait_pids: list[int]) -
             run(key)
     graded = []
     for r in rows:
-        fits, next_ = runs[(r["case"], r["batch"], r["budget"])], runs[(r["case"], r["batch"] + 1, r["budget"])]
+        fits = runs[(r["case"], r["batch"], r["budget"])]
+        next_ = runs[(r["case"], r["batch"] + r.get("step", 1), r["budget"])]
         graded.append({**r, "truth_at_batch": fits, "truth_at_next": next_, "grade": _grade(fits, next_),
                        "reserved_error_pct": None if "failed" in fits or fits["oom"] else
                        round(100 * (r["reserved"] - fits["reserved"]) / fits["reserved"], 3)})
@@ -208,7 +228,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=("estimate", "measure", "fit", "one"))
     parser.add_argument("case", nargs="?")
-    parser.add_argument("numbers", nargs="*", type=int, help="fit: BUDGET; one: BATCH BUDGET (0: the whole card)")
+    parser.add_argument("numbers", nargs="*", type=int,
+                        help="fit: BUDGET; one: BATCH (a longest case's: its length) BUDGET (0: the whole card)")
     parser.add_argument("--gpu", default="h200", help="estimate/fit: the card whose semantics and memory")
     parser.add_argument("--out", default=str(_results.DIR))
     parser.add_argument("--estimates", default=os.path.join(str(_results.DIR), RESULTS[0]))
