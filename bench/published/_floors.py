@@ -83,9 +83,9 @@ def _weights(shape: dict, nf4: bool) -> int:
 def first_chunk_backward(shape: dict, *, rows: int, seq: int, state_bytes: int, chunks: int = 8,
                          offloaded: bool = False, nf4: bool = False) -> dict:
     """The chunked cross-entropy's backward of the first output chunk, the last of the loss's to run: the engine
-    runs every chunk's cross-entropy backward before any of the head's (the higher sequence numbers first; a
-    tensor hook's order, torch 2.5.1 and 2.13 alike), so the other chunks' logit gradients wait, and the first's
-    is written beside the logits it saved (the gradient of a softmax needs every logit, bf16 the least; an
+    runs every chunk's cross-entropy backward before any of the head's (the higher sequence numbers first; tensor
+    hooks on each chunk's logits, torch 2.5.1 and 2.13 alike), so the other chunks' logit gradients wait, and the
+    first's is written beside the logits it saved (the gradient of a softmax needs every logit, bf16 the least; an
     Inductor graph writes over an input only when AOTAutograd donates it, and a saved forward input never is).
     Beside them every weight, the trainable parameters' optimizer state and, unless offloaded, each block's
     checkpointed input."""
