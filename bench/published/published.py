@@ -26,7 +26,9 @@ optimizer state counted inside the allocator), or a torchao optimizer it cannot 
 without it and lists it under ``missing``. Rows are never dropped for a miss; the summary gives the
 median over all rows and over the rows that miss nothing. A row this tree refuses to estimate at
 all (``offload_optimizer`` cannot be traced with CUDA semantics) is listed as not estimated, with
-the refusal, and left out of the medians.
+the refusal, and left out of the medians. A row whose published figure lies below what its stated settings must
+hold at one moment of the step (``_floors.py``: arithmetic on its decoder, each kind held against the allocator)
+carries that floor; the summary names those rows and the worst of the others, and keeps them in the medians.
 
 Written by hand (no library compares an estimator with published tables). The rows run the model that
 ran: torchtune's decoder and LitGPT's GPT restated at the commits their tables name
