@@ -56,7 +56,8 @@ COLUMNS = 100
 #: timings a command prints, written ``...`` (the only normalisation beyond whitespace and paths): the planning
 #: seconds in the title of ``memfit plan``'s front and at the end of ``memfit fit``'s answer
 TIMINGS = [(re.compile(r"(\d[\d,]* candidates, )\d+(?:\.\d+)? s\b"), r"\1... s"),
-           (re.compile(r"( from \d+ traces, )\d+(?:\.\d+)? s\b"), r"\1... s")]
+           (re.compile(r"( from \d+ traces, )\d+(?:\.\d+)? s\b"), r"\1... s"),
+           (re.compile(r"(\d+ full estimate\(s\), )\d+(?:\.\d+)? s\b"), r"\1... s")]  # fit --longest
 
 
 @dataclass

@@ -29,7 +29,7 @@ __all__ = ["main", "version"]
 _VERBS = {
     "estimate": ("estimate", "build", "run", "memory of one training step, or of your own script.py, on fake "
                  "tensors (no GPU, no memory)"),
-    "fit": ("fit", "build", "run", "the largest micro-batch of a recipe that fits a card or a budget"),
+    "fit": ("fit", "build", "run", "the largest micro-batch of a recipe that fits a card or a budget; --longest: the longest sequence"),
     "plan": ("plan", "build", "run", "the fastest recipe that fits a budget, and why"),
     "train": ("train", "build", "run", "train inside a budget: OOMs survived, no sample lost, resumable"),
     "profile": ("profile", "build", "run", "watch a real training script's memory: steps, categories, leaks, pictures"),

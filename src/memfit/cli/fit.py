@@ -1,4 +1,5 @@
-"""``memfit fit``: the largest micro-batch of a recipe that fits a card or a budget."""
+"""``memfit fit``: the largest micro-batch of a recipe that fits a card or a budget; with ``--longest``, the
+longest sequence at a micro-batch (``planner/longest.py``)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from memfit.planner.fit_result import Fit, NoBatchFits, edge_note
 from memfit.techniques.recipe import Recipe, recipe_from
 from memfit.units import format_size
 
-__all__ = ["fit", "Fit", "NoBatchFits", "LIMIT"]
+__all__ = ["fit", "Fit", "NoBatchFits", "LIMIT", "card_and_budget"]
 
 LIMIT = 65536  # the largest micro-batch searched
 PROBE = 4  # without a prime-size trace: the second batch size traced (the first is 2)
@@ -97,13 +97,31 @@ def fit(model, batch=None, *, hardware: Hardware | None = None, data: Data | Non
     return search.result(n, predicted, time.perf_counter() - start)
 
 
+def card_and_budget(hardware: Hardware, who: str):
+    """(the target card, or None on the CPU; the budget in bytes; the budget the verdict enforces, or None for the
+    whole card) of a search's ``hardware`` (``fit``'s and ``longest``'s)."""
+    from memfit.estimator.checks import resolve_target
+    from memfit.hardware.gpus import target as default_target
+
+    gpu, budget, cpu = hardware.gpu, hardware.budget, hardware.on_cpu  # (a gpu on the cpu: Hardware refused it)
+    target = resolve_target(hardware.device or "cuda", gpu if gpu is not None or cpu else default_target("cuda").gpu)
+    if budget is None:
+        if gpu is None:
+            raise MemfitError(f"{who} needs a budget: pass budget='24GiB' or gpu='rtx-4090'")
+        # a Mac: the working set macOS gives its GPU (past it the step swaps: ``estimator/mps_fit.py``)
+        budget = target.working_set_bytes or target.memory_bytes
+        return target, budget, None
+    # on a GPU a budget is the process's share of the card, judged by the verdict as torch would enforce it
+    # (``verdict.py``); without one, the whole card
+    return target, budget, None if target is None else budget
+
+
 class _Search:
     """The model, budget and recipe of one ``fit`` call, its predictions and its full estimates."""
 
     def __init__(self, model, batch, hardware: Hardware, recipe, precision, optimizer, seq_len, loss_fn, limit,
                  progress, cache=None):
-        from memfit.estimator.checks import check_args, resolve_target
-        from memfit.hardware.gpus import target as default_target
+        from memfit.estimator.checks import check_args
         from memfit.models.source import resolve
 
         check_args(precision, 1)
@@ -114,19 +132,7 @@ class _Search:
             raise MemfitError("fit takes the optimizer by name (adamw, adafactor, ...), not a callable")
         if not isinstance(limit, int) or limit < 1:
             raise MemfitError(f"limit must be a positive integer, got {limit!r}")
-        gpu, budget, cpu = hardware.gpu, hardware.budget, hardware.on_cpu  # (a gpu on the cpu: Hardware refused it)
-        device = hardware.device or "cuda"
-        self.target = resolve_target(device, gpu if gpu is not None or cpu else default_target("cuda").gpu)
-        if budget is None:
-            if gpu is None:
-                raise MemfitError("fit needs a budget: pass budget='24GiB' or gpu='rtx-4090'")
-            # a Mac: the working set macOS gives its GPU (past it the step swaps: ``estimator/mps_fit.py``)
-            self.budget = self.target.working_set_bytes or self.target.memory_bytes
-        else:
-            self.budget = budget
-        # on a GPU a budget is the process's share of the card, judged by the verdict as torch would
-        # enforce it (``verdict.py``); without one, the whole card
-        self.limit_budget = None if budget is None or self.target is None else self.budget
+        self.target, self.budget, self.limit_budget = card_and_budget(hardware, "fit")
         self.source = resolve(model)
         recipe, _ = checkpoint_recipe(self.source, recipe)  # a quantised checkpoint: trained as estimate says
         if callable(batch):

@@ -119,24 +119,14 @@ class _Search:
     """One ``longest`` call: lengths in units of ``multiple`` tokens, and their full estimates."""
 
     def __init__(self, source, hardware, recipe, precision, optimizer, loss_fn, rows, multiple, limit, progress):
-        from memfit.estimator.checks import resolve_target
-        from memfit.hardware.gpus import target as default_target
+        from memfit.planner.fit import card_and_budget
 
         recipe, factory = recipe_from(recipe, precision, optimizer)
         if factory is not None:
             raise MemfitError("longest takes the optimizer by name (adamw, adafactor, ...), not a callable")
         if recipe.micro_batch_size is not None:
             raise MemfitError("longest takes the rows as micro_batch_size=, not in the recipe")
-        gpu, budget, cpu = hardware.gpu, hardware.budget, hardware.on_cpu
-        self.target = resolve_target(hardware.device or "cuda",
-                                     gpu if gpu is not None or cpu else default_target("cuda").gpu)
-        if budget is None:
-            if gpu is None:
-                raise MemfitError("longest needs a budget: pass budget='24GiB' or gpu='rtx-4090'")
-            self.budget = self.target.working_set_bytes or self.target.memory_bytes
-        else:
-            self.budget = budget
-        self.limit_budget = None if budget is None or self.target is None else self.budget
+        self.target, self.budget, self.limit_budget = card_and_budget(hardware, "longest")
         self.source, self.loss_fn, self.rows, self.multiple, self.progress = source, loss_fn, rows, multiple, progress
         self.top = limit // multiple  # the most units searched
         self.recipe = recipe.replace(micro_batch_size=rows)
